@@ -1,0 +1,218 @@
+"""Blocks every family shares: linear, RMSNorm, RoPE, GQA attention with a KV cache,
+SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+
+_F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
+
+
+def init() -> None:
+    """Start-up work for the kernels (the f16 table); call once before forward."""
+    global _F16_LUT
+    if _F16_LUT.shape[0] != 65536:
+        _F16_LUT = kernels.f16_table()
+
+
+def to_f32(a: np.ndarray) -> np.ndarray:
+    """Widen a storage-precision array (f32, f16, bf16 as uint16) to float32, exactly."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    # x [T, D] f32, w [N, D] storage precision -> [T, N] f32
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if w.dtype == np.float32:
+        y = x @ w.T
+    else:
+        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        kernels.matmul_u16(x, w.view(np.uint16), w.dtype == np.uint16, _F16_LUT, y)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x [..., D] f32, w [D] f32
+    shape = x.shape
+    x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]), dtype=np.float32)  # [T*, D]
+    out = np.empty_like(x2)
+    kernels.rmsnorm(x2, w, eps, out)
+    return out.reshape(shape)
+
+
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]
+    g = linear(x, gate)  # [T, I]
+    u = linear(x, up)  # [T, I]
+    kernels.silu_mul(g, u, g)
+    return linear(g, down)
+
+
+# ---- RoPE ----------------------------------------------------------------------------------
+
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def rope_parameters(cfg: dict, default_theta: float) -> dict:
+    """The RoPE settings of a config in either spelling: transformers 5's `rope_parameters`
+    or the hub's top-level `rope_theta` plus `rope_scaling`. Returns a dict with at least
+    rope_type and rope_theta."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    return params
+
+
+def rope_inv_freq(params: dict, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] and attention scaling, as transformers computes them
+    (float32 arithmetic) for the default, linear and yarn RoPE types."""
+    base = float(params["rope_theta"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(base), exps).astype(np.float32)  # [dim/2]
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = params.get("factor")
+    if kind == "linear":
+        return (inv_freq / np.float32(factor)).astype(np.float32), 1.0
+    # yarn
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def mscale_of(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = params.get("attention_factor")
+    if attn is None:
+        ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = mscale_of(factor, ms) / mscale_of(factor, ms_all) if ms and ms_all else mscale_of(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(n_rot):
+        return (dim * math.log(original / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = np.float32(1) - ramp
+    inv_interp = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    inv_freq = inv_interp * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq.astype(np.float32), float(attn)
+
+
+@dataclass
+class Rope:
+    inv_freq: np.ndarray  # [hd/2] f32
+    scaling: float
+
+    def table(self, pos0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        # -> cos, sin [n, hd/2] for positions pos0 .. pos0+n-1
+        freqs = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+        cos = (np.cos(freqs) * np.float32(self.scaling)).astype(np.float32)
+        sin = (np.sin(freqs) * np.float32(self.scaling)).astype(np.float32)
+        return cos, sin
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of one sequence, every layer, up to n_ctx positions."""
+
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, n_ctx: int):
+        self.k = np.zeros((n_layer, n_kv_head, n_ctx, head_dim), np.float32)  # [L, Hkv, S, hd]
+        self.v = np.zeros((n_layer, n_kv_head, n_ctx, head_dim), np.float32)
+        self.n_pos = 0  # positions filled
+        self.n_ctx = n_ctx
+
+
+@dataclass
+class AttnSpec:
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    eps: float
+    qk_norm: str = "none"  # "none", "head" (per head, qwen3) or "full" (whole projection, olmoe)
+    clip_qkv: float | None = None
+
+
+def attention(spec: AttnSpec, w: dict, x: np.ndarray, cache: KVCache, il: int, cos, sin, window: int = 0):
+    # x [T, D] (normed) -> [T, D]; w: a layer's weights by key (q, k, v, o; optional q_bias,
+    # k_bias, v_bias, o_bias, q_norm, k_norm); writes this step's keys/values at cache.n_pos
+    T = x.shape[0]
+    Hq, Hkv, hd = spec.n_head, spec.n_kv_head, spec.head_dim
+    pos0 = cache.n_pos
+    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*hd]
+    k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*hd]
+    v = linear(x, w["v"], w.get("v_bias"))  # [T, Hkv*hd]
+    if spec.qk_norm == "full":
+        q, k = rmsnorm(q, w["q_norm"], spec.eps), rmsnorm(k, w["k_norm"], spec.eps)
+    if spec.clip_qkv is not None:
+        c = spec.clip_qkv
+        q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+    q = np.ascontiguousarray(q.reshape(T, Hq, hd))  # [T, Hq, hd]
+    k = np.ascontiguousarray(k.reshape(T, Hkv, hd))  # [T, Hkv, hd]
+    if spec.qk_norm == "head":
+        q, k = rmsnorm(q, w["q_norm"], spec.eps), rmsnorm(k, w["k_norm"], spec.eps)
+    kernels.rope(q, cos, sin)
+    kernels.rope(k, cos, sin)
+    cache.k[il, :, pos0 : pos0 + T] = k.transpose(1, 0, 2)  # [Hkv, T, hd]
+    cache.v[il, :, pos0 : pos0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
+    out = np.empty((T, Hq, hd), np.float32)  # [T, Hq, hd]
+    kernels.attention(q, cache.k[il], cache.v[il], pos0, window, np.float32(hd**-0.5), out)
+    return linear(out.reshape(T, Hq * hd), w["o"], w.get("o_bias"))
+
+
+# ---- MoE -----------------------------------------------------------------------------------
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    # [T, E] f32, along the last axis
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z, dtype=np.float32)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    # probs [T, E] -> ids [T, k] (descending, ties to the lower index), values [T, k]
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(probs, ids, axis=-1)
+
+
+def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] -> ids [T, k], weights [T, k]: softmax over all experts, then the top k,
+    # optionally renormalised to sum to 1
+    ids, w = top_k(softmax(logits), k)
+    if renormalise:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w
+
+
+def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
+    # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
+    out = np.zeros_like(x)
+    union = np.unique(ids)  # each expert of the step once, however many tokens chose it
+    for ie, (gate, up, down) in zip(union, experts.fetch(il, union.tolist())):
+        t_idx, slot = np.nonzero(ids == ie)  # a token picks an expert at most once
+        y = swiglu(x[t_idx], gate, up, down)  # [n, D]
+        out[t_idx] += y * weights[t_idx, slot][:, None]
+    return out

@@ -1,0 +1,87 @@
+"""Mixtral: softmax -> top-k -> always renormalised router, experts w1/w3/w2, optional
+sliding-window attention on every layer."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
+from .model import HF_NAMES, MoEModel, require
+
+MODEL_TYPE = "mixtral"
+ALIASES = {"num_local_experts": ("num_experts",)}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 14336
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096 * 32
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads")
+        require(0 < self.num_experts_per_tok <= self.num_local_experts,
+                "num_experts_per_tok must be between 1 and the number of experts")
+
+
+NAMES = HF_NAMES | {
+    "router": "model.layers.{il}.block_sparse_moe.gate.weight",
+    "expert_gate": "model.layers.{il}.block_sparse_moe.experts.{ie}.w1.weight",
+    "expert_up": "model.layers.{il}.block_sparse_moe.experts.{ie}.w3.weight",
+    "expert_down": "model.layers.{il}.block_sparse_moe.experts.{ie}.w2.weight",
+}
+
+
+def route(logits: np.ndarray, n_expert_used: int) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] -> ids [T, A], weights [T, A]: softmax, top-k, renormalise over the k
+    return softmax_top_k(logits, n_expert_used, renormalise=True)
+
+
+class Model(MoEModel):
+    MODEL_TYPE = MODEL_TYPE
+    NAMES = NAMES
+    DEFAULT_THETA = 1e6
+
+    def __init__(self, args: ModelArgs, ckpt, experts=None):
+        self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                                  args.rms_norm_eps)
+        self.n_expert = args.num_local_experts
+        self.window = args.sliding_window or 0
+        super().__init__(args, ckpt, experts)
+
+    def shapes(self):
+        a = self.args
+        D, hd, Hq, Hkv, I = a.hidden_size, a.head_dim, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size
+        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
+        if not a.tie_word_embeddings:
+            glob["lm_head"] = (a.vocab_size, D)
+
+        def per_layer(il):
+            return {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
+                    "v": (Hkv * hd, D), "o": (D, Hq * hd), "router": (a.num_local_experts, D)}
+
+        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+
+    def block(self, il, h, cache, cos, sin):
+        # h [T, D] residual stream
+        a, L = self.args, self.layers[il]
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin,
+                          self.window)
+        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
+        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok)  # [T, A]
+        return h + moe(x, ids, w, self.experts, il)

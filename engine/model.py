@@ -1,0 +1,187 @@
+"""What every family shares: config parsing into ModelArgs, the checked weight
+loading from a declarative name map, and the forward pass around the family's block.
+
+A family file defines `ModelArgs` (Hugging Face field names), `NAMES` (our key ->
+checkpoint tensor name template), `route()` and a `Model(MoEModel)` that says which
+tensors each layer has (`shapes`) and writes out one decoder layer (`block`).
+"""
+
+import dataclasses
+import types
+import typing
+
+import numpy as np
+
+from ..storage.checkpoint import Checkpoint
+from ..storage.errors import ConfigInvalid
+from ..storage.experts import ExpertSource, ResidentExperts
+from .layers import KVCache, Rope, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
+
+# keys widened to float32 at load (small vectors and the routers); everything else keeps
+# the checkpoint's precision
+F32_KEYS = {"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias",
+            "router", "shared_gate"}
+
+
+# our weight key -> checkpoint tensor name, as Llama-descended families spell them
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "in_norm": "model.layers.{il}.input_layernorm.weight",
+    "post_norm": "model.layers.{il}.post_attention_layernorm.weight",
+    "q": "model.layers.{il}.self_attn.q_proj.weight",
+    "k": "model.layers.{il}.self_attn.k_proj.weight",
+    "v": "model.layers.{il}.self_attn.v_proj.weight",
+    "o": "model.layers.{il}.self_attn.o_proj.weight",
+    "q_bias": "model.layers.{il}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{il}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{il}.self_attn.v_proj.bias",
+    "o_bias": "model.layers.{il}.self_attn.o_proj.bias",
+    "q_norm": "model.layers.{il}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{il}.self_attn.k_norm.weight",
+    "router": "model.layers.{il}.mlp.gate.weight",
+    "gate": "model.layers.{il}.mlp.gate_proj.weight",
+    "up": "model.layers.{il}.mlp.up_proj.weight",
+    "down": "model.layers.{il}.mlp.down_proj.weight",
+    "expert_gate": "model.layers.{il}.mlp.experts.{ie}.gate_proj.weight",
+    "expert_up": "model.layers.{il}.mlp.experts.{ie}.up_proj.weight",
+    "expert_down": "model.layers.{il}.mlp.experts.{ie}.down_proj.weight",
+}
+
+
+def _type_ok(value, tp) -> bool:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin = typing.get_origin(tp) or tp
+    return isinstance(value, origin)
+
+
+def parse_args(cls, cfg: dict, aliases: dict[str, tuple[str, ...]] | None = None):
+    """Build the dataclass `cls` from a config dict: fields by Hugging Face name (or an
+    alias spelling), defaults where absent, unknown keys ignored.
+
+    Raises ConfigInvalid naming the field for a missing required field or a wrong type.
+    """
+    aliases = aliases or {}
+    kw = {}
+    for f in dataclasses.fields(cls):
+        for key in (f.name, *aliases.get(f.name, ())):
+            if key in cfg:
+                value = cfg[key]
+                if not _type_ok(value, f.type):
+                    raise ConfigInvalid(f"config.json: {key} = {value!r} is not of type {f.type}")
+                kw[f.name] = float(value) if f.type is float else value
+                break
+        else:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigInvalid(f"config.json: required field {f.name} is missing")
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise ConfigInvalid(f"config.json: {e}") from None
+
+
+def require(cond: bool, message: str) -> None:
+    """For ModelArgs.__post_init__ checks: raise ValueError(message) unless cond
+    (parse_args turns it into ConfigInvalid)."""
+    if not cond:
+        raise ValueError(message)
+
+
+class MoEModel:
+    """A loaded model: dense weights resident, routed experts behind an ExpertSource."""
+
+    NAMES: dict[str, str] = {}
+    DEFAULT_THETA = 10000.0
+
+    def __init__(self, args, ckpt: Checkpoint, experts: ExpertSource | None = None):
+        self.args = args
+        self.n_layer = args.num_hidden_layers
+        self.head_dim = self.attn_spec.head_dim
+        params = rope_parameters(ckpt.config, self.DEFAULT_THETA)
+        if params["rope_type"] not in ("default", "linear", "yarn"):
+            raise ConfigInvalid(
+                f"config.json: rope type {params['rope_type']!r} is not supported (default, linear, yarn)"
+            )
+        self.rope = Rope(*rope_inv_freq(params, self.head_dim, args.max_position_embeddings))
+        self.n_ctx = args.max_position_embeddings
+
+        glob, per_layer, per_expert = self.shapes()
+        moe_layers = [il for il in range(self.n_layer) if self.is_moe(il)]
+        self.moe_layers = moe_layers
+        # check every tensor the family needs before reading any
+        for key, shape in glob.items():
+            ckpt.expect(self.NAMES[key], shape)
+        for il in range(self.n_layer):
+            for key, shape in per_layer(il).items():
+                ckpt.expect(self.NAMES[key].format(il=il), shape)
+        for il in moe_layers:
+            for ie in range(self.n_expert):
+                for key, shape in per_expert.items():
+                    ckpt.expect(self.NAMES[key].format(il=il, ie=ie), shape)
+
+        def read(key: str, name: str) -> np.ndarray:
+            a = ckpt.read(name)
+            return to_f32(a) if key in F32_KEYS else a
+
+        self.glob = {key: read(key, self.NAMES[key]) for key in glob}
+        self.layers = [
+            {key: read(key, self.NAMES[key].format(il=il)) for key in per_layer(il)} for il in range(self.n_layer)
+        ]
+        self.lm_head = self.glob["embed"] if args.tie_word_embeddings else self.glob["lm_head"]
+        if experts is None:
+            names = tuple(self.NAMES[k] for k in ("expert_gate", "expert_up", "expert_down"))
+            experts = ResidentExperts(
+                ckpt, moe_layers, self.n_expert, lambda il, ie: [n.format(il=il, ie=ie) for n in names]
+            )
+        self.experts = experts
+
+    # ---- what a family defines ----
+    attn_spec = None  # AttnSpec
+    n_expert = 0
+
+    def shapes(self):
+        """(global {key: shape}, per_layer(il) -> {key: shape}, per_expert {key: shape})"""
+        raise NotImplementedError
+
+    def is_moe(self, il: int) -> bool:
+        return True
+
+    def block(self, il: int, h: np.ndarray, cache: KVCache, cos, sin) -> np.ndarray:
+        raise NotImplementedError
+
+    # ---- shared ----
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.n_layer, self.attn_spec.n_kv_head, self.head_dim, min(n_ctx, self.n_ctx))
+
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)
+        ids = np.asarray(ids, dtype=np.int64)
+        T = ids.shape[0]
+        h = to_f32(self.glob["embed"][ids])  # [T, D]
+        cos, sin = self.rope.table(cache.n_pos, T)
+        for il in range(self.n_layer):
+            h = self.block(il, h, cache, cos, sin)
+        cache.n_pos += T
+        h = rmsnorm(h if all_logits else h[-1:], self.glob["norm"], self.args.rms_norm_eps)
+        return linear(h, self.lm_head)
+
+    def describe(self) -> dict:
+        """Facts about the loaded model for stats and `colictl run --json`."""
+        dense = sum(a.nbytes for a in self.glob.values()) + sum(a.nbytes for L in self.layers for a in L.values())
+        return {
+            "model_type": self.MODEL_TYPE,
+            "n_layer": self.n_layer,
+            "n_expert": self.n_expert,
+            "n_moe_layer": len(self.moe_layers),
+            "dtype": str(self.glob["embed"].dtype).replace("uint16", "bfloat16"),
+            "dense_bytes": int(dense),
+            "n_ctx": self.n_ctx,
+        }

@@ -1,0 +1,82 @@
+"""OLMoE: q/k RMSNorm over the whole projection (before the head split), optional
+`clip_qkv`, softmax -> top-k router renormalised only with `norm_topk_prob`."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
+from .model import HF_NAMES, MoEModel, require
+
+MODEL_TYPE = "olmoe"
+ALIASES = {"num_experts": ("num_local_experts",)}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 2048
+    num_key_value_heads: int | None = None
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    clip_qkv: float | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads")
+        require(0 < self.num_experts_per_tok <= self.num_experts,
+                "num_experts_per_tok must be between 1 and the number of experts")
+
+
+def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] -> ids [T, A], weights [T, A]: softmax over all experts, top-k, renormalised if asked
+    return softmax_top_k(logits, n_expert_used, norm_topk_prob)
+
+
+class Model(MoEModel):
+    MODEL_TYPE = MODEL_TYPE
+    NAMES = HF_NAMES
+
+    def __init__(self, args: ModelArgs, ckpt, experts=None):
+        hd = args.hidden_size // args.num_attention_heads
+        self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, hd, args.rms_norm_eps,
+                                  qk_norm="full", clip_qkv=args.clip_qkv)
+        self.n_expert = args.num_experts
+        super().__init__(args, ckpt, experts)
+
+    def shapes(self):
+        a = self.args
+        D, Hq, Hkv, I = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size
+        hd = self.head_dim
+        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
+        if not a.tie_word_embeddings:
+            glob["lm_head"] = (a.vocab_size, D)
+
+        def per_layer(il):
+            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
+                 "v": (Hkv * hd, D), "o": (D, Hq * hd), "q_norm": (Hq * hd,), "k_norm": (Hkv * hd,),
+                 "router": (a.num_experts, D)}
+            if a.attention_bias:
+                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,), "o_bias": (D,)}
+            return s
+
+        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+
+    def block(self, il, h, cache, cos, sin):
+        # h [T, D] residual stream
+        a, L = self.args, self.layers[il]
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin)
+        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
+        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
+        return h + moe(x, ids, w, self.experts, il)

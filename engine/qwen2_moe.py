@@ -1,0 +1,123 @@
+"""Qwen2-MoE: q/k/v biases, routed experts plus a shared expert scaled by a sigmoid gate,
+softmax -> top-k router (renormalised only with `norm_topk_prob`), dense MLP layers via
+`mlp_only_layers` / `decoder_sparse_step`, sliding window on the layers `layer_types` says."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
+from .model import HF_NAMES, MoEModel, require
+
+MODEL_TYPE = "qwen2_moe"
+ALIASES = {"num_experts": ("num_local_experts",)}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 5632
+    moe_intermediate_size: int = 1408
+    shared_expert_intermediate_size: int = 5632
+    num_key_value_heads: int | None = None
+    num_experts: int = 60
+    num_experts_per_tok: int = 4
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    qkv_bias: bool = True
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.mlp_only_layers = self.mlp_only_layers or []
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention" if (il + 1) % 2 and il < self.max_window_layers and self.use_sliding_window
+                else "full_attention"
+                for il in range(self.num_hidden_layers)
+            ]
+        require(len(self.layer_types) == self.num_hidden_layers, "layer_types needs one entry per layer")
+        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads")
+        require(0 < self.num_experts_per_tok <= self.num_experts,
+                "num_experts_per_tok must be between 1 and the number of experts")
+        require(self.decoder_sparse_step > 0, "decoder_sparse_step must be positive")
+
+
+NAMES = HF_NAMES | {
+    "shared_gate": "model.layers.{il}.mlp.shared_expert_gate.weight",
+    "shared_gate_proj": "model.layers.{il}.mlp.shared_expert.gate_proj.weight",
+    "shared_up": "model.layers.{il}.mlp.shared_expert.up_proj.weight",
+    "shared_down": "model.layers.{il}.mlp.shared_expert.down_proj.weight",
+}
+
+
+def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] -> ids [T, A], weights [T, A]: softmax over all experts, top-k, renormalised if asked
+    return softmax_top_k(logits, n_expert_used, norm_topk_prob)
+
+
+class Model(MoEModel):
+    MODEL_TYPE = MODEL_TYPE
+    NAMES = NAMES
+
+    def __init__(self, args: ModelArgs, ckpt, experts=None):
+        hd = args.hidden_size // args.num_attention_heads
+        self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, hd, args.rms_norm_eps)
+        self.n_expert = args.num_experts
+        window = args.sliding_window if args.use_sliding_window and args.sliding_window else 0
+        self.windows = [window if t == "sliding_attention" else 0 for t in args.layer_types]
+        super().__init__(args, ckpt, experts)
+
+    def is_moe(self, il: int) -> bool:
+        a = self.args
+        return il not in a.mlp_only_layers and a.num_experts > 0 and (il + 1) % a.decoder_sparse_step == 0
+
+    def shapes(self):
+        a = self.args
+        D, Hq, Hkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, self.head_dim
+        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
+        if not a.tie_word_embeddings:
+            glob["lm_head"] = (a.vocab_size, D)
+
+        def per_layer(il):
+            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
+                 "v": (Hkv * hd, D), "o": (D, Hq * hd)}
+            if a.qkv_bias:
+                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,)}
+            if self.is_moe(il):
+                S = a.shared_expert_intermediate_size
+                s |= {"router": (a.num_experts, D), "shared_gate": (1, D),
+                      "shared_gate_proj": (S, D), "shared_up": (S, D), "shared_down": (D, S)}
+            else:
+                I = a.intermediate_size
+                s |= {"gate": (I, D), "up": (I, D), "down": (D, I)}
+            return s
+
+        I = a.moe_intermediate_size
+        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+
+    def block(self, il, h, cache, cos, sin):
+        # h [T, D] residual stream
+        a, L = self.args, self.layers[il]
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin,
+                          self.windows[il])
+        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
+        if not self.is_moe(il):
+            return h + swiglu(x, L["gate"], L["up"], L["down"])
+        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
+        shared = swiglu(x, L["shared_gate_proj"], L["shared_up"], L["shared_down"])  # [T, D]
+        gate = 1.0 / (1.0 + np.exp(-linear(x, L["shared_gate"])))  # [T, 1]
+        return h + moe(x, ids, w, self.experts, il) + gate * shared

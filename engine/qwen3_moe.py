@@ -1,0 +1,103 @@
+"""Qwen3-MoE: per-head q/k RMSNorm, softmax -> top-k router with optional renormalisation
+(`norm_topk_prob`), dense MLP layers via `mlp_only_layers` / `decoder_sparse_step`."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
+from .model import HF_NAMES, MoEModel, require
+
+MODEL_TYPE = "qwen3_moe"
+ALIASES = {"num_local_experts": ("num_experts",)}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 6144
+    moe_intermediate_size: int = 768
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.mlp_only_layers = self.mlp_only_layers or []
+        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                "num_attention_heads must be a multiple of num_key_value_heads")
+        require(0 < self.num_experts_per_tok <= self.num_local_experts,
+                "num_experts_per_tok must be between 1 and the number of experts")
+        require(self.decoder_sparse_step > 0, "decoder_sparse_step must be positive")
+
+
+
+
+def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] -> ids [T, A], weights [T, A]: softmax over all experts, top-k, renormalised if asked
+    return softmax_top_k(logits, n_expert_used, norm_topk_prob)
+
+
+class Model(MoEModel):
+    MODEL_TYPE = MODEL_TYPE
+    NAMES = HF_NAMES
+
+    def __init__(self, args: ModelArgs, ckpt, experts=None):
+        self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                                  args.rms_norm_eps, qk_norm="head")
+        self.n_expert = args.num_local_experts
+        self.window = args.sliding_window if args.use_sliding_window and args.sliding_window else 0
+        super().__init__(args, ckpt, experts)
+
+    def is_moe(self, il: int) -> bool:
+        a = self.args
+        return il not in a.mlp_only_layers and a.num_local_experts > 0 and (il + 1) % a.decoder_sparse_step == 0
+
+    def shapes(self):
+        a = self.args
+        D, hd, Hq, Hkv = a.hidden_size, a.head_dim, a.num_attention_heads, a.num_key_value_heads
+        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
+        if not a.tie_word_embeddings:
+            glob["lm_head"] = (a.vocab_size, D)
+
+        def per_layer(il):
+            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
+                 "v": (Hkv * hd, D), "o": (D, Hq * hd), "q_norm": (hd,), "k_norm": (hd,)}
+            if a.attention_bias:
+                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,), "o_bias": (D,)}
+            if self.is_moe(il):
+                s["router"] = (a.num_local_experts, D)
+            else:
+                I = a.intermediate_size
+                s |= {"gate": (I, D), "up": (I, D), "down": (D, I)}
+            return s
+
+        I = a.moe_intermediate_size
+        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+
+    def block(self, il, h, cache, cos, sin):
+        # h [T, D] residual stream
+        a, L = self.args, self.layers[il]
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin,
+                          self.window)
+        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
+        if not self.is_moe(il):
+            return h + swiglu(x, L["gate"], L["up"], L["down"])
+        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
+        return h + moe(x, ids, w, self.experts, il)

@@ -1,0 +1,147 @@
+"""A Hugging Face checkpoint directory: config.json, safetensors shards, index.
+
+Opening indexes every tensor of every shard and checks each file (see
+safetensors.SafetensorsFile) before any weight is read. Families then ask for each
+tensor they need with `expect`, which checks presence, dtype and shape.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (
+    ConfigInvalid,
+    ConfigMissing,
+    IndexInvalid,
+    ModelNotFound,
+    PickleCheckpointRefused,
+    TensorMissing,
+    TensorShapeMismatch,
+    UnsupportedDtype,
+    WeightsMissing,
+)
+from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_json(path: str, error=ConfigInvalid) -> dict:
+    """Load a JSON object from path; raise `error` naming the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its config and an index of every tensor."""
+
+    path: str
+    config: dict
+    files: dict[str, SafetensorsFile]  # file name -> opened file
+    where: dict[str, str]  # tensor name -> file name
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header entry of a tensor; raises TensorMissing."""
+        f = self.where.get(name)
+        if f is None:
+            raise TensorMissing(f"{self.path}: tensor {name!r} is missing")
+        return self.files[f].entries[name]
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        """Check that a weight exists with the given shape and a weight dtype.
+
+        Raises TensorMissing, TensorShapeMismatch or UnsupportedDtype, naming file and tensor.
+        """
+        e = self.entry(name)
+        file = self.files[self.where[name]].path
+        if e.shape != tuple(shape):
+            raise TensorShapeMismatch(
+                f"{file}: tensor {name!r} has shape {list(e.shape)}, config implies {list(shape)}"
+            )
+        if e.dtype not in WEIGHT_DTYPES:
+            raise UnsupportedDtype(f"{file}: tensor {name!r} is {e.dtype}; weights must be BF16, F16 or F32")
+        return e
+
+    def read(self, name: str) -> np.ndarray:
+        """Read a tensor in its storage dtype (bf16 as uint16). Raises TensorMissing, OSError."""
+        self.entry(name)
+        return self.files[self.where[name]].read(name)
+
+    def file_of(self, name: str) -> str:
+        return self.files[self.where[name]].path
+
+
+def load_config(path: str) -> dict:
+    """Read config.json of a model directory. Raises ModelNotFound, ConfigMissing, ConfigInvalid."""
+    if not os.path.exists(path):
+        raise ModelNotFound(f"{path}: no such model directory")
+    if not os.path.isdir(path):
+        raise ModelNotFound(f"{path}: not a directory (a model is a directory with config.json)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigMissing(f"{path}: no config.json (is this a Hugging Face model directory?)")
+    return read_json(cfg_path)
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """Open a Hugging Face checkpoint directory and index all its tensors.
+
+    Raises ModelNotFound, ConfigMissing, ConfigInvalid, PickleCheckpointRefused,
+    WeightsMissing, IndexInvalid, or any safetensors header error of a shard.
+    """
+    config = load_config(path)
+    names = sorted(os.listdir(path))
+    index_path = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index_path):
+        index = read_json(index_path, IndexInvalid)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise IndexInvalid(f"{index_path}: weight_map must map tensor names to shard file names")
+        shard_names = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        shard_names = [n for n in names if n.endswith(".safetensors")]
+    if not shard_names:
+        pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise PickleCheckpointRefused(
+                f"{path}: only pickle weights ({', '.join(pickles[:3])}); colibri never unpickles. "
+                "Convert them to safetensors first (e.g. with transformers: "
+                "model.save_pretrained(dir, safe_serialization=True))"
+            )
+        raise WeightsMissing(f"{path}: no *.safetensors file and no {INDEX_NAME}")
+
+    files: dict[str, SafetensorsFile] = {}
+    for shard in shard_names:
+        shard_path = os.path.join(path, shard)
+        if os.path.basename(shard) != shard or not os.path.isfile(shard_path):
+            raise IndexInvalid(f"{index_path}: shard {shard!r} is not a file in {path}")
+        files[shard] = SafetensorsFile(shard_path)
+
+    where: dict[str, str] = {}
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in files[shard].entries:
+                raise IndexInvalid(f"{index_path}: tensor {name!r} is mapped to {shard}, which does not hold it")
+            where[name] = shard
+    else:
+        for shard, f in files.items():
+            for name in f.entries:
+                if name in where:
+                    raise IndexInvalid(f"{path}: tensor {name!r} appears in both {where[name]} and {shard}")
+                where[name] = shard
+    return Checkpoint(path=path, config=config, files=files, where=where)

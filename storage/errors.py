@@ -1,0 +1,78 @@
+"""Named errors for everything that can be wrong with a model on disk.
+
+One class per way a checkpoint can be wrong, so callers (and tests) can tell them
+apart; every message names the file and, where there is one, the tensor. The
+command line maps the base class to one exit code and prints the message alone.
+"""
+
+
+class ColibriError(Exception):
+    """Base of every error colibri reports to a user as one line."""
+
+
+class CheckpointError(ColibriError):
+    """A model directory or file that cannot be used."""
+
+
+class ModelNotFound(CheckpointError):
+    """The model path does not exist or is not a directory."""
+
+
+class ConfigMissing(CheckpointError):
+    """The model directory has no config.json."""
+
+
+class ConfigInvalid(CheckpointError):
+    """config.json is not valid JSON or a field has a wrong type or value."""
+
+
+class UnsupportedModelType(CheckpointError):
+    """config.json names a model_type no family file implements."""
+
+
+class PickleCheckpointRefused(CheckpointError):
+    """Only .bin/.pt weights were found; colibri never unpickles."""
+
+
+class WeightsMissing(CheckpointError):
+    """No safetensors file or index in the model directory."""
+
+
+class IndexInvalid(CheckpointError):
+    """model.safetensors.index.json is malformed or points at a missing shard or tensor."""
+
+
+class HeaderTooSmall(CheckpointError):
+    """The file is shorter than the 8-byte header length prefix."""
+
+
+class HeaderTruncated(CheckpointError):
+    """The header length prefix points past the end of the file, or is absurdly large."""
+
+
+class HeaderInvalid(CheckpointError):
+    """The header is not UTF-8 JSON of the safetensors shape (a dict of tensor entries)."""
+
+
+class UnsupportedDtype(CheckpointError):
+    """A tensor has a dtype colibri does not compute with (bf16, f16, f32 are supported)."""
+
+
+class TensorOutOfBounds(CheckpointError):
+    """A tensor's data_offsets point outside the file's data section."""
+
+
+class TensorOverlap(CheckpointError):
+    """Two tensors' byte ranges overlap."""
+
+
+class TensorSizeMismatch(CheckpointError):
+    """dtype size x product(shape) is not the tensor's byte length."""
+
+
+class TensorMissing(CheckpointError):
+    """A tensor the model family needs is not in the checkpoint."""
+
+
+class TensorShapeMismatch(CheckpointError):
+    """A tensor's shape is not the one the config implies."""

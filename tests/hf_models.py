@@ -1,0 +1,125 @@
+"""Tiny random checkpoints of every family, built with transformers' own classes.
+
+Every parameter is re-drawn from a seeded generator (norm weights around 1, biases and
+matrices with a std large enough that logits and router scores are well separated),
+so a bug that ignores a norm, a bias or a gate changes the output.
+"""
+
+import json
+import os
+
+import torch
+
+# family -> [(case name, config kwargs)]; each case turns on options of the family
+CASES = {
+    "mixtral": [
+        ("basic", dict(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)),
+        ("odd_tied_window", dict(vocab_size=77, hidden_size=36, intermediate_size=26, num_hidden_layers=3,
+                                 num_attention_heads=3, num_key_value_heads=1, head_dim=20, num_local_experts=5,
+                                 num_experts_per_tok=3, tie_word_embeddings=True, sliding_window=9,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
+    ],
+    "qwen2_moe": [
+        ("basic", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=36, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)),
+        ("sparse_step_tied_window", dict(vocab_size=83, hidden_size=40, intermediate_size=30,
+                                         moe_intermediate_size=14, shared_expert_intermediate_size=22,
+                                         num_hidden_layers=5, num_attention_heads=5, num_key_value_heads=5,
+                                         num_experts=7, num_experts_per_tok=3, norm_topk_prob=True,
+                                         decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=True,
+                                         use_sliding_window=True, sliding_window=7, max_window_layers=3)),
+    ],
+    "qwen3_moe": [
+        ("basic", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+        ("dense_layer_tied_bias_yarn", dict(vocab_size=91, hidden_size=44, intermediate_size=34,
+                                            moe_intermediate_size=18, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=1, head_dim=10,
+                                            num_experts=9, num_experts_per_tok=4, norm_topk_prob=True,
+                                            mlp_only_layers=[1], tie_word_embeddings=True, attention_bias=True,
+                                            max_position_embeddings=256,
+                                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                             "factor": 4.0, "original_max_position_embeddings": 64})),
+        ("sparse_step_linear_rope_window", dict(vocab_size=64, hidden_size=32, intermediate_size=24,
+                                                moe_intermediate_size=12, num_hidden_layers=4,
+                                                num_attention_heads=2, num_key_value_heads=2, num_experts=5,
+                                                num_experts_per_tok=1, decoder_sparse_step=2,
+                                                use_sliding_window=True, sliding_window=6,
+                                                rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
+                                                                 "factor": 2.0})),
+    ],
+    "olmoe": [
+        ("basic", dict(vocab_size=101, hidden_size=48, intermediate_size=20, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=False)),
+        ("gqa_clip_tied_bias", dict(vocab_size=79, hidden_size=36, intermediate_size=18, num_hidden_layers=3,
+                                    num_attention_heads=6, num_key_value_heads=3, num_experts=7,
+                                    num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.6,
+                                    tie_word_embeddings=True, attention_bias=True)),
+    ],
+}
+
+CLASSES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+
+ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
+
+
+def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """Create, randomise and save a model; return the transformers model (float32, eval)."""
+    import transformers
+
+    kwargs = dict(dict(CASES[family])[case])
+    kwargs.update(overrides)
+    kwargs.setdefault("eos_token_id", None)
+    kwargs.setdefault("bos_token_id", None)
+    kwargs.setdefault("pad_token_id", None)
+    cfg_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
+    torch.manual_seed(seed)
+    # the plain loop-over-experts and eager attention: the reference code path
+    model = model_cls(cfg_cls(**kwargs, experts_implementation="eager", attn_implementation="eager")).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    model.to(dtype).save_pretrained(path)
+    return model.float()
+
+
+REFERENCE = dict(experts_implementation="eager", attn_implementation="eager")
+
+
+def rewrite_config(path: str, fn) -> None:
+    """Apply fn to config.json in place (to spell it another way, or break it)."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg = fn(cfg) or cfg
+    with open(file, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def hub_spelling(cfg: dict) -> dict:
+    """Rewrite a transformers-5 config the way hub checkpoints spell it: top-level rope_theta
+    (+ rope_scaling), and the other name of the expert count."""
+    params = cfg.pop("rope_parameters", None) or {}
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = {"type": params.pop("rope_type"), **params}
+    for a, b in (("num_local_experts", "num_experts"), ("num_experts", "num_local_experts")):
+        if a in cfg:
+            cfg[b] = cfg.pop(a)
+            break
+    return cfg
