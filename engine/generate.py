@@ -160,6 +160,6 @@ def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=No
             "prefill_tok_s": round(n_prompt / prefill_s, 3) if prefill_s > 0 else None,
             "decode_s": round(decode_s, 6),
             "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
-            "experts_per_token": round((model.experts.counters.n_expert - n_expert0) / max(n_prompt + n_decode, 1), 3),
+            "experts_fetched_per_token": round((model.experts.counters.n_expert - n_expert0) / max(n_prompt + n_decode, 1), 3),
         },
     )

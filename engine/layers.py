@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.safetensors import bf16_to_f32
 from . import kernels
 
 _F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
@@ -21,9 +22,7 @@ def init() -> None:
 
 def to_f32(a: np.ndarray) -> np.ndarray:
     """Widen a storage-precision array (f32, f16, bf16 as uint16) to float32, exactly."""
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
+    return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:

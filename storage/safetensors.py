@@ -60,6 +60,19 @@ def dtype_name(arr: np.ndarray, bf16: bool = True) -> str:
     raise UnsupportedDtype(f"no safetensors dtype for numpy {arr.dtype}")
 
 
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    """Widen bf16 bits (uint16) to float32, exactly."""
+    return (a.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(a: np.ndarray) -> np.ndarray:
+    """Round float32 to bf16 bits (uint16), to nearest even, NaN kept NaN (as torch does)."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str

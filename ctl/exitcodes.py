@@ -1,0 +1,9 @@
+"""colictl's exit codes, one per kind of failure a shell script may want to tell apart."""
+
+OK = 0
+INTERNAL = 1  # a bug: please report it
+USAGE = 2  # bad command line (click's own code)
+MODEL = 3  # the model directory or a file in it is unusable
+BAD_REQUEST = 4  # the request cannot be run as asked (sampling values, prompt too long, ...)
+DAEMON_DOWN = 5  # no daemon answers on the socket
+INTERRUPTED = 130  # Ctrl-C

@@ -1,0 +1,143 @@
+"""The built-in demo model: a small, deterministic, randomly initialised qwen3_moe
+checkpoint in the Hugging Face layout (config, bf16 safetensors, byte-level tokenizer,
+ChatML chat template, generation config). Nothing is downloaded.
+
+Its weights are random, so its text is not language; the LM head only prefers
+printable ASCII so that what it prints is readable.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from ..storage.safetensors import f32_to_bf16, write_safetensors
+
+SEED = 20261130
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 256 + len(SPECIALS),
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": None,
+    "eos_token_id": 258,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # the byte-level alphabet in byte order (GPT-2's bytes_to_unicode), so token id = byte value
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok.to_str()
+
+
+def _weights(cfg: dict) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    D, V, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    Hq, Hkv, E, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_experts"], cfg["moe_intermediate_size"]
+
+    def mat(*shape, std=None):
+        std = std if std is not None else shape[-1] ** -0.5
+        return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32) * std)
+
+    def norm(n):
+        return f32_to_bf16(1 + 0.1 * rng.standard_normal(n, dtype=np.float32))
+
+    head = rng.standard_normal((V, D), dtype=np.float32) * D**-0.5 * 4
+    printable = np.zeros(V, bool)
+    printable[32:127] = True
+    head[~printable] = 0  # random logits for printable ASCII, 0 for the rest
+    w = {"model.embed_tokens.weight": mat(V, D, std=1.0), "model.norm.weight": norm(D),
+         "lm_head.weight": f32_to_bf16(head)}
+    for il in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{il}."
+        w |= {p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
+              p + "self_attn.q_proj.weight": mat(Hq * hd, D), p + "self_attn.k_proj.weight": mat(Hkv * hd, D),
+              p + "self_attn.v_proj.weight": mat(Hkv * hd, D), p + "self_attn.o_proj.weight": mat(D, Hq * hd),
+              p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+              p + "mlp.gate.weight": mat(E, D, std=D**-0.5 * 2)}
+        for ie in range(E):
+            q = f"{p}mlp.experts.{ie}."
+            w |= {q + "gate_proj.weight": mat(I, D), q + "up_proj.weight": mat(I, D), q + "down_proj.weight": mat(D, I)}
+    return w
+
+
+def write_demo_model(path: str, force: bool = False) -> str:
+    """Write the demo checkpoint to `path` (built in a temporary directory next to it,
+    then renamed, so a half-written model never looks whole). Returns the path.
+
+    Raises FileExistsError if path exists and is not empty, unless force.
+    """
+    path = os.path.abspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        if not force:
+            raise FileExistsError(f"{path} exists and is not empty")
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".demo-", dir=parent)
+    try:
+        cfg = dict(CONFIG)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": [258, 256], "do_sample": False}, f, indent=2)
+        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            f.write(_tokenizer_json())
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+                       "chat_template": CHAT_TEMPLATE, "model_max_length": cfg["max_position_embeddings"]}, f,
+                      indent=2)
+        write_safetensors(os.path.join(tmp, "model.safetensors"), _weights(cfg), {"format": "pt"})
+        if os.path.isdir(path):
+            os.rmdir(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def default_demo_path() -> str:
+    """Where `colictl run` keeps the demo model when no --model is given."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "colibri", "demo-qwen3_moe")
