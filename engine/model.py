@@ -63,7 +63,7 @@ def _type_ok(value, tp) -> bool:
     return isinstance(value, origin)
 
 
-def parse_args(cls, cfg: dict, aliases: dict[str, tuple[str, ...]] | None = None):
+def parse_args(cls, cfg: dict, aliases: dict[str, tuple[str, ...]] | None = None, where: str = "config.json"):
     """Build the dataclass `cls` from a config dict: fields by Hugging Face name (or an
     alias spelling), defaults where absent, unknown keys ignored.
 
@@ -76,16 +76,16 @@ def parse_args(cls, cfg: dict, aliases: dict[str, tuple[str, ...]] | None = None
             if key in cfg:
                 value = cfg[key]
                 if not _type_ok(value, f.type):
-                    raise ConfigInvalid(f"config.json: {key} = {value!r} is not of type {f.type}")
+                    raise ConfigInvalid(f"{where}: {key} = {value!r} is not of type {f.type}")
                 kw[f.name] = float(value) if f.type is float else value
                 break
         else:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigInvalid(f"config.json: required field {f.name} is missing")
+                raise ConfigInvalid(f"{where}: required field {f.name} is missing")
     try:
         return cls(**kw)
     except ValueError as e:
-        raise ConfigInvalid(f"config.json: {e}") from None
+        raise ConfigInvalid(f"{where}: {e}") from None
 
 
 def require(cond: bool, message: str) -> None:
@@ -108,7 +108,7 @@ class MoEModel:
         params = rope_parameters(ckpt.config, self.DEFAULT_THETA)
         if params["rope_type"] not in ("default", "linear", "yarn"):
             raise ConfigInvalid(
-                f"config.json: rope type {params['rope_type']!r} is not supported (default, linear, yarn)"
+                f"{ckpt.path}/config.json: rope type {params['rope_type']!r} is not supported (default, linear, yarn)"
             )
         self.rope = Rope(*rope_inv_freq(params, self.head_dim, args.max_position_embeddings))
         self.n_ctx = args.max_position_embeddings

@@ -106,7 +106,8 @@ def rewrite_config(path: str, fn) -> None:
     file = os.path.join(path, "config.json")
     with open(file) as f:
         cfg = json.load(f)
-    cfg = fn(cfg) or cfg
+    out = fn(cfg)
+    cfg = out if isinstance(out, dict) else cfg
     with open(file, "w") as f:
         json.dump(cfg, f, indent=1)
 
