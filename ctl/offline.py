@@ -88,7 +88,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
 
 def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt):
     from ..engine import layers
-    from ..engine.generate import SamplingParams, generate
+    from ..engine.generate import SamplingParams, check_prompt, generate
     from ..engine.registry import load_model
     from ..engine.tokenizer import Tokenizer, eos_ids
 
@@ -106,6 +106,7 @@ def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_in}]), special=False)
     else:
         ids = tok.encode(text_in)
+    check_prompt(ids, model.n_ctx)
     info = model.describe()
     if not as_json:
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, "

@@ -109,6 +109,15 @@ class Event:
     stats: dict = field(default_factory=dict)
 
 
+def check_prompt(prompt_ids: list[int], n_ctx: int) -> None:
+    """Raise InvalidRequest for an empty prompt, PromptTooLong for one that leaves no room
+    in the context for a new token."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty")
+    if len(prompt_ids) >= n_ctx:
+        raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
+
+
 def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None) -> Iterator[Event]:
     """Generate from prompt_ids, yielding a "token" event per new token and one "done".
 
@@ -116,11 +125,8 @@ def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=No
     """
     params.check()
     prompt_ids = [int(i) for i in prompt_ids]
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty")
+    check_prompt(prompt_ids, model.n_ctx)
     n_prompt = len(prompt_ids)
-    if n_prompt >= model.n_ctx:
-        raise PromptTooLong(f"the prompt has {n_prompt} tokens; the model's context is {model.n_ctx}")
     eos = set(int(i) for i in eos_ids)
     sampler = Sampler(params)
     text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None

@@ -4,11 +4,12 @@ prompt logits, greedy tokens, KV-cache decode = full forward, both config spelli
 import numpy as np
 import pytest
 import torch
-from hf_models import ALL_CASES, build, hub_spelling, rewrite_config
 
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import load_model
+
+from hf_models import ALL_CASES, build, hub_spelling, rewrite_config
 
 LOGITS_ATOL = 1e-4  # fp32 checkpoints
 N_NEW = 32

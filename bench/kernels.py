@@ -1,0 +1,90 @@
+"""Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec reaches at
+batch 1, next to the memory read bandwidth measured in the same run, and their ratio.
+
+    python bench/kernels.py [--mib 512] [--repeat 3]
+
+Prints one JSON object. Everything runs on one thread, as the kernels do; the weights
+cycle through a working set far larger than the CPU caches, so every byte comes from DRAM.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
+    os.environ.setdefault(var, val)
+
+import numpy as np  # noqa: E402
+
+from colibri.engine import kernels, layers  # noqa: E402
+
+SHAPES = {  # (rows, cols) of one expert matrix (gate/up: [I, D])
+    "qwen3_moe_30b_a3b": (768, 2048),
+    "mixtral_8x7b_slice": (1792, 4096),
+    "olmoe_1b_7b": (1024, 2048),
+}
+
+
+def best(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def memory_read_gbs(mib: int, repeat: int) -> float:
+    buf = np.ones(mib * 2**20 // 8, np.uint64)
+    kernels.read_bandwidth(buf, 1)  # compile, fault in
+    return buf.nbytes / best(lambda: kernels.read_bandwidth(buf, 1), repeat) / 1e9
+
+
+def matvec_gbs(rows: int, cols: int, dtype: str, mib: int, repeat: int) -> float:
+    rng = np.random.default_rng(0)
+    one = rows * cols * 2
+    n = max(2, mib * 2**20 // one)
+    bits = rng.integers(0x3C00, 0x3E00, size=(n, rows, cols), dtype=np.uint16)  # finite values in both formats
+    ws = bits if dtype == "bf16" else bits.view(np.float16)
+    x = rng.standard_normal((1, cols), dtype=np.float32)
+    out = np.empty((1, rows), np.float32)
+    f16 = kernels.f16_table()
+
+    def sweep():
+        for w in ws:
+            kernels.matmul_u16(x, w.view(np.uint16), dtype == "bf16", f16, out)
+
+    kernels.matmul_u16(x, ws[0].view(np.uint16), dtype == "bf16", f16, out)  # compile
+    sweep()
+    return ws.nbytes / best(sweep, repeat) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="working set per measurement (MiB)")
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    layers.init()
+    mem = memory_read_gbs(a.mib, a.repeat)
+    results = []
+    for name, (rows, cols) in SHAPES.items():
+        for dtype in ("bf16", "f16"):
+            gbs = matvec_gbs(rows, cols, dtype, a.mib, a.repeat)
+            results.append({"shape": name, "rows": rows, "cols": cols, "dtype": dtype, "batch": 1,
+                            "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
+    bf16 = [r["weight_gbs"] for r in results if r["dtype"] == "bf16"]
+    print(json.dumps({
+        "benchmark": "kernels",
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1},
+        "memory_read_gbs": round(mem, 2),
+        "bf16_matvec_gbs": round(float(np.median(bf16)), 2),
+        "bf16_ratio_to_memory": round(float(np.median(bf16)) / mem, 3),
+        "target_ratio": 0.5,
+        "results": results,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/bin/sh
+# Install colibri and everything it needs on a fresh Debian/Ubuntu machine.
+#   ./setup.sh          system packages + colibri (editable)
+#   ./setup.sh --test   the same, plus the test dependencies (pytest, transformers, torch==2.13.0 CPU, ruff)
+# System packages: libsystemd-dev and pkg-config, which systemd-python needs to build.
+set -eu
+cd "$(dirname "$0")"
+
+need=""
+for pkg in libsystemd-dev pkg-config; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
+done
+if [ -n "$need" ]; then
+    if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $need
+fi
+
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--test" ]; then
+    # torch is pinned: an unpinned torch pulls a multi-GB GPU build
+    $PY -m pip install -q -e '.[test]'
+else
+    $PY -m pip install -q -e .
+fi

@@ -1,0 +1,208 @@
+"""`colictl run` and `colictl demo-model` end to end, as a user runs them: a real
+process, text and --json, prompt from the argument and from stdin, and one clear line
+with a distinct exit code for each kind of bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from colibri.ctl import exitcodes
+from colibri.engine.demo import write_demo_model
+from colibri.engine.tokenizer import Tokenizer
+
+from hf_models import REFERENCE, rewrite_config
+
+CTL = [sys.executable, "-m", "colibri.ctl"]
+
+
+def colictl(*args, stdin=None, env=None):
+    return subprocess.run([*CTL, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+@pytest.fixture
+def broken(demo, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(demo, dst)
+    return dst
+
+
+def run_json(model, *args, stdin=None):
+    r = colictl("run", "--model", model, "--json", *args, stdin=stdin)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1  # exactly one JSON object on stdout
+    return json.loads(lines[0])
+
+
+def test_text_streams_to_stdout_timings_to_stderr(demo):
+    r = colictl("run", "--model", demo, "--max-tokens", 12, "Hello, colibri")
+    assert r.returncode == 0, r.stderr
+    ref = run_json(demo, "--max-tokens", 12, "Hello, colibri")
+    assert r.stdout == ref["text"] + "\n"
+    assert "tok/s" in r.stderr and "finish: length" in r.stderr
+
+
+def test_json_fields_and_greedy_tokens_match_transformers(demo):
+    out = run_json(demo, "--max-tokens", 16, "The quick brown fox")
+    tok = Tokenizer(demo)
+    assert out["prompt_token_ids"] == tok.encode("The quick brown fox")
+    assert len(out["token_ids"]) == 16 and out["finish_reason"] == "length"
+    assert out["text"] == tok.decode(out["token_ids"])
+    for k in ("prefill_s", "decode_s", "decode_tok_s", "n_prompt_tokens", "n_generated_tokens"):
+        assert k in out["stats"]
+    assert out["stats"]["n_generated_tokens"] == 16
+    # the demo model is a real qwen3_moe checkpoint: transformers agrees token for token
+    import transformers
+
+    ref = transformers.Qwen3MoeForCausalLM.from_pretrained(demo, dtype=torch.float32, **REFERENCE).eval()
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([out["prompt_token_ids"]]), max_new_tokens=16, min_new_tokens=16,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert gen[0, len(out["prompt_token_ids"]):].tolist() == out["token_ids"]
+
+
+def test_prompt_from_stdin_and_dash(demo):
+    a = run_json(demo, "--max-tokens", 5, "piped words")
+    b = run_json(demo, "--max-tokens", 5, stdin="piped words")
+    c = run_json(demo, "--max-tokens", 5, "-", stdin="piped words")
+    assert a["token_ids"] == b["token_ids"] == c["token_ids"]
+    assert a["prompt_token_ids"] == b["prompt_token_ids"]
+
+
+def test_seed_repeats_sampling(demo):
+    args = ("--max-tokens", 24, "--temperature", 1.0, "--top-k", 50, "--top-p", 0.95)
+    a = run_json(demo, *args, "--seed", 7, "abc")
+    b = run_json(demo, *args, "--seed", 7, "abc")
+    c = run_json(demo, *args, "--seed", 8, "abc")
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+
+
+def test_stop_string(demo):
+    full = run_json(demo, "--max-tokens", 20, "stop test")
+    stop = full["text"][5:7]
+    out = run_json(demo, "--max-tokens", 20, "--stop", stop, "stop test")
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == full["text"][: full["text"].index(stop)]
+
+
+def test_eos_stops(demo, broken):
+    first = run_json(demo, "--max-tokens", 3, "eos test")["token_ids"][0]
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    out = run_json(broken, "--max-tokens", 10, "eos test")
+    assert out["finish_reason"] == "stop" and out["token_ids"] == [first]
+
+
+def test_chat_applies_the_template(demo):
+    out = run_json(demo, "--max-tokens", 3, "--chat", "hi there")
+    tok = Tokenizer(demo)
+    want = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert out["prompt_token_ids"] == tok.encode(want, special=False)
+
+
+def test_demo_model_is_deterministic(tmp_path):
+    a = colictl("demo-model", tmp_path / "a")
+    b = colictl("demo-model", tmp_path / "b")
+    assert a.returncode == b.returncode == 0
+    for name in os.listdir(tmp_path / "a"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    again = colictl("demo-model", tmp_path / "a")
+    assert again.returncode == exitcodes.USAGE and "--force" in again.stderr
+
+
+def one_line_error(r, code, *words):
+    assert r.returncode == code, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_missing_directory(tmp_path):
+    one_line_error(colictl("run", "--model", tmp_path / "none", "x"), exitcodes.MODEL, "none")
+
+
+def test_no_config(broken):
+    os.remove(broken / "config.json")
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "config.json")
+
+
+def test_unknown_model_type(broken):
+    rewrite_config(broken, lambda c: c.update(model_type="gpt2"))
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "gpt2", "qwen3_moe", "mixtral")
+
+
+def test_truncated_safetensors(broken):
+    f = broken / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100000])
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "model.safetensors")
+
+
+def test_corrupted_header(broken):
+    f = broken / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[8:16] = b"\x00garbag\xff"
+    f.write_bytes(bytes(raw))
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "model.safetensors")
+
+
+def test_missing_tensor(broken):
+    from colibri.storage.safetensors import SafetensorsFile, write_safetensors
+
+    f = SafetensorsFile(broken / "model.safetensors")
+    tensors = {n: f.read(n) for n in f.entries if n != "model.layers.2.mlp.experts.5.up_proj.weight"}
+    write_safetensors(broken / "model.safetensors", tensors)
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "experts.5.up_proj")
+
+
+def test_missing_tokenizer(broken):
+    os.remove(broken / "tokenizer.json")
+    one_line_error(colictl("run", "--model", broken, "x"), exitcodes.MODEL, "tokenizer.json")
+
+
+def test_prompt_longer_than_context(demo):
+    one_line_error(colictl("run", "--model", demo, stdin="y" * 5000), exitcodes.BAD_REQUEST, "5000", "4096")
+
+
+@pytest.mark.parametrize("args,word", [(("--temperature", "-1"), "temperature"), (("--top-p", "0"), "top_p"),
+                                       (("--top-k", "-3"), "top_k"), (("--max-tokens", "0"), "max_tokens")])
+def test_invalid_sampling(demo, args, word):
+    one_line_error(colictl("run", "--model", demo, *args, "x"), exitcodes.BAD_REQUEST, word)
+
+
+def test_chat_without_template(broken):
+    cfg = json.loads((broken / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (broken / "tokenizer_config.json").write_text(json.dumps(cfg))
+    one_line_error(colictl("run", "--model", broken, "--chat", "x"), exitcodes.MODEL, "chat_template")
+
+
+def test_demo_is_the_default_model(tmp_path):
+    r = colictl("run", "--max-tokens", 4, "--json", "hi", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert os.path.isfile(tmp_path / "colibri" / "demo-qwen3_moe" / "config.json")
+    assert len(json.loads(r.stdout)["token_ids"]) == 4
+
+
+def test_client_path_does_not_load_numpy():
+    code = "import sys; import colibri.ctl.main; assert 'numpy' not in sys.modules and 'numba' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_weights_checked_against_numpy():  # keeps the numpy import used; a sanity check of the demo weights
+    from colibri.engine.demo import CONFIG, _weights
+
+    w = _weights(CONFIG)
+    assert all(a.dtype == np.uint16 for a in w.values())

@@ -1,0 +1,38 @@
+"""Imports flow one way (DESIGN.md): storage imports nothing of ours, engine only storage,
+daemon engine and storage, ctl only daemon.protocol (offline commands aside)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED = {"storage": set(), "engine": {"storage"}, "daemon": {"engine", "storage"}, "ctl": {"daemon"}}
+# ctl's offline commands (run, convert, doctor, demo-model) run the engine in-process, lazily
+OFFLINE = {"ctl/offline.py": {"engine", "storage"}}
+
+
+def our_imports(path: Path, package: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                continue  # same package
+            if node.level == 2:
+                found.add((node.module or "").split(".")[0] or "colibri")
+            elif node.module and node.module.startswith("colibri."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("colibri."):
+                    found.add(a.name.split(".")[1])
+    return found - {package}
+
+
+def test_imports_flow_one_way():
+    bad = []
+    for package, allowed in ALLOWED.items():
+        for f in sorted((ROOT / package).glob("*.py")):
+            rel = f"{package}/{f.name}"
+            extra = our_imports(f, package) - allowed - OFFLINE.get(rel, set())
+            if extra:
+                bad.append(f"{rel} imports {sorted(extra)}")
+    assert not bad, bad
