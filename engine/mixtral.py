@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
-from .model import HF_NAMES, MoEModel, require
+from .model import HF_NAMES, MoEModel, check_moe_args
 
 MODEL_TYPE = "mixtral"
 ALIASES = {"num_local_experts": ("num_experts",)}
@@ -32,11 +32,7 @@ class ModelArgs:
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
-        require(self.num_attention_heads % self.num_key_value_heads == 0,
-                "num_attention_heads must be a multiple of num_key_value_heads")
-        require(0 < self.num_experts_per_tok <= self.num_local_experts,
-                "num_experts_per_tok must be between 1 and the number of experts")
+        check_moe_args(self, self.num_local_experts)
 
 
 NAMES = HF_NAMES | {
@@ -66,16 +62,11 @@ class Model(MoEModel):
 
     def shapes(self):
         a = self.args
-        D, hd, Hq, Hkv, I = a.hidden_size, a.head_dim, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size
-        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
-        if not a.tie_word_embeddings:
-            glob["lm_head"] = (a.vocab_size, D)
 
         def per_layer(il):
-            return {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
-                    "v": (Hkv * hd, D), "o": (D, Hq * hd), "router": (a.num_local_experts, D)}
+            return self.attn_shapes() | {"router": (a.num_local_experts, a.hidden_size)}
 
-        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+        return self.global_shapes(), per_layer, self.expert_shapes(a.intermediate_size)
 
     def block(self, il, h, cache, cos, sin):
         # h [T, D] residual stream

@@ -95,6 +95,15 @@ def require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_moe_args(a, n_expert: int) -> None:
+    """The checks every family's ModelArgs makes (raise ValueError, see require)."""
+    require(a.hidden_act == "silu", f"hidden_act {a.hidden_act!r} is not supported (silu)")
+    require(a.num_attention_heads % a.num_key_value_heads == 0,
+            "num_attention_heads must be a multiple of num_key_value_heads")
+    require(0 < a.num_experts_per_tok <= n_expert, "num_experts_per_tok must be between 1 and the number of experts")
+    require(getattr(a, "decoder_sparse_step", 1) > 0, "decoder_sparse_step must be positive")
+
+
 class MoEModel:
     """A loaded model: dense weights resident, routed experts behind an ExpertSource."""
 
@@ -156,6 +165,33 @@ class MoEModel:
 
     def block(self, il: int, h: np.ndarray, cache: KVCache, cos, sin) -> np.ndarray:
         raise NotImplementedError
+
+    # ---- shapes every family shares ----
+    def global_shapes(self) -> dict:
+        a = self.args
+        glob = {"embed": (a.vocab_size, a.hidden_size), "norm": (a.hidden_size,)}
+        if not a.tie_word_embeddings:
+            glob["lm_head"] = (a.vocab_size, a.hidden_size)
+        return glob
+
+    def attn_shapes(self, qkv_bias: bool = False, o_bias: bool = False) -> dict:
+        """Norms and attention projections of one layer (q/k norms as attn_spec says)."""
+        D, sp = self.args.hidden_size, self.attn_spec
+        q, kv = sp.n_head * sp.head_dim, sp.n_kv_head * sp.head_dim
+        s = {"in_norm": (D,), "post_norm": (D,), "q": (q, D), "k": (kv, D), "v": (kv, D), "o": (D, q)}
+        if sp.qk_norm == "head":
+            s |= {"q_norm": (sp.head_dim,), "k_norm": (sp.head_dim,)}
+        elif sp.qk_norm == "full":
+            s |= {"q_norm": (q,), "k_norm": (kv,)}
+        if qkv_bias:
+            s |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+        if o_bias:
+            s |= {"o_bias": (D,)}
+        return s
+
+    def expert_shapes(self, n_ff: int) -> dict:
+        D = self.args.hidden_size
+        return {"expert_gate": (n_ff, D), "expert_up": (n_ff, D), "expert_down": (D, n_ff)}
 
     # ---- shared ----
     def new_cache(self, n_ctx: int) -> KVCache:

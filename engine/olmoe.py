@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
-from .model import HF_NAMES, MoEModel, require
+from .model import HF_NAMES, MoEModel, check_moe_args
 
 MODEL_TYPE = "olmoe"
 ALIASES = {"num_experts": ("num_local_experts",)}
@@ -32,11 +32,7 @@ class ModelArgs:
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
-        require(self.num_attention_heads % self.num_key_value_heads == 0,
-                "num_attention_heads must be a multiple of num_key_value_heads")
-        require(0 < self.num_experts_per_tok <= self.num_experts,
-                "num_experts_per_tok must be between 1 and the number of experts")
+        check_moe_args(self, self.num_experts)
 
 
 def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -57,21 +53,11 @@ class Model(MoEModel):
 
     def shapes(self):
         a = self.args
-        D, Hq, Hkv, I = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size
-        hd = self.head_dim
-        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
-        if not a.tie_word_embeddings:
-            glob["lm_head"] = (a.vocab_size, D)
 
         def per_layer(il):
-            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
-                 "v": (Hkv * hd, D), "o": (D, Hq * hd), "q_norm": (Hq * hd,), "k_norm": (Hkv * hd,),
-                 "router": (a.num_experts, D)}
-            if a.attention_bias:
-                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,), "o_bias": (D,)}
-            return s
+            return self.attn_shapes(a.attention_bias, a.attention_bias) | {"router": (a.num_experts, a.hidden_size)}
 
-        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+        return self.global_shapes(), per_layer, self.expert_shapes(a.intermediate_size)
 
     def block(self, il, h, cache, cos, sin):
         # h [T, D] residual stream

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
-from .model import HF_NAMES, MoEModel, require
+from .model import HF_NAMES, MoEModel, check_moe_args, require
 
 MODEL_TYPE = "qwen2_moe"
 ALIASES = {"num_experts": ("num_local_experts",)}
@@ -48,12 +48,7 @@ class ModelArgs:
                 for il in range(self.num_hidden_layers)
             ]
         require(len(self.layer_types) == self.num_hidden_layers, "layer_types needs one entry per layer")
-        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
-        require(self.num_attention_heads % self.num_key_value_heads == 0,
-                "num_attention_heads must be a multiple of num_key_value_heads")
-        require(0 < self.num_experts_per_tok <= self.num_experts,
-                "num_experts_per_tok must be between 1 and the number of experts")
-        require(self.decoder_sparse_step > 0, "decoder_sparse_step must be positive")
+        check_moe_args(self, self.num_experts)
 
 
 NAMES = HF_NAMES | {
@@ -87,27 +82,16 @@ class Model(MoEModel):
 
     def shapes(self):
         a = self.args
-        D, Hq, Hkv, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, self.head_dim
-        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
-        if not a.tie_word_embeddings:
-            glob["lm_head"] = (a.vocab_size, D)
+        D, I, S = a.hidden_size, a.intermediate_size, a.shared_expert_intermediate_size
 
         def per_layer(il):
-            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
-                 "v": (Hkv * hd, D), "o": (D, Hq * hd)}
-            if a.qkv_bias:
-                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,)}
+            s = self.attn_shapes(qkv_bias=a.qkv_bias)
             if self.is_moe(il):
-                S = a.shared_expert_intermediate_size
-                s |= {"router": (a.num_experts, D), "shared_gate": (1, D),
-                      "shared_gate_proj": (S, D), "shared_up": (S, D), "shared_down": (D, S)}
-            else:
-                I = a.intermediate_size
-                s |= {"gate": (I, D), "up": (I, D), "down": (D, I)}
-            return s
+                return s | {"router": (a.num_experts, D), "shared_gate": (1, D),
+                            "shared_gate_proj": (S, D), "shared_up": (S, D), "shared_down": (D, S)}
+            return s | {"gate": (I, D), "up": (I, D), "down": (D, I)}
 
-        I = a.moe_intermediate_size
-        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+        return self.global_shapes(), per_layer, self.expert_shapes(a.moe_intermediate_size)
 
     def block(self, il, h, cache, cos, sin):
         # h [T, D] residual stream

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
-from .model import HF_NAMES, MoEModel, require
+from .model import HF_NAMES, MoEModel, check_moe_args
 
 MODEL_TYPE = "qwen3_moe"
 ALIASES = {"num_local_experts": ("num_experts",)}
@@ -39,12 +39,7 @@ class ModelArgs:
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = self.mlp_only_layers or []
-        require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (silu)")
-        require(self.num_attention_heads % self.num_key_value_heads == 0,
-                "num_attention_heads must be a multiple of num_key_value_heads")
-        require(0 < self.num_experts_per_tok <= self.num_local_experts,
-                "num_experts_per_tok must be between 1 and the number of experts")
-        require(self.decoder_sparse_step > 0, "decoder_sparse_step must be positive")
+        check_moe_args(self, self.num_local_experts)
 
 
 
@@ -71,25 +66,15 @@ class Model(MoEModel):
 
     def shapes(self):
         a = self.args
-        D, hd, Hq, Hkv = a.hidden_size, a.head_dim, a.num_attention_heads, a.num_key_value_heads
-        glob = {"embed": (a.vocab_size, D), "norm": (D,)}
-        if not a.tie_word_embeddings:
-            glob["lm_head"] = (a.vocab_size, D)
+        D, I = a.hidden_size, a.intermediate_size
 
         def per_layer(il):
-            s = {"in_norm": (D,), "post_norm": (D,), "q": (Hq * hd, D), "k": (Hkv * hd, D),
-                 "v": (Hkv * hd, D), "o": (D, Hq * hd), "q_norm": (hd,), "k_norm": (hd,)}
-            if a.attention_bias:
-                s |= {"q_bias": (Hq * hd,), "k_bias": (Hkv * hd,), "v_bias": (Hkv * hd,), "o_bias": (D,)}
+            s = self.attn_shapes(a.attention_bias, a.attention_bias)
             if self.is_moe(il):
-                s["router"] = (a.num_local_experts, D)
-            else:
-                I = a.intermediate_size
-                s |= {"gate": (I, D), "up": (I, D), "down": (D, I)}
-            return s
+                return s | {"router": (a.num_local_experts, D)}
+            return s | {"gate": (I, D), "up": (I, D), "down": (D, I)}
 
-        I = a.moe_intermediate_size
-        return glob, per_layer, {"expert_gate": (I, D), "expert_up": (I, D), "expert_down": (D, I)}
+        return self.global_shapes(), per_layer, self.expert_shapes(a.moe_intermediate_size)
 
     def block(self, il, h, cache, cos, sin):
         # h [T, D] residual stream

@@ -28,7 +28,7 @@ CASES = {
                                          moe_intermediate_size=14, shared_expert_intermediate_size=22,
                                          num_hidden_layers=5, num_attention_heads=5, num_key_value_heads=5,
                                          num_experts=7, num_experts_per_tok=3, norm_topk_prob=True,
-                                         decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=True,
+                                         decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=True, qkv_bias=False,
                                          use_sliding_window=True, sliding_window=7, max_window_layers=3)),
     ],
     "qwen3_moe": [
