@@ -100,7 +100,7 @@ def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     t0 = time.perf_counter()
     tok = Tokenizer(path)
     model = load_model(path)
-    layers.init()
+    layers.init()  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_in}]), special=False)

@@ -14,10 +14,22 @@ _F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 ma
 
 
 def init() -> None:
-    """Start-up work for the kernels (the f16 table); call once before forward."""
+    """Start-up work for the kernels: the f16 table, and one call of each kernel on tiny
+    arrays so that compiling (or loading the compiled cache) happens here, not in the
+    first request's timings. Call once before forward."""
     global _F16_LUT
-    if _F16_LUT.shape[0] != 65536:
-        _F16_LUT = kernels.f16_table()
+    if _F16_LUT.shape[0] == 65536:
+        return
+    _F16_LUT = kernels.f16_table()
+    x = np.ones((1, 4), np.float32)
+    for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
+        linear(x, w)
+    rmsnorm(x, np.ones(4, np.float32), 1e-6)
+    q = np.ones((1, 1, 4), np.float32)
+    kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+    kv = np.ones((1, 1, 1, 4), np.float32)
+    kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), np.empty_like(q))
+    kernels.silu_mul(x, x, np.empty_like(x))
 
 
 def to_f32(a: np.ndarray) -> np.ndarray:
