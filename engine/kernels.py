@@ -127,3 +127,43 @@ def read_bandwidth(buf, n_rep):
         for i in range(buf.shape[0]):
             s += buf[i]
     return s
+
+
+@nb.njit(**JIT_FAST)
+def matmul_q8(x, q, scales, g, f16_lut, out):
+    # x [T, D] f32, q [N, D] int8, scales [N, D/g] f16 bits (uint16), out [T, N]: out = x @ dequant(q).T
+    T, D = x.shape
+    N = q.shape[0]
+    row = np.empty(D, np.float32)  # one dequantized row, never a whole matrix
+    for n in range(N):
+        for gi in range(D // g):
+            s = f16_lut[scales[n, gi]]
+            for j in range(gi * g, gi * g + g):
+                row[j] = np.float32(q[n, j]) * s
+        for t in range(T):
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += x[t, d] * row[d]
+            out[t, n] = acc
+
+
+@nb.njit(**JIT_FAST)
+def matmul_q4(x, q, scales, g, f16_lut, out):
+    # x [T, D] f32, q [N, D/2] uint8 (even column in the low nibble, value + 8), scales [N, D/g]
+    # f16 bits, out [T, N]: out = x @ dequant(q).T
+    T, D = x.shape
+    N = q.shape[0]
+    half = g // 2
+    row = np.empty(D, np.float32)
+    for n in range(N):
+        for gi in range(D // g):
+            s = f16_lut[scales[n, gi]]
+            for j in range(gi * half, gi * half + half):
+                b = q[n, j]
+                row[2 * j] = np.float32(np.int32(b & 15) - 8) * s
+                row[2 * j + 1] = np.float32(np.int32(b >> 4) - 8) * s
+        for t in range(T):
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += x[t, d] * row[d]
+            out[t, n] = acc

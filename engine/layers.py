@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.quant import QuantWeight
 from ..storage.safetensors import bf16_to_f32
 from . import kernels
 
@@ -22,7 +23,9 @@ def init() -> None:
         return
     _F16_LUT = kernels.f16_table()
     x = np.ones((1, 4), np.float32)
-    for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
+    for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
+              QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2),
+              QuantWeight("int4", np.ones((2, 2), np.uint8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
@@ -37,10 +40,14 @@ def to_f32(a: np.ndarray) -> np.ndarray:
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    # x [T, D] f32, w [N, D] storage precision -> [T, N] f32
+def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
+    # x [T, D] f32, w [N, D] in storage precision or a QuantWeight -> [T, N] f32
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if w.dtype == np.float32:
+    if isinstance(w, QuantWeight):
+        y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
+        kernel = kernels.matmul_q4 if w.kind == "int4" else kernels.matmul_q8
+        kernel(x, w.q, w.scales.view(np.uint16), w.group_size, _F16_LUT, y)
+    elif w.dtype == np.float32:
         y = x @ w.T
     else:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)

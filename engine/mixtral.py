@@ -53,12 +53,12 @@ class Model(MoEModel):
     NAMES = NAMES
     DEFAULT_THETA = 1e6
 
-    def __init__(self, args: ModelArgs, ckpt, experts=None):
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                                   args.rms_norm_eps)
         self.n_expert = args.num_local_experts
         self.window = args.sliding_window or 0
-        super().__init__(args, ckpt, experts)
+        super().__init__(args, config, where)
 
     def shapes(self):
         a = self.args

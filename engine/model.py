@@ -12,7 +12,6 @@ import typing
 
 import numpy as np
 
-from ..storage.checkpoint import Checkpoint
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, ResidentExperts
 from .layers import KVCache, Rope, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
@@ -110,47 +109,60 @@ class MoEModel:
     NAMES: dict[str, str] = {}
     DEFAULT_THETA = 10000.0
 
-    def __init__(self, args, ckpt: Checkpoint, experts: ExpertSource | None = None):
+    def __init__(self, args, config: dict, where: str = "config.json"):
+        """The model's structure from its args and config (no weights yet: see load).
+        Raises ConfigInvalid for a RoPE type colibri does not implement."""
         self.args = args
         self.n_layer = args.num_hidden_layers
         self.head_dim = self.attn_spec.head_dim
-        params = rope_parameters(ckpt.config, self.DEFAULT_THETA)
+        params = rope_parameters(config, self.DEFAULT_THETA)
         if params["rope_type"] not in ("default", "linear", "yarn"):
-            raise ConfigInvalid(
-                f"{ckpt.path}/config.json: rope type {params['rope_type']!r} is not supported (default, linear, yarn)"
-            )
+            raise ConfigInvalid(f"{where}: rope type {params['rope_type']!r} is not supported (default, linear, yarn)")
         self.rope = Rope(*rope_inv_freq(params, self.head_dim, args.max_position_embeddings))
         self.n_ctx = args.max_position_embeddings
+        self.moe_layers = [il for il in range(self.n_layer) if self.is_moe(il)]
+        self.glob: dict[str, np.ndarray] = {}
+        self.layers: list[dict[str, np.ndarray]] = []
+        self.experts: ExpertSource | None = None
 
+    def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
+        """Checkpoint names of expert ie of layer il: (gate, up, down)."""
+        return tuple(self.NAMES[k].format(il=il, ie=ie) for k in ("expert_gate", "expert_up", "expert_down"))
+
+    def check(self, src, with_experts: bool = True) -> None:
+        """Check that src (a Checkpoint, or a container's dense file) has every tensor the
+        family needs with the shape the config implies, before any is read.
+        Raises TensorMissing, TensorShapeMismatch or UnsupportedDtype."""
         glob, per_layer, per_expert = self.shapes()
-        moe_layers = [il for il in range(self.n_layer) if self.is_moe(il)]
-        self.moe_layers = moe_layers
-        # check every tensor the family needs before reading any
         for key, shape in glob.items():
-            ckpt.expect(self.NAMES[key], shape)
+            src.expect(self.NAMES[key], shape)
         for il in range(self.n_layer):
             for key, shape in per_layer(il).items():
-                ckpt.expect(self.NAMES[key].format(il=il), shape)
-        for il in moe_layers:
-            for ie in range(self.n_expert):
-                for key, shape in per_expert.items():
-                    ckpt.expect(self.NAMES[key].format(il=il, ie=ie), shape)
+                src.expect(self.NAMES[key].format(il=il), shape)
+        if with_experts:
+            for il in self.moe_layers:
+                for ie in range(self.n_expert):
+                    for name, shape in zip(self.expert_names(il, ie), per_expert.values()):
+                        src.expect(name, shape)
+
+    def load(self, src, experts: ExpertSource | None = None) -> "MoEModel":
+        """Check, then read the dense weights from src; routed experts come from `experts`,
+        or, when None, are all read from src into RAM. Returns self.
+        Raises what check and src.read raise."""
+        self.check(src, with_experts=experts is None)
+        glob, per_layer, _ = self.shapes()
 
         def read(key: str, name: str) -> np.ndarray:
-            a = ckpt.read(name)
+            a = src.read(name)
             return to_f32(a) if key in F32_KEYS else a
 
         self.glob = {key: read(key, self.NAMES[key]) for key in glob}
         self.layers = [
             {key: read(key, self.NAMES[key].format(il=il)) for key in per_layer(il)} for il in range(self.n_layer)
         ]
-        self.lm_head = self.glob["embed"] if args.tie_word_embeddings else self.glob["lm_head"]
-        if experts is None:
-            names = tuple(self.NAMES[k] for k in ("expert_gate", "expert_up", "expert_down"))
-            experts = ResidentExperts(
-                ckpt, moe_layers, self.n_expert, lambda il, ie: [n.format(il=il, ie=ie) for n in names]
-            )
-        self.experts = experts
+        self.lm_head = self.glob["embed"] if self.args.tie_word_embeddings else self.glob["lm_head"]
+        self.experts = experts or ResidentExperts(src, self.moe_layers, self.n_expert, self.expert_names)
+        return self
 
     # ---- what a family defines ----
     attn_spec = None  # AttnSpec

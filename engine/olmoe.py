@@ -44,12 +44,12 @@ class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = HF_NAMES
 
-    def __init__(self, args: ModelArgs, ckpt, experts=None):
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         hd = args.hidden_size // args.num_attention_heads
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, hd, args.rms_norm_eps,
                                   qk_norm="full", clip_qkv=args.clip_qkv)
         self.n_expert = args.num_experts
-        super().__init__(args, ckpt, experts)
+        super().__init__(args, config, where)
 
     def shapes(self):
         a = self.args

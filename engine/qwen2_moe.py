@@ -68,13 +68,13 @@ class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
 
-    def __init__(self, args: ModelArgs, ckpt, experts=None):
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         hd = args.hidden_size // args.num_attention_heads
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, hd, args.rms_norm_eps)
         self.n_expert = args.num_experts
         window = args.sliding_window if args.use_sliding_window and args.sliding_window else 0
         self.windows = [window if t == "sliding_attention" else 0 for t in args.layer_types]
-        super().__init__(args, ckpt, experts)
+        super().__init__(args, config, where)
 
     def is_moe(self, il: int) -> bool:
         a = self.args

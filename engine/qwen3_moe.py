@@ -53,12 +53,12 @@ class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = HF_NAMES
 
-    def __init__(self, args: ModelArgs, ckpt, experts=None):
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                                   args.rms_norm_eps, qk_norm="head")
         self.n_expert = args.num_local_experts
         self.window = args.sliding_window if args.use_sliding_window and args.sliding_window else 0
-        super().__init__(args, ckpt, experts)
+        super().__init__(args, config, where)
 
     def is_moe(self, il: int) -> bool:
         a = self.args

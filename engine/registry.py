@@ -39,6 +39,7 @@ def load_model(path: str) -> MoEModel:
     if "model_type" not in cfg:
         raise ConfigInvalid(f"{path}/config.json: no model_type")
     fam = family(cfg["model_type"])
-    args = parse_args(fam.ModelArgs, cfg, getattr(fam, "ALIASES", None), where=f"{path}/config.json")
-    ckpt = open_checkpoint(path)
-    return fam.Model(args, ckpt)
+    where = f"{path}/config.json"
+    args = parse_args(fam.ModelArgs, cfg, getattr(fam, "ALIASES", None), where=where)
+    model = fam.Model(args, cfg, where)
+    return model.load(open_checkpoint(path))

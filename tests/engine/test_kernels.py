@@ -129,3 +129,29 @@ def test_top_k_order_and_ties():
     ids, vals = layers.top_k(probs, 3)
     assert ids.tolist() == [[1, 2, 3]]
     np.testing.assert_allclose(vals, [[0.3, 0.3, 0.2]])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("T,N,D,g", [(1, 5, 64, 32), (4, 33, 256, 64), (2, 7, 384, 128), (3, 9, 96, 96)])
+def test_quantized_matmul(kind, T, N, D, g):
+    from colibri.storage.quant import dequantize, quantize
+
+    layers.init()
+    w = rand(N, D)
+    qw = quantize(w, kind, g)
+    assert qw.shape == (N, D) and qw.scales.dtype == np.float16
+    x = rand(T, D)
+    ref = x.astype(np.float64) @ dequantize(qw).T.astype(np.float64)
+    np.testing.assert_allclose(layers.linear(x, qw), ref, rtol=1e-4, atol=1e-4)
+    # and the quantization itself is close to the matrix (int4 coarser than int8)
+    err = np.abs(dequantize(qw) - w).max() / np.abs(w).max()
+    assert err < (0.08 if kind == "int4" else 0.005)
+
+
+def test_int4_packing_layout():
+    from colibri.storage.quant import dequantize, quantize
+
+    w = np.array([[7, -7, 1, 0]], np.float32)  # scale 7 / 7 = 1
+    qw = quantize(w, "int4", 4)
+    assert qw.q.tolist() == [[(7 + 8) | ((-7 + 8) << 4), (1 + 8) | ((0 + 8) << 4)]]
+    np.testing.assert_array_equal(dequantize(qw), w)

@@ -1,0 +1,81 @@
+"""Quantized weights: what a quantized expert matrix is in memory, and how the
+converter makes one. Symmetric, one float16 scale per group of `group_size` values
+along a row (the input dimension):
+
+- int8: int8 values in [-127, 127], w ~ q * scale;
+- int4: values in [-8, 7] stored +8 as unsigned nibbles, two per byte (the even
+  column in the low nibble), w ~ (nibble - 8) * scale.
+
+The engine computes on these directly (engine/kernels.py); nothing here dequantizes
+a whole matrix except `dequantize`, the reference the tests and benchmarks use.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QUANT_DTYPES = ("int8", "int4")
+QMAX = {"int8": 127, "int4": 7}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    kind: str  # "int8" or "int4"
+    q: np.ndarray  # int8 [N, D] or uint8 [N, D/2]
+    scales: np.ndarray  # float16 [N, D/group_size]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, d = self.q.shape
+        return (n, d * 2) if self.kind == "int4" else (n, d)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes
+
+
+def quantized_shapes(kind: str, shape: tuple[int, int], group_size: int) -> tuple[tuple, tuple]:
+    """Shapes of (values, scales) for a [N, D] matrix."""
+    n, d = shape
+    return ((n, d // 2) if kind == "int4" else (n, d)), (n, d // group_size)
+
+
+def check_group(kind: str, shape: tuple[int, int], group_size: int) -> str | None:
+    """Why a matrix cannot be quantized with this group size, or None if it can."""
+    d = shape[1]
+    if group_size <= 0 or d % group_size:
+        return f"group size {group_size} does not divide the row length {d}"
+    if kind == "int4" and group_size % 2:
+        return f"int4 needs an even group size, not {group_size}"
+    return None
+
+
+def quantize(w: np.ndarray, kind: str, group_size: int) -> QuantWeight:
+    """Quantize a float32 [N, D] matrix (D divisible by group_size; see check_group)."""
+    n, d = w.shape
+    g = w.astype(np.float32).reshape(n, d // group_size, group_size)  # [N, G, g]
+    amax = np.abs(g).max(axis=-1)  # [N, G]
+    scales = (amax / QMAX[kind]).astype(np.float16)
+    s = scales.astype(np.float32)
+    s[s == 0] = 1.0  # an all-zero group: any scale gives q = 0
+    lo = -8 if kind == "int4" else -127
+    q = np.clip(np.rint(g / s[..., None]), lo, QMAX[kind]).astype(np.int8).reshape(n, d)
+    if kind == "int4":
+        u = (q + 8).astype(np.uint8)
+        q = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)  # [N, D/2]
+    return QuantWeight(kind, np.ascontiguousarray(q), scales, group_size)
+
+
+def dequantize(w: QuantWeight) -> np.ndarray:
+    """The float32 matrix a quantized weight stands for (a reference, not for the hot path)."""
+    if w.kind == "int4":
+        n, half = w.q.shape
+        vals = np.empty((n, half * 2), np.float32)
+        vals[:, 0::2] = (w.q & 15).astype(np.float32) - 8
+        vals[:, 1::2] = (w.q >> 4).astype(np.float32) - 8
+    else:
+        vals = w.q.astype(np.float32)
+    n, d = vals.shape
+    s = w.scales.astype(np.float32)
+    return (vals.reshape(n, d // w.group_size, w.group_size) * s[..., None]).reshape(n, d)
