@@ -10,7 +10,7 @@ from . import exitcodes
 class LazyGroup(click.Group):
     """A group whose offline commands are imported when used, not at start."""
 
-    LAZY = {"run": "run", "demo-model": "demo_model"}
+    LAZY = {"run": "run", "demo-model": "demo_model", "convert": "convert"}
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))

@@ -23,14 +23,42 @@ def fail(message: str, code: int):
 
 
 def error_code(e: Exception) -> int:
+    """The exit code for a named error (the first matching class, most specific first)."""
     from ..engine.errors import InvalidRequest
+    from ..storage.cache import BudgetInvalid, ExpertReadError
+    from ..storage.convert import ConvertError
     from ..storage.errors import CheckpointError
 
-    if isinstance(e, InvalidRequest):
-        return exitcodes.BAD_REQUEST
-    if isinstance(e, CheckpointError):
-        return exitcodes.MODEL
-    return exitcodes.INTERNAL
+    table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
+             (ConvertError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
+    return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
+
+
+def guarded(fn):
+    """Run a command body: named errors become one line and an exit code, never a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit:
+            raise
+        except KeyboardInterrupt:
+            fail("interrupted", exitcodes.INTERRUPTED)
+        except BrokenPipeError:
+            sys.stderr.close()  # the reader went away (e.g. `| head`): nothing more to say
+            raise SystemExit(exitcodes.OK) from None
+        except Exception as e:
+            from ..storage.errors import ColibriError
+
+            if isinstance(e, ColibriError):
+                fail(str(e), error_code(e))
+            if isinstance(e, OSError):
+                fail(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", exitcodes.MODEL)
+            raise
+
+    return wrapper
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -65,41 +93,34 @@ def resolve_model(model: str | None) -> str:
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.argument("prompt", required=False)
-def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt):
+@click.option("--expert-cache", "budget", metavar="SIZE",
+              help="RAM for routed experts of a container: bytes, KiB/MiB/GiB, 'min' or 'all' "
+                   "(default: all that fits in half the available memory)")
+@click.option("--io-threads", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="threads reading experts from disk")
+@click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
+@click.option("--routing-trace", type=click.Path(dir_okay=False, writable=True), metavar="PATH",
+              help="write the experts each layer used at each step as JSON lines")
+@guarded
+def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
+        mlock, routing_trace):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
-    try:
-        _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt)
-    except SystemExit:
-        raise
-    except KeyboardInterrupt:
-        fail("interrupted", exitcodes.INTERRUPTED)
-    except BrokenPipeError:
-        sys.stderr.close()  # the reader went away (e.g. `| head`): nothing more to say
-        raise SystemExit(exitcodes.OK) from None
-    except Exception as e:
-        from ..storage.errors import ColibriError
-
-        if isinstance(e, ColibriError):
-            fail(str(e), error_code(e))
-        if isinstance(e, OSError):
-            fail(f"{e.strerror or e}{': ' + e.filename if e.filename else ''}", exitcodes.MODEL)
-        raise
-
-
-def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt):
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
     from ..engine.registry import load_model
     from ..engine.tokenizer import Tokenizer, eos_ids
+    from ..storage.cache import parse_size
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop=tuple(stop))
     params.check()
+    budget = parse_size(budget) if budget is not None else None
     text_in = read_prompt(prompt)
     path = resolve_model(model_path)
     t0 = time.perf_counter()
     tok = Tokenizer(path)
-    model = load_model(path)
+    trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
+    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace)
     layers.init()  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
@@ -109,8 +130,9 @@ def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     check_prompt(ids, model.n_ctx)
     info = model.describe()
     if not as_json:
-        click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, "
-                   f"{info['n_expert']} experts, weights {info['dtype']}, loaded in {load_s:.2f} s", err=True)
+        click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
+                   f"experts, {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
+                   f"loaded in {load_s:.2f} s", err=True)
     token_ids, pieces, done = [], [], None
     for ev in generate(model, ids, params, eos_ids(path, _config(path), tok), tok):
         if ev.kind == "token":
@@ -133,7 +155,35 @@ def _run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
         click.echo(f"[colibri] {stats['n_prompt_tokens']} prompt tokens in {stats['prefill_s']:.3f} s, "
                    f"{stats['n_generated_tokens']} generated in {stats['decode_s']:.3f} s ({rate}), "
                    f"finish: {done.finish_reason}", err=True)
+        e = stats["experts"]
+        gbs = f" at {e['read_gbs']:.2f} GB/s" if e["read_gbs"] else ""
+        click.echo(f"[colibri] experts: {e['hits']} hits, {e['misses']} misses (hit rate "
+                   f"{100 * (e['hit_rate'] or 0):.1f} %), {fmt_bytes(e['bytes_read'])} read{gbs}, "
+                   f"{e['experts_read_per_token']} read per token, waiting on I/O {e['io_wait_s']:.3f} s, "
+                   f"computing {e['compute_s']:.3f} s", err=True)
     sys.stdout.flush()
+
+
+def describe_precision(p: dict) -> str:
+    g = f" g{p['group_size']}" if p.get("group_size") else ""
+    text = f"dense {p['dense']}, experts {p['experts']}{g}"
+    if p.get("lossy"):
+        src = p.get("source") or {}
+        text += f" (LOSSY: converted from {src.get('experts', '?')} experts / {src.get('dense', '?')} dense)"
+    return text
+
+
+def describe_placement(e: dict) -> str:
+    if "budget_bytes" not in e:
+        return "all experts resident"
+    return (f"expert cache {fmt_bytes(e['arena_bytes'])} ({e['slots_per_layer']} slots per layer, "
+            f"{'O_DIRECT' if e['o_direct'] else 'buffered'} reads, {e['io_threads']} I/O threads)")
+
+
+def fmt_bytes(n: float) -> str:
+    from ..storage.cache import fmt_bytes as fmt
+
+    return fmt(n)
 
 
 def _config(path: str) -> dict:
@@ -156,3 +206,52 @@ def demo_model(directory, force):
     except OSError as e:
         fail(f"cannot write {directory}: {e.strerror or e}", exitcodes.INTERNAL)
     click.echo(path)
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--dtype", type=click.Choice(["bf16", "f16", "f32", "int8", "int4"]),
+              help="expert precision (default: the checkpoint's own). bf16/f16/f32 apply to the dense part too; "
+                   "int8/int4 quantize the routed experts only, which is lossy")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]),
+              help="values per scale for int8/int4 (default: int4 64, int8 one scale per row)")
+@click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
+              help="precision of the resident part (default: the checkpoint's own)")
+@click.option("--force", is_flag=True, help="replace DST if it exists")
+@guarded
+def convert(src, dst, dtype, group_size, dense_dtype, force):
+    """Convert the Hugging Face checkpoint SRC into a colibri container DST, laid out for
+    streaming experts from disk."""
+    from ..engine.registry import build_model
+    from ..storage.checkpoint import load_config, open_checkpoint
+    from ..storage.convert import ConvertError, ExpertPlan
+    from ..storage.convert import convert as run_convert
+
+    if group_size and dtype not in ("int8", "int4"):
+        raise ConvertError("--group-size applies to --dtype int8 or int4")
+    cfg = load_config(src)
+    model = build_model(src, cfg)
+    ckpt = open_checkpoint(src)
+    model.check(ckpt)
+    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names)
+    bar = sys.stderr.isatty()
+    t0 = time.perf_counter()
+
+    def progress(done, total):
+        if bar and (done == total or done % 16 == 0):
+            width = 40
+            fill = width * done // total
+            sys.stderr.write(f"\rconverting [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tensors and experts")
+            sys.stderr.flush()
+
+    manifest = run_convert(ckpt, dst, plan, expert_dtype=dtype, dense_dtype=dense_dtype,
+                           group_size=int(group_size) if group_size else None, force=force, progress=progress)
+    if bar:
+        sys.stderr.write("\n")
+    ex = manifest["experts"]
+    tc = manifest["tensor_classes"]
+    click.echo(f"[colibri] {os.path.abspath(dst)}: {ex['n_layer']} MoE layers x {ex['n_expert']} experts of "
+               f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}"
+               f"{' g' + str(tc['experts']['group_size']) if tc['experts']['group_size'] else ''}), dense "
+               f"{tc['dense']['dtype']}, in {time.perf_counter() - t0:.1f} s", err=True)

@@ -109,6 +109,14 @@ class Event:
     stats: dict = field(default_factory=dict)
 
 
+def expert_stats(st, n_tokens: int, wall_s: float) -> dict:
+    """The expert source's counters for a run, with per-token and time splits added."""
+    d = st.as_dict()
+    d["experts_read_per_token"] = round(st.misses / n_tokens, 3) if n_tokens else None
+    d["compute_s"] = round(max(wall_s - st.io_wait_s, 0.0), 6)
+    return d
+
+
 def check_prompt(prompt_ids: list[int], n_ctx: int) -> None:
     """Raise InvalidRequest for an empty prompt, PromptTooLong for one that leaves no room
     in the context for a new token."""
@@ -131,7 +139,7 @@ def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=No
     sampler = Sampler(params)
     text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None
     cache = model.new_cache(n_prompt + params.max_tokens)
-    n_expert0 = model.experts.counters.n_expert
+    stats0 = model.experts.stats.copy()
 
     t0 = time.perf_counter()
     logits = model.forward(np.asarray(prompt_ids), cache)[-1]  # [V]
@@ -166,6 +174,6 @@ def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=No
             "prefill_tok_s": round(n_prompt / prefill_s, 3) if prefill_s > 0 else None,
             "decode_s": round(decode_s, 6),
             "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
-            "experts_fetched_per_token": round((model.experts.counters.n_expert - n_expert0) / max(n_prompt + n_decode, 1), 3),
+            "experts": expert_stats(model.experts.stats.minus(stats0), n_prompt + n_decode, prefill_s + decode_s),
         },
     )

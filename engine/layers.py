@@ -227,10 +227,13 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
-    out = np.zeros_like(x)
+    T, A = ids.shape
+    ys = np.zeros((T, A, x.shape[1]), np.float32)  # [T, A, D] each token's expert outputs
     union = np.unique(ids)  # each expert of the step once, however many tokens chose it
-    for ie, (gate, up, down) in zip(union, experts.fetch(il, union.tolist())):
+    for ie, (gate, up, down) in experts.stream(il, union.tolist()):  # in any order
         t_idx, slot = np.nonzero(ids == ie)  # a token picks an expert at most once
-        y = swiglu(x[t_idx], gate, up, down)  # [n, D]
-        out[t_idx] += y * weights[t_idx, slot][:, None]
+        ys[t_idx, slot] = swiglu(x[t_idx], gate, up, down) * weights[t_idx, slot][:, None]
+    out = ys[:, 0].copy()
+    for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
+        out += ys[:, a]
     return out

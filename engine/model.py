@@ -16,6 +16,8 @@ from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, ResidentExperts
 from .layers import KVCache, Rope, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
 
+DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
+
 # keys widened to float32 at load (small vectors and the routers); everything else keeps
 # the checkpoint's precision
 F32_KEYS = {"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias",
@@ -124,6 +126,7 @@ class MoEModel:
         self.glob: dict[str, np.ndarray] = {}
         self.layers: list[dict[str, np.ndarray]] = []
         self.experts: ExpertSource | None = None
+        self.container = None  # the Container, when the experts stream from one
 
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
         """Checkpoint names of expert ie of layer il: (gate, up, down)."""
@@ -215,6 +218,7 @@ class MoEModel:
         T = ids.shape[0]
         h = to_f32(self.glob["embed"][ids])  # [T, D]
         cos, sin = self.rope.table(cache.n_pos, T)
+        self.experts.begin_step()
         for il in range(self.n_layer):
             h = self.block(il, h, cache, cos, sin)
         cache.n_pos += T
@@ -229,7 +233,15 @@ class MoEModel:
             "n_layer": self.n_layer,
             "n_expert": self.n_expert,
             "n_moe_layer": len(self.moe_layers),
-            "dtype": str(self.glob["embed"].dtype).replace("uint16", "bfloat16"),
+            "precision": self.precision(),
             "dense_bytes": int(dense),
             "n_ctx": self.n_ctx,
+            "experts": self.experts.describe(),
         }
+
+    def precision(self) -> dict:
+        """The weights' precision in use, and whether it is lossy against the source checkpoint."""
+        if self.container is not None:
+            return self.container.precision()
+        dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
+        return {"dense": dt, "experts": dt, "group_size": None, "lossy": False}

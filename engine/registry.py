@@ -6,6 +6,7 @@ import pkgutil
 from pathlib import Path
 
 from ..storage.checkpoint import load_config, open_checkpoint
+from ..storage.container import ContainerInvalid
 from ..storage.errors import ConfigInvalid, UnsupportedModelType
 from .model import MoEModel, parse_args
 
@@ -29,17 +30,52 @@ def family(model_type) -> object:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def load_model(path: str) -> MoEModel:
-    """Open a model directory, check it fully, and load it (all experts resident).
-
-    Raises the storage errors (ModelNotFound, ConfigMissing, ConfigInvalid, header and
-    tensor errors) and UnsupportedModelType.
-    """
-    cfg = load_config(path)
+def build_model(path: str, cfg: dict) -> MoEModel:
+    """The model's structure from its config (no weights). Raises ConfigInvalid,
+    UnsupportedModelType."""
     if "model_type" not in cfg:
         raise ConfigInvalid(f"{path}/config.json: no model_type")
     fam = family(cfg["model_type"])
     where = f"{path}/config.json"
     args = parse_args(fam.ModelArgs, cfg, getattr(fam, "ALIASES", None), where=where)
-    model = fam.Model(args, cfg, where)
-    return model.load(open_checkpoint(path))
+    return fam.Model(args, cfg, where)
+
+
+def default_budget(container) -> int:
+    """Without --expert-cache: every expert if that fits in half the available memory, else that half."""
+    import psutil
+
+    return max(min(container.expert_bytes, psutil.virtual_memory().available // 2), 1)
+
+
+def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, direct: bool = True,
+               mlock: bool = False, trace=None) -> MoEModel:
+    """Open a model directory (a Hugging Face checkpoint or a colibri container), check it
+    fully and load it. A checkpoint's experts are all read into RAM; a container's are
+    streamed through an expert cache of `budget` bytes ("min", "all", or None for the
+    default). `trace`, a text file, receives the routing trace.
+
+    Raises the storage errors (ModelNotFound, ConfigMissing, ConfigInvalid, header and
+    tensor errors, ContainerInvalid), UnsupportedModelType, BudgetInvalid.
+    """
+    from ..storage.cache import BudgetInvalid, ExpertCache
+    from ..storage.container import is_container, open_container
+    from ..storage.experts import TracedSource
+
+    cfg = load_config(path)
+    model = build_model(path, cfg)
+    if is_container(path):
+        c = open_container(path)
+        if c.moe_layers != model.moe_layers or c.n_expert != model.n_expert:
+            raise ContainerInvalid(f"{path}: the manifest's experts do not match config.json")
+        experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock)
+        model.container = c
+        model.load(c.dense, TracedSource(experts, trace) if trace else experts)
+        return model
+    if budget is not None:
+        raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "
+                            f"colictl convert {path} DST, then run --model DST")
+    model.load(open_checkpoint(path))
+    if trace:
+        model.experts = TracedSource(model.experts, trace)
+    return model

@@ -1,55 +1,115 @@
 """Where the engine gets routed experts from: the ExpertSource interface.
 
 The engine asks for the union of one layer's selected experts at once
-(`fetch(il, ids)`), so an implementation can read each expert once per step however
-many tokens route to it. `ResidentExperts` keeps every expert in RAM; the streaming
-cache (a byte budget over NVMe reads) implements the same interface.
+(`stream(il, ids)`), so a source reads each expert once per step however many tokens
+route to it, and may hand out the experts in any order (resident ones first, the rest
+as they arrive from disk). `ResidentExperts` keeps every expert in RAM; the expert
+cache (cache.py) streams them from a container under a byte budget.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import numpy as np
 
-from .checkpoint import Checkpoint
-
-# (gate [I, D], up [I, D], down [D, I]) in storage precision
-ExpertWeights = tuple[np.ndarray, np.ndarray, np.ndarray]
+# (gate [I, D], up [I, D], down [D, I]): arrays in storage precision, or QuantWeight
+ExpertWeights = tuple
 
 
 @dataclass
-class ExpertCounters:
-    n_fetch: int = 0  # fetch calls (one per MoE layer per forward step)
-    n_expert: int = 0  # experts handed out, counting each unique expert of a step once
-    per_layer: dict[int, int] = field(default_factory=dict)
+class ExpertStats:
+    steps: int = 0  # forward steps
+    fetches: int = 0  # layer-steps served
+    experts: int = 0  # experts served, each unique expert of a layer-step once
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    io_wait_s: float = 0.0  # time the engine waited for reads
+    io_wall_s: float = 0.0  # time with reads in flight
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = round(self.hits / self.experts, 4) if self.experts else None
+        d["read_gbs"] = round(self.bytes_read / self.io_wall_s / 1e9, 3) if self.io_wall_s else None
+        d["io_wait_s"], d["io_wall_s"] = round(self.io_wait_s, 6), round(self.io_wall_s, 6)
+        return d
+
+    def minus(self, before: "ExpertStats") -> "ExpertStats":
+        return ExpertStats(**{k: v - getattr(before, k) for k, v in asdict(self).items()})
+
+    def copy(self) -> "ExpertStats":
+        return ExpertStats(**asdict(self))
 
 
 class ExpertSource(Protocol):
-    def fetch(self, il: int, ids: list[int]) -> list[ExpertWeights]:
-        """The weights of experts `ids` (unique) of layer `il`, in the same order."""
+    stats: ExpertStats
+
+    def begin_step(self) -> None:
+        """A new forward step starts (for stats and traces)."""
+
+    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """(id, weights) for each of `ids` (unique) of layer il, in any order; the weights
+        are valid until the next item is asked for."""
         ...
 
 
 class ResidentExperts:
     """Every routed expert read into RAM at open (the all-resident placement).
 
-    `names(il, ie)` gives the checkpoint tensor names of (gate, up, down). Raises
-    what Checkpoint.read raises.
+    `names(il, ie)` gives the tensor names of (gate, up, down) in `src` (a Checkpoint).
+    Raises what src.read raises.
     """
 
-    def __init__(self, ckpt: Checkpoint, layers: list[int], n_expert: int, names):
+    def __init__(self, src, layers: list[int], n_expert: int, names):
         self.experts: dict[int, list[ExpertWeights]] = {
-            il: [tuple(ckpt.read(n) for n in names(il, ie)) for ie in range(n_expert)] for il in layers
+            il: [tuple(src.read(n) for n in names(il, ie)) for ie in range(n_expert)] for il in layers
         }
-        self.counters = ExpertCounters()
+        self.stats = ExpertStats()
 
-    def fetch(self, il: int, ids: list[int]) -> list[ExpertWeights]:
-        self.counters.n_fetch += 1
-        self.counters.n_expert += len(ids)
-        self.counters.per_layer[il] = self.counters.per_layer.get(il, 0) + len(ids)
+    def begin_step(self) -> None:
+        self.stats.steps += 1
+
+    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        self.stats.fetches += 1
+        self.stats.experts += len(ids)
+        self.stats.hits += len(ids)
         layer = self.experts[il]
-        return [layer[ie] for ie in ids]
+        for ie in ids:
+            yield ie, layer[ie]
 
     @property
     def n_bytes(self) -> int:
         return sum(a.nbytes for layer in self.experts.values() for e in layer for a in e)
+
+    def describe(self) -> dict:
+        return {"placement": "all resident", "expert_bytes": self.n_bytes}
+
+
+class TracedSource:
+    """Wraps a source and writes one JSON line per layer per forward step:
+    {"step": i, "layer": l, "experts": [...]} (a prefill step lists the union)."""
+
+    def __init__(self, inner, out):
+        self.inner, self.out, self.step = inner, out, -1
+
+    @property
+    def stats(self) -> ExpertStats:
+        return self.inner.stats
+
+    def begin_step(self) -> None:
+        self.step += 1
+        self.inner.begin_step()
+
+    def stream(self, il: int, ids: list[int]):
+        import json
+
+        self.out.write(json.dumps({"step": self.step, "layer": il, "experts": [int(i) for i in ids]}) + "\n")
+        return self.inner.stream(il, ids)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+_ = np  # ExpertWeights hold numpy arrays

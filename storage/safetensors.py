@@ -189,29 +189,64 @@ class SafetensorsFile:
         return arr
 
 
+class SafetensorsWriter:
+    """Writes a safetensors file whose data is produced sequentially.
+
+    `entries` are (name, dtype name, shape) in data order; each starts where the previous
+    ends (the format allows no gaps: add padding tensors to align). The header is padded
+    with spaces so the data section starts at a multiple of `header_align`. Call
+    `write` with the data in order, then `close`, which checks that every byte came.
+    Raises UnsupportedDtype for an unknown dtype name, OSError on I/O, ValueError when
+    the data written does not match the entries.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple]], metadata: dict | None = None,
+                 header_align: int = 8):
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        self.offsets = {}
+        for name, dtype, shape in entries:
+            if dtype not in DTYPES:
+                raise UnsupportedDtype(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
+            n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+            header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+            self.offsets[name] = offset
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % header_align)
+        self.data_begin = 8 + len(raw)
+        self.data_bytes = offset
+        self.written = 0
+        self.path = path
+        self.f = open(path, "wb")
+        self.f.write(len(raw).to_bytes(8, "little"))
+        self.f.write(raw)
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.f.write(mv)
+        self.written += mv.nbytes
+
+    def close(self) -> None:
+        if self.written != self.data_bytes:
+            self.f.close()
+            raise ValueError(f"{self.path}: wrote {self.written} data bytes, header promises {self.data_bytes}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Write tensors (uint16 arrays are stored as BF16) to path as safetensors.
 
-    The header is padded with spaces so the data section starts 8-byte aligned, as
-    the reference writer does. Writes to path + ".tmp" and renames when complete.
-    Raises UnsupportedDtype for an array with no safetensors dtype, OSError on I/O.
+    The data section starts 8-byte aligned, as the reference writer does. Writes to
+    path + ".tmp" and renames when complete. Raises UnsupportedDtype for an array with
+    no safetensors dtype, OSError on I/O.
     """
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    arrays = []
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        header[name] = {"dtype": dtype_name(arr), "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+    arrays = {name: np.ascontiguousarray(arr) for name, arr in tensors.items()}
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for arr in arrays:
-            f.write(arr.reshape(-1).view(np.uint8).data)
+    w = SafetensorsWriter(tmp, [(n, dtype_name(a), a.shape) for n, a in arrays.items()], metadata)
+    for a in arrays.values():
+        w.write(a.reshape(-1).view(np.uint8))
+    w.close()
     os.replace(tmp, path)

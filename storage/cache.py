@@ -1,0 +1,237 @@
+"""The expert cache: routed experts streamed from a container into RAM slots under a
+byte budget.
+
+- One arena is allocated at start (anonymous mmap, page aligned; transparent hugepages
+  asked for with madvise; mlock'ed when asked and the limit allows) and cut into
+  record-sized slots. Nothing is allocated per read.
+- Each MoE layer owns an equal share of the slots and keeps them as an LRU.
+- `stream(il, ids)` serves one layer's step: the union of the experts its tokens chose
+  (batch-union: each read once). Misses are read with O_DIRECT preadv from a small
+  thread pool, started before the resident experts are handed out, so the engine
+  computes the hits while the misses land (the kernels release the GIL). A slot
+  used in this step is not reused until the engine has computed with it, which is
+  why one slot per layer is enough: a layer's experts then stream through it.
+"""
+
+import logging
+import mmap
+import os
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from .container import Container, ExpertRecord
+from .errors import ColibriError
+from .experts import ExpertStats
+
+log = logging.getLogger("colibri.storage")
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+class BudgetInvalid(ColibriError):
+    """An expert budget that cannot be parsed, or is too small to run the model."""
+
+
+class ExpertReadError(ColibriError):
+    """Reading an expert record from disk failed."""
+
+
+def parse_size(text: str) -> int | str:
+    """'512MiB', '2GiB', '100k', '123456' -> bytes; 'min' and 'all' are returned as is.
+    Raises BudgetInvalid."""
+    t = str(text).strip().lower()
+    if t in ("min", "all"):
+        return t
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", t)
+    if not m or m.group(2) not in _UNITS:
+        raise BudgetInvalid(f"cannot read {text!r} as a size: use bytes or KiB/MiB/GiB (e.g. 512MiB), min or all")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _mlock(buf: mmap.mmap) -> str:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf))) != 0:
+        return f"mlock failed: {os.strerror(ctypes.get_errno())} (raise RLIMIT_MEMLOCK / LimitMEMLOCK=)"
+    return "locked"
+
+
+class ExpertCache:
+    """Experts of `container` under `budget` bytes (or "min"/"all").
+
+    Raises BudgetInvalid when the budget cannot hold one slot per MoE layer (the message
+    says the minimum), OSError when the expert files cannot be opened.
+    """
+
+    def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
+                 mlock: bool = False):
+        self.c = container
+        self.record_bytes = rb = container.record_bytes
+        layers = container.moe_layers
+        n_moe, n_expert = len(layers), container.n_expert
+        min_bytes = n_moe * rb
+        if budget == "min":
+            budget = min_bytes
+        elif budget == "all":
+            budget = n_moe * n_expert * rb
+        if budget < min_bytes:
+            raise BudgetInvalid(
+                f"expert cache of {fmt_bytes(budget)} is too small: the minimum is {fmt_bytes(min_bytes)} "
+                f"({min_bytes} bytes: one {fmt_bytes(rb)} expert slot for each of {n_moe} MoE layers)"
+            )
+        per_layer = min(budget // rb // n_moe, n_expert)
+        self.n_slots = per_layer * n_moe
+        self.budget_bytes = int(budget)
+        self.arena_bytes = self.n_slots * rb
+        self._mm = mmap.mmap(-1, self.arena_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.mlock = _mlock(self._mm) if mlock else "not asked"
+        self.arena = np.frombuffer(self._mm, np.uint8).reshape(self.n_slots, rb)  # [slots, record_bytes]
+        self._views: dict[int, tuple] = {}
+        self.free = {il: deque(range(i * per_layer, (i + 1) * per_layer)) for i, il in enumerate(layers)}
+        self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in layers}  # ie -> slot
+        self.slots_per_layer = per_layer
+        self.stats = ExpertStats()
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
+        self.io_threads = io_threads
+        self.fds: dict[str, int] = {}
+        self.direct, self.fallback_reason = direct, None
+        for file in sorted({r.file for r in container.records.values()}):
+            self.fds[file] = self._open(file)
+
+    def _open(self, file: str) -> int:
+        if self.direct:
+            try:
+                return os.open(file, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                self.direct = False
+                self.fallback_reason = f"O_DIRECT refused on {file} ({e.strerror}); using buffered reads"
+                log.warning(self.fallback_reason)
+        return os.open(file, os.O_RDONLY)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def views(self, slot: int) -> tuple:
+        v = self._views.get(slot)
+        if v is None:
+            v = self._views[slot] = self.c.expert_views(self.arena[slot])
+        return v
+
+    def _read(self, rec: ExpertRecord, slot: int) -> float:
+        t0 = time.perf_counter()
+        buf = memoryview(self.arena[slot])
+        done = 0
+        while done < rec.length:
+            try:
+                n = os.preadv(self.fds[rec.file], [buf[done:]], rec.offset + done)
+            except OSError as e:
+                raise ExpertReadError(f"reading layer {rec.layer} expert {rec.expert} from {rec.file} at offset "
+                                      f"{rec.offset}: {e.strerror}") from None
+            if n <= 0:
+                raise ExpertReadError(f"short read of layer {rec.layer} expert {rec.expert} from {rec.file} at "
+                                      f"offset {rec.offset}: {done} of {rec.length} bytes")
+            done += n
+        return time.perf_counter() - t0
+
+    def begin_step(self) -> None:
+        self.stats.steps += 1
+
+    def _take_slot(self, il: int, busy: set[int]) -> int | None:
+        if self.free[il]:
+            return self.free[il].popleft()
+        lru = self.lru[il]
+        for ie, slot in lru.items():  # least recently used first
+            if ie not in busy:
+                del lru[ie]
+                self.stats.evictions += 1
+                return slot
+        return None
+
+    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, tuple]]:
+        """Yield (expert id, (gate, up, down)) for each of `ids` (unique) of layer il, hits
+        first, misses as their reads complete. The weights are valid until the next item
+        is asked for. Raises ExpertReadError."""
+        st, lru = self.stats, self.lru[il]
+        st.fetches += 1
+        st.experts += len(ids)
+        hits = [ie for ie in ids if ie in lru]
+        pending = deque(ie for ie in ids if ie not in lru)
+        st.hits += len(hits)
+        st.misses += len(pending)
+        busy = set(hits)  # experts of this step whose slots must not be reused yet
+        inflight: deque[tuple[int, int, Future]] = deque()
+        t_first = None
+
+        def submit():
+            nonlocal t_first
+            while pending:
+                slot = self._take_slot(il, busy)
+                if slot is None:
+                    return
+                ie = pending.popleft()
+                busy.add(ie)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                inflight.append((ie, slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot)))
+
+        try:
+            submit()
+            for ie in hits:
+                lru.move_to_end(ie)
+                yield ie, self.views(lru[ie])
+                busy.discard(ie)
+                submit()
+            while inflight:
+                ie, slot, fut = inflight.popleft()
+                t0 = time.perf_counter()
+                try:
+                    fut.result()
+                except ExpertReadError:
+                    self.free[il].append(slot)
+                    raise
+                finally:
+                    st.io_wait_s += time.perf_counter() - t0
+                st.bytes_read += self.record_bytes
+                lru[ie] = slot
+                yield ie, self.views(slot)
+                busy.discard(ie)
+                submit()
+        finally:
+            for ie, slot, fut in inflight:  # abandoned (an error or the consumer stopped): settle the reads
+                try:
+                    fut.result()
+                    lru[ie] = slot
+                except ExpertReadError:
+                    self.free[il].append(slot)
+            if t_first is not None:
+                st.io_wall_s += time.perf_counter() - t_first
+
+    def describe(self) -> dict:
+        return {"placement": "expert cache", "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
+                "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
+                "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
+                "mlock": self.mlock}

@@ -1,0 +1,172 @@
+"""colibri's container: a checkpoint laid out for streaming experts from disk.
+
+    DIR/colibri.json            the manifest (format version, source fingerprint,
+                                precision per tensor class, the per-expert index)
+    DIR/config.json, tokenizer files, generation_config.json   copied from the source
+    DIR/dense.safetensors       every tensor that stays resident
+    DIR/experts-LLLL.safetensors  one file per MoE layer
+
+An expert file is valid safetensors. Its data section starts on a 4 KiB boundary and
+holds one record per expert: the expert's gate, up and down matrices (and their
+scales when quantized), each part 64-byte aligned inside the record, the record
+starting on a 4 KiB boundary and padded to a multiple of 4 KiB, so one aligned
+O_DIRECT read fetches one expert. Padding is named `__pad__.*` (U8 zeros) because
+safetensors requires the tensors to cover the data section without gaps.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checkpoint import Checkpoint, read_json
+from .errors import CheckpointError, ConfigInvalid
+from .quant import QuantWeight
+from .safetensors import DTYPES, SafetensorsFile
+
+FORMAT = "colibri-container"
+VERSION = 1
+MANIFEST = "colibri.json"
+DENSE_FILE = "dense.safetensors"
+ALIGN = 4096  # record alignment: the O_DIRECT / page unit
+PART_ALIGN = 64  # alignment of each part inside a record
+PARTS = ("gate", "up", "down")
+
+
+class ContainerInvalid(CheckpointError):
+    """The manifest is missing, of another version, or disagrees with the files."""
+
+
+def is_container(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def expert_file_name(il: int) -> str:
+    return f"experts-{il:04d}.safetensors"
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class RecordPart:
+    part: str  # gate, up, down
+    tensor: str  # "weight" (plain or quantized values) or "scales"
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    offset: int  # inside the record
+    n_bytes: int
+
+    def view(self, record: np.ndarray) -> np.ndarray:
+        # record [record_bytes] uint8 -> this part, zero-copy
+        return record[self.offset : self.offset + self.n_bytes].view(DTYPES[self.dtype]).reshape(self.shape)
+
+
+def record_layout(parts: list[tuple[str, str, str, tuple]]) -> tuple[list[RecordPart], int]:
+    """Place (part, tensor, dtype, shape) entries in a record; return them and the record size."""
+    out, offset = [], 0
+    for part, tensor, dtype, shape in parts:
+        n = int(np.prod(shape)) * DTYPES[dtype].itemsize
+        out.append(RecordPart(part, tensor, dtype, tuple(shape), offset, n))
+        offset = round_up(offset + n, PART_ALIGN)
+    return out, round_up(max(offset, 1), ALIGN)
+
+
+@dataclass(frozen=True)
+class ExpertRecord:
+    layer: int
+    expert: int
+    file: str  # absolute path
+    offset: int  # absolute file offset, a multiple of ALIGN
+    length: int  # record_bytes
+    crc32: int
+
+
+class Container:
+    """An opened container. Raises ContainerInvalid, or the safetensors errors of its files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.manifest = m = read_json(os.path.join(path, MANIFEST), ContainerInvalid)
+        if m.get("format") != FORMAT:
+            raise ContainerInvalid(f"{path}/{MANIFEST}: not a colibri container manifest")
+        if m.get("version") != VERSION:
+            raise ContainerInvalid(
+                f"{path}/{MANIFEST}: container version {m.get('version')!r}, this colibri reads version {VERSION}; "
+                "convert the checkpoint again"
+            )
+        try:
+            self.config = read_json(os.path.join(path, "config.json"))
+        except FileNotFoundError:
+            raise ConfigInvalid(f"{path}: container without config.json") from None
+        dense = SafetensorsFile(os.path.join(path, DENSE_FILE))
+        self.dense = Checkpoint(path=path, config=self.config, files={DENSE_FILE: dense},
+                                where=dict.fromkeys(dense.entries, DENSE_FILE))
+        ex = m["experts"]
+        self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
+        self.group_size = m["tensor_classes"]["experts"].get("group_size")
+        self.dense_dtype = m["tensor_classes"]["dense"]["dtype"]
+        self.record_bytes = int(ex["record_bytes"])
+        self.layout = [RecordPart(p["part"], p["tensor"], p["dtype"], tuple(p["shape"]), p["offset"], p["bytes"])
+                       for p in ex["layout"]]
+        self.n_expert = int(ex["n_expert"])
+        self.records: dict[tuple[int, int], ExpertRecord] = {}
+        files: dict[str, int] = {}
+        for r in ex["index"]:
+            file = os.path.join(path, r["file"])
+            if os.path.basename(r["file"]) != r["file"]:
+                raise ContainerInvalid(f"{path}/{MANIFEST}: index names a file outside the container: {r['file']!r}")
+            if file not in files:
+                try:
+                    files[file] = os.path.getsize(file)
+                except OSError:
+                    raise ContainerInvalid(f"{file}: missing (listed in {MANIFEST})") from None
+            if r["offset"] % ALIGN or r["length"] != self.record_bytes or r["offset"] + r["length"] > files[file]:
+                raise ContainerInvalid(
+                    f"{file}: record of layer {r['layer']} expert {r['expert']} at offset {r['offset']} "
+                    f"(length {r['length']}) is misaligned or outside the file"
+                )
+            self.records[(r["layer"], r["expert"])] = ExpertRecord(
+                r["layer"], r["expert"], file, r["offset"], r["length"], r["crc32"])
+        self.moe_layers = sorted({il for il, _ in self.records})
+
+    def expert_views(self, record: np.ndarray) -> tuple:
+        """(gate, up, down) over one record's bytes, zero-copy: arrays in their storage dtype,
+        or QuantWeight when the experts are quantized."""
+        parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
+        if self.expert_dtype in ("int8", "int4"):
+            out = []
+            for n in PARTS:
+                q, scales = parts[(n, "weight")], parts[(n, "scales")]
+                cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
+                out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
+            return tuple(out)
+        return tuple(parts[(n, "weight")] for n in PARTS)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.record_bytes * len(self.records)
+
+    def precision(self) -> dict:
+        """Precision per tensor class, and `lossy`: whether it differs from the source's."""
+        src = self.manifest["source"].get("dtypes", {})
+        lossy = self.expert_dtype != src.get("experts") or self.dense_dtype != src.get("dense")
+        return {"dense": self.dense_dtype, "experts": self.expert_dtype, "group_size": self.group_size,
+                "source": src, "lossy": bool(lossy)}
+
+
+def open_container(path: str) -> Container:
+    """Open and check a container directory. Raises ContainerInvalid and storage errors."""
+    try:
+        return Container(path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ContainerInvalid(f"{path}/{MANIFEST}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def write_manifest(path: str, manifest: dict) -> None:
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())

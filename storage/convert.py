@@ -1,0 +1,225 @@
+"""`colictl convert`: a Hugging Face checkpoint -> a colibri container (container.py).
+
+The converter knows nothing of model families: the caller (ctl, through the engine)
+says which tensors are routed experts with an ExpertPlan. Work happens one expert at
+a time, so converting never holds more than the dense part and one expert in memory.
+Everything is written into a temporary directory next to the destination and renamed
+into place only when complete: an interrupted convert leaves nothing that opens.
+"""
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .container import (
+    ALIGN,
+    DENSE_FILE,
+    FORMAT,
+    PARTS,
+    VERSION,
+    expert_file_name,
+    record_layout,
+    write_manifest,
+)
+from .errors import ColibriError
+from .quant import QUANT_DTYPES, check_group, quantize, quantized_shapes
+from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
+
+FLOAT_DTYPES = ("bf16", "f16", "f32")
+ST_NAME = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+OUR_NAME = {v: k for k, v in ST_NAME.items()}
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "chat_template.jinja")
+
+
+class ConvertError(ColibriError):
+    """The conversion cannot be done as asked (destination exists, bad group size, ...)."""
+
+
+@dataclass
+class ExpertPlan:
+    moe_layers: list[int]
+    n_expert: int
+    names: Callable[[int, int], tuple[str, str, str]]  # (il, ie) -> gate, up, down tensor names
+
+
+def fingerprint(ckpt: Checkpoint) -> str:
+    """sha256 over config.json and every shard's name, size and header: cheap (no weight
+    bytes are hashed) and changes whenever the checkpoint's contents are re-laid out."""
+    h = hashlib.sha256()
+    with open(os.path.join(ckpt.path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for name in sorted(ckpt.files):
+        sf = ckpt.files[name]
+        h.update(f"{name}:{sf.file_bytes}".encode())
+        with open(sf.path, "rb") as f:
+            h.update(f.read(sf.data_begin))
+    return "sha256:" + h.hexdigest()
+
+
+def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
+    """A storage-precision array (bf16 as uint16) in float dtype `dtype` (None keeps it)."""
+    if dtype is None:
+        return a
+    f32 = bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+    return {"bf16": f32_to_bf16, "f16": lambda x: x.astype(np.float16), "f32": lambda x: x}[dtype](f32)
+
+
+def to_f32(a: np.ndarray) -> np.ndarray:
+    return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | None = None,
+            dense_dtype: str | None = None, group_size: int | None = None, force: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> dict:
+    """Write the container for `src` at `dst`; return its manifest.
+
+    expert_dtype: None (keep the checkpoint's), bf16, f16, f32, int8, int4; dense_dtype:
+    None (keep), bf16, f16, f32. group_size: scale group for int8 (default: one per row)
+    and int4 (default 64). Raises ConvertError (dst exists without force, a group size
+    that does not divide a matrix), the checkpoint's errors, OSError.
+    """
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst) and not force:
+        raise ConvertError(f"{dst} exists; choose another destination or pass --force to replace it")
+    quant = expert_dtype in QUANT_DTYPES
+    gate0 = src.entry(plan.names(plan.moe_layers[0], 0)[0]) if plan.moe_layers else None
+    shapes = [src.entry(n).shape for n in plan.names(plan.moe_layers[0], 0)] if plan.moe_layers else []
+    if quant:
+        group_size = group_size or (64 if expert_dtype == "int4" else None)
+        for part, shape in zip(PARTS, shapes):
+            why = check_group(expert_dtype, shape, group_size or shape[1])
+            if why:
+                raise ConvertError(f"cannot quantize {part} [{shape[0]}, {shape[1]}] to {expert_dtype}: {why}")
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
+    try:
+        manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, progress)
+        if os.path.exists(dst):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
+            os.rename(dst, os.path.join(old, "x"))
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, progress) -> dict:
+    t0 = time.perf_counter()
+    for name in COPIED:
+        if os.path.isfile(os.path.join(src.path, name)):
+            shutil.copyfile(os.path.join(src.path, name), os.path.join(tmp, name))
+
+    expert_names = {n for il in plan.moe_layers for ie in range(plan.n_expert) for n in plan.names(il, ie)}
+    dense_names = sorted(n for n in src.where if n not in expert_names)
+    if dense_dtype is None and expert_dtype in FLOAT_DTYPES:
+        dense_dtype = expert_dtype  # --dtype bf16/f16/f32 means the whole model
+    total = len(dense_names) + len(plan.moe_layers) * plan.n_expert
+    done = 0
+
+    entries = []
+    for n in dense_names:
+        e = src.entry(n)
+        dt = ST_NAME[dense_dtype] if dense_dtype and e.dtype in OUR_NAME else e.dtype
+        entries.append((n, dt, e.shape))
+    w = SafetensorsWriter(os.path.join(tmp, DENSE_FILE), entries, {"format": "pt", "colibri": "dense"})
+    for n in dense_names:
+        a = src.read(n)
+        w.write(np.ascontiguousarray(cast(a, dense_dtype) if src.entry(n).dtype in OUR_NAME else a).view(np.uint8))
+        done += 1
+        if progress:
+            progress(done, total)
+    w.close()
+
+    if quant := expert_dtype in ("int8", "int4"):
+        parts = []
+        for part, shape in zip(PARTS, shapes):
+            g = group_size or shape[1]
+            qshape, sshape = quantized_shapes(expert_dtype, shape, g)
+            parts += [(part, "weight", "I8" if expert_dtype == "int8" else "U8", qshape), (part, "scales", "F16", sshape)]
+    else:
+        keep = ST_NAME[expert_dtype] if expert_dtype else (gate0.dtype if gate0 else "BF16")
+        parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
+    layout, record_bytes = record_layout(parts)
+
+    index = []
+    for il in plan.moe_layers:
+        file = expert_file_name(il)
+        entries, cursor = [], 0
+        for ie in range(plan.n_expert):
+            names = plan.names(il, ie)
+            for p in layout:
+                if p.offset > cursor:
+                    entries.append((f"__pad__.{il}.{ie}.{p.part}.{p.tensor}", "U8", (p.offset - cursor,)))
+                name = names[PARTS.index(p.part)]
+                entries.append((name if p.tensor == "weight" and not quant else
+                                f"{name.removesuffix('.weight')}.{'qweight' if p.tensor == 'weight' else 'scales'}",
+                                p.dtype, p.shape))
+                cursor = p.offset + p.n_bytes
+            if record_bytes > cursor:
+                entries.append((f"__pad__.{il}.{ie}.tail", "U8", (record_bytes - cursor,)))
+            cursor = 0
+        meta = {"format": "pt", "colibri": "experts", "layer": str(il), "record_bytes": str(record_bytes)}
+        w = SafetensorsWriter(os.path.join(tmp, file), entries, meta, header_align=ALIGN)
+        record = np.zeros(record_bytes, np.uint8)
+        for ie in range(plan.n_expert):
+            record[:] = 0
+            for part, name in zip(PARTS, plan.names(il, ie)):
+                a = src.read(name)
+                if quant:
+                    qw = quantize(to_f32(a), expert_dtype, group_size or a.shape[1])
+                    values = {"weight": qw.q, "scales": qw.scales}
+                else:
+                    values = {"weight": cast(a, expert_dtype)}
+                for p in layout:
+                    if p.part == part:
+                        v = np.ascontiguousarray(values[p.tensor])
+                        assert dtype_name(v) == p.dtype or p.dtype in ("I8", "U8")
+                        record[p.offset : p.offset + p.n_bytes] = v.reshape(-1).view(np.uint8)
+            w.write(record)
+            index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + ie * record_bytes,
+                          "length": record_bytes, "crc32": zlib.crc32(record)})
+            done += 1
+            if progress:
+                progress(done, total)
+        w.close()
+
+    src_dense = next((src.entry(n).dtype for n in dense_names if src.entry(n).dtype in OUR_NAME), "BF16")
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": {"path": os.path.abspath(src.path), "fingerprint": fingerprint(src),
+                   "dtypes": {"dense": OUR_NAME[src_dense], "experts": OUR_NAME.get(gate0.dtype if gate0 else "BF16")}},
+        "model_type": src.config.get("model_type"),
+        "tensor_classes": {
+            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense]},
+            "experts": {"dtype": expert_dtype or OUR_NAME.get(gate0.dtype if gate0 else "BF16"),
+                        "group_size": group_size if quant else None},
+        },
+        "experts": {
+            "n_layer": len(plan.moe_layers),
+            "n_expert": plan.n_expert,
+            "record_bytes": record_bytes,
+            "align": ALIGN,
+            "checksum": "crc32",
+            "layout": [{"part": p.part, "tensor": p.tensor, "dtype": p.dtype, "shape": list(p.shape),
+                        "offset": p.offset, "bytes": p.n_bytes} for p in layout],
+            "index": index,
+        },
+        "convert_s": round(time.perf_counter() - t0, 3),
+    }
+    write_manifest(tmp, manifest)
+    return manifest
