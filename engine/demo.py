@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from ..storage.safetensors import f32_to_bf16, write_safetensors
+from ..storage.safetensors import SafetensorsWriter, f32_to_bf16
 
 SEED = 20261130
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -70,38 +70,52 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _weights(cfg: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(SEED)
+def _tensors(cfg: dict) -> list[tuple[str, tuple, str]]:
+    """(name, shape, kind) of every tensor, kind one of embed, norm, head, matrix, router."""
     D, V, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
     Hq, Hkv, E, I = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_experts"], cfg["moe_intermediate_size"]
-
-    def mat(*shape, std=None):
-        std = std if std is not None else shape[-1] ** -0.5
-        return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32) * std)
-
-    def norm(n):
-        return f32_to_bf16(1 + 0.1 * rng.standard_normal(n, dtype=np.float32))
-
-    head = rng.standard_normal((V, D), dtype=np.float32) * D**-0.5 * 4
-    printable = np.zeros(V, bool)
-    printable[32:127] = True
-    head[~printable] = 0  # random logits for printable ASCII, 0 for the rest
-    w = {"model.embed_tokens.weight": mat(V, D, std=1.0), "model.norm.weight": norm(D),
-         "lm_head.weight": f32_to_bf16(head)}
+    out = [("model.embed_tokens.weight", (V, D), "embed"), ("model.norm.weight", (D,), "norm"),
+           ("lm_head.weight", (V, D), "head")]
     for il in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{il}."
-        w |= {p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
-              p + "self_attn.q_proj.weight": mat(Hq * hd, D), p + "self_attn.k_proj.weight": mat(Hkv * hd, D),
-              p + "self_attn.v_proj.weight": mat(Hkv * hd, D), p + "self_attn.o_proj.weight": mat(D, Hq * hd),
-              p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
-              p + "mlp.gate.weight": mat(E, D, std=D**-0.5 * 2)}
+        out += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm"),
+                (p + "self_attn.q_proj.weight", (Hq * hd, D), "matrix"),
+                (p + "self_attn.k_proj.weight", (Hkv * hd, D), "matrix"),
+                (p + "self_attn.v_proj.weight", (Hkv * hd, D), "matrix"),
+                (p + "self_attn.o_proj.weight", (D, Hq * hd), "matrix"),
+                (p + "self_attn.q_norm.weight", (hd,), "norm"), (p + "self_attn.k_norm.weight", (hd,), "norm"),
+                (p + "mlp.gate.weight", (E, D), "router")]
         for ie in range(E):
             q = f"{p}mlp.experts.{ie}."
-            w |= {q + "gate_proj.weight": mat(I, D), q + "up_proj.weight": mat(I, D), q + "down_proj.weight": mat(D, I)}
-    return w
+            out += [(q + "gate_proj.weight", (I, D), "matrix"), (q + "up_proj.weight", (I, D), "matrix"),
+                    (q + "down_proj.weight", (D, I), "matrix")]
+    return out
 
 
-def write_demo_model(path: str, force: bool = False) -> str:
+def _value(i: int, shape: tuple, kind: str) -> np.ndarray:
+    """Tensor i's values (bf16 bits), from its own seeded generator: deterministic, one at a time."""
+    rng = np.random.default_rng([SEED, i])
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if kind == "norm":
+        return f32_to_bf16(1 + 0.1 * x)
+    if kind == "embed":
+        return f32_to_bf16(x)
+    scale = shape[-1] ** -0.5 * {"matrix": 1.0, "router": 2.0, "head": 4.0}[kind]
+    if kind == "head":  # random logits for printable ASCII, 0 for the rest
+        x[np.r_[0:32, 127 : shape[0]]] = 0
+    return f32_to_bf16(x * scale)
+
+
+def write_weights(path: str, cfg: dict) -> None:
+    """Write the random weights of `cfg` as one safetensors file, a tensor at a time."""
+    specs = _tensors(cfg)
+    w = SafetensorsWriter(path, [(n, "BF16", shape) for n, shape, _ in specs], {"format": "pt"})
+    for i, (_, shape, kind) in enumerate(specs):
+        w.write(_value(i, shape, kind))
+    w.close()
+
+
+def write_demo_model(path: str, force: bool = False, **overrides) -> str:
     """Write the demo checkpoint to `path` (built in a temporary directory next to it,
     then renamed, so a half-written model never looks whole). Returns the path.
 
@@ -116,7 +130,7 @@ def write_demo_model(path: str, force: bool = False) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".demo-", dir=parent)
     try:
-        cfg = dict(CONFIG)
+        cfg = CONFIG | overrides
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -127,7 +141,7 @@ def write_demo_model(path: str, force: bool = False) -> str:
             json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                        "chat_template": CHAT_TEMPLATE, "model_max_length": cfg["max_position_embeddings"]}, f,
                       indent=2)
-        write_safetensors(os.path.join(tmp, "model.safetensors"), _weights(cfg), {"format": "pt"})
+        write_weights(os.path.join(tmp, "model.safetensors"), cfg)
         if os.path.isdir(path):
             os.rmdir(path)
         os.rename(tmp, path)

@@ -201,8 +201,9 @@ def test_client_path_does_not_load_numpy():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_weights_checked_against_numpy():  # keeps the numpy import used; a sanity check of the demo weights
-    from colibri.engine.demo import CONFIG, _weights
+def test_demo_weights_are_bf16(demo):
+    from colibri.storage.safetensors import SafetensorsFile, bf16_to_f32
 
-    w = _weights(CONFIG)
-    assert all(a.dtype == np.uint16 for a in w.values())
+    f = SafetensorsFile(os.path.join(demo, "model.safetensors"))
+    assert {e.dtype for e in f.entries.values()} == {"BF16"}
+    assert np.isfinite(bf16_to_f32(f.read("lm_head.weight"))).all()

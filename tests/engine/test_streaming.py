@@ -1,0 +1,120 @@
+"""Streaming experts through the cache changes speed, never tokens: every family, every
+budget from one slot per layer to all resident, against transformers."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from colibri.engine import layers
+from colibri.engine.generate import SamplingParams, generate
+from colibri.engine.registry import build_model, load_model
+from colibri.storage.cache import BudgetInvalid, parse_size
+from colibri.storage.checkpoint import load_config, open_checkpoint
+from colibri.storage.convert import ExpertPlan, convert
+
+from hf_models import ALL_CASES, build
+
+N_NEW = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    layers.init()
+
+
+def to_container(src, dst, **kw):
+    model = build_model(str(src), load_config(str(src)))
+    convert(open_checkpoint(str(src)), dst, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names), **kw)
+    return str(dst)
+
+
+def greedy(model, ids, n=N_NEW):
+    return [e.token_id for e in generate(model, ids, SamplingParams(max_tokens=n)) if e.kind == "token"]
+
+
+def budgets(path):
+    probe = load_model(path, budget="min")
+    rb, n_moe, n_exp = probe.container.record_bytes, len(probe.moe_layers), probe.n_expert
+    return {"one slot per layer": "min", "half": rb * n_moe * max(n_exp // 2, 1), "all": "all"}
+
+
+@pytest.mark.parametrize("family,case", ALL_CASES)
+def test_tokens_identical_at_every_budget(tmp_path, family, case):
+    ref = build(family, case, tmp_path / "hf", seed=21)
+    path = to_container(tmp_path / "hf", tmp_path / "c")
+    resident = load_model(str(tmp_path / "hf"))
+    ids = np.random.default_rng(4).integers(0, resident.args.vocab_size, 13)
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor(ids)[None], max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    want_logits = resident.forward(ids, resident.new_cache(16), all_logits=True)
+    for name, budget in budgets(path).items():
+        model = load_model(path, budget=budget)
+        got = model.forward(ids, model.new_cache(16), all_logits=True)
+        np.testing.assert_array_equal(got, want_logits, err_msg=name)  # bit for bit, whatever came from disk
+        assert greedy(model, ids) == hf, name
+        # below "all" the experts really cycled through the slots; at "all" nothing was evicted
+        assert (model.experts.stats.evictions > 0) == (name != "all"), name
+
+
+def test_budget_limits_and_words(tmp_path):
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=1)
+    path = to_container(tmp_path / "hf", tmp_path / "c")
+    m = load_model(path, budget="min")
+    rb, n_moe = m.container.record_bytes, len(m.moe_layers)
+    assert m.experts.n_slots == n_moe
+    with pytest.raises(BudgetInvalid, match=f"minimum is .*{n_moe * rb} bytes"):
+        load_model(path, budget=n_moe * rb - 1)
+    assert load_model(path, budget="all").experts.n_slots == n_moe * m.n_expert
+    assert load_model(path, budget=10**12).experts.n_slots == n_moe * m.n_expert  # never more than all
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("100KiB") == 102400 and parse_size("12345") == 12345 and parse_size("min") == "min"
+    with pytest.raises(BudgetInvalid, match="cannot read"):
+        parse_size("lots")
+
+
+def test_batch_union_reads_each_expert_once_per_step(tmp_path):
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=3)
+    path = to_container(tmp_path / "hf", tmp_path / "c")
+    trace = io.StringIO()
+    model = load_model(path, budget="all", trace=trace)
+    ids = np.random.default_rng(0).integers(0, 101, 40)  # 40 tokens x top-2 over 8 experts: heavy overlap
+    model.forward(ids, model.new_cache(48))
+    lines = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert [ln["layer"] for ln in lines] == model.moe_layers and {ln["step"] for ln in lines} == {0}
+    union = sum(len(ln["experts"]) for ln in lines)
+    assert union < 40 * 2 * len(model.moe_layers)  # the tokens share experts
+    st = model.experts.stats
+    assert st.misses == union and st.hits == 0  # each unique expert of the step read once
+    assert st.bytes_read == union * model.container.record_bytes
+    before = st.misses
+    model.forward(ids[:1], model.new_cache(4))  # everything is resident now: no reads
+    assert model.experts.stats.misses == before
+
+
+def test_routing_trace_lines(tmp_path):
+    build("mixtral", "basic", tmp_path / "hf", seed=2)
+    trace = io.StringIO()
+    model = load_model(str(tmp_path / "hf"), trace=trace)
+    greedy(model, np.arange(5), n=4)
+    lines = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert len(lines) == 4 * len(model.moe_layers)  # prefill + 3 decode steps, one line per layer
+    assert [ln["step"] for ln in lines] == [s for s in range(4) for _ in model.moe_layers]
+    assert all(len(ln["experts"]) == 2 for ln in lines if ln["step"] > 0)  # decode: top-k of one token
+    assert all(ln["experts"] == sorted(set(ln["experts"])) for ln in lines)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_container_runs_close_to_bf16(tmp_path, dtype):
+    build("mixtral", "basic", tmp_path / "hf", seed=8, hidden_size=128, intermediate_size=64)
+    ref = load_model(to_container(tmp_path / "hf", tmp_path / "bf16", expert_dtype="bf16"))
+    q = load_model(to_container(tmp_path / "hf", tmp_path / dtype, expert_dtype=dtype, group_size=32), budget="min")
+    assert q.precision()["experts"] == dtype and q.precision()["lossy"]
+    ids = np.arange(9)
+    a = ref.forward(ids, ref.new_cache(12), all_logits=True)
+    b = q.forward(ids, q.new_cache(12), all_logits=True)
+    rel = np.abs(a - b).max() / np.abs(a).max()
+    assert rel < (0.4 if dtype == "int4" else 0.1), rel  # a flipped router choice moves logits more
