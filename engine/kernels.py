@@ -23,25 +23,38 @@ def f16_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-@nb.njit(**JIT_FAST)
-def matmul_u16(x, w, is_bf16, f16_lut, out):
-    # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T
-    T, D = x.shape
-    N = w.shape[0]
-    bits = np.empty(D, np.uint32)
-    row = bits.view(np.float32)  # [D]
-    for n in range(N):
-        if is_bf16:
-            for d in range(D):
-                bits[d] = np.uint32(w[n, d]) << 16
-        else:
-            for d in range(D):
-                row[d] = f16_lut[w[n, d]]
-        for t in range(T):
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc += x[t, d] * row[d]
-            out[t, n] = acc
+def _make_matmul_u16(parallel: bool):
+    @nb.njit(parallel=parallel, **JIT_FAST)
+    def matmul_u16(x, w, is_bf16, f16_lut, out):
+        # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T
+        T, D = x.shape
+        N = w.shape[0]
+        # `parallel` is read here so that it is part of the closure numba's cache keys on: the
+        # serial and the parallel build of this function must not share a cache entry
+        assert parallel or not parallel
+        for n in nb.prange(N):
+            bits = np.empty(D, np.uint32)
+            row = bits.view(np.float32)  # [D] one widened row
+            if is_bf16:
+                for d in range(D):
+                    bits[d] = np.uint32(w[n, d]) << 16
+            else:
+                for d in range(D):
+                    row[d] = f16_lut[w[n, d]]
+            for t in range(T):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += x[t, d] * row[d]
+                out[t, n] = acc
+
+    return matmul_u16
+
+
+# a parallel region costs tens of microseconds to start: worth it for the big dense matrices
+# (attention, LM head), not for one expert's
+matmul_u16 = _make_matmul_u16(parallel=False)
+matmul_u16_par = _make_matmul_u16(parallel=True)
+PARALLEL_MIN_ELEMENTS = 4 * 2**20
 
 
 @nb.njit(**JIT)
@@ -131,39 +144,81 @@ def read_bandwidth(buf, n_rep):
 
 @nb.njit(**JIT_FAST)
 def matmul_q8(x, q, scales, g, f16_lut, out):
-    # x [T, D] f32, q [N, D] int8, scales [N, D/g] f16 bits (uint16), out [T, N]: out = x @ dequant(q).T
+    # x [T, D] f32, q [N, D] int8, scales [N, D/g] f16 bits (uint16), out [T, N]: out = x @ dequant(q).T,
+    # a group at a time (sum of x*q, times the group's scale), in tiles of a constant 32 columns,
+    # which LLVM vectorises; nothing is dequantized
     T, D = x.shape
     N = q.shape[0]
-    row = np.empty(D, np.float32)  # one dequantized row, never a whole matrix
+    G = D // g
+    nc = g // 32
     for n in range(N):
-        for gi in range(D // g):
-            s = f16_lut[scales[n, gi]]
-            for j in range(gi * g, gi * g + g):
-                row[j] = np.float32(q[n, j]) * s
         for t in range(T):
             acc = np.float32(0.0)
-            for d in range(D):
-                acc += x[t, d] * row[d]
+            for gi in range(G):
+                part = np.float32(0.0)
+                for c in range(nc):
+                    base = gi * g + c * 32
+                    for j in range(32):
+                        part += x[t, base + j] * np.float32(q[n, base + j])
+                for j in range(gi * g + nc * 32, gi * g + g):
+                    part += x[t, j] * np.float32(q[n, j])
+                acc += part * f16_lut[scales[n, gi]]
             out[t, n] = acc
 
 
 @nb.njit(**JIT_FAST)
-def matmul_q4(x, q, scales, g, f16_lut, out):
-    # x [T, D] f32, q [N, D/2] uint8 (even column in the low nibble, value + 8), scales [N, D/g]
-    # f16 bits, out [T, N]: out = x @ dequant(q).T
+def q4_split(x, g, xe, xo, xsum8):
+    # x [T, D] -> xe, xo [T, D/2] (even and odd columns), xsum8 [T, D/g] = 8 * each group's sum
     T, D = x.shape
+    for t in range(T):
+        for j in range(D // 2):
+            xe[t, j] = x[t, 2 * j]
+            xo[t, j] = x[t, 2 * j + 1]
+        for gi in range(D // g):
+            s = np.float32(0.0)
+            for j in range(gi * g, gi * g + g):
+                s += x[t, j]
+            xsum8[t, gi] = np.float32(8.0) * s
+
+
+def _make_q4(half: int):
+    # one kernel per group size: LLVM vectorises the group loop only when its length is a constant
+    @nb.njit(**JIT_FAST)
+    def matmul_q4_g(xe, xo, xsum8, q, scales, f16_lut, out):
+        # xe, xo [T, D/2]; xsum8 [T, G]; q [N, D/2] uint8 (even column in the low nibble, value + 8);
+        # scales [N, G] f16 bits; out [T, N]. Per group: sum(xe*lo + xo*hi) - 8*sum(x), times the scale.
+        T, H = xe.shape
+        N = q.shape[0]
+        for n in range(N):
+            for t in range(T):
+                acc = np.float32(0.0)
+                for gi in range(H // half):
+                    part = np.float32(0.0)
+                    for j in range(gi * half, gi * half + half):
+                        b = q[n, j]
+                        part += xe[t, j] * np.float32(b & 15) + xo[t, j] * np.float32(b >> 4)
+                    acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
+                out[t, n] = acc
+
+    return matmul_q4_g
+
+
+MATMUL_Q4 = {g: _make_q4(g // 2) for g in (32, 64, 128)}  # group size -> kernel (compiled on first use)
+
+
+@nb.njit(**JIT_FAST)
+def matmul_q4_any(xe, xo, xsum8, q, scales, g, f16_lut, out):
+    # as MATMUL_Q4, for any even group size (slower: the group length is not a constant)
+    T, H = xe.shape
     N = q.shape[0]
     half = g // 2
-    row = np.empty(D, np.float32)
     for n in range(N):
-        for gi in range(D // g):
-            s = f16_lut[scales[n, gi]]
-            for j in range(gi * half, gi * half + half):
-                b = q[n, j]
-                row[2 * j] = np.float32(np.int32(b & 15) - 8) * s
-                row[2 * j + 1] = np.float32(np.int32(b >> 4) - 8) * s
         for t in range(T):
             acc = np.float32(0.0)
-            for d in range(D):
-                acc += x[t, d] * row[d]
+            for gi in range(H // half):
+                part = np.float32(0.0)
+                for j in range(gi * half, gi * half + half):
+                    b = q[n, j]
+                    part += xe[t, j] * np.float32(b & 15) + xo[t, j] * np.float32(b >> 4)
+                acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
             out[t, n] = acc

@@ -3,6 +3,7 @@ SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 """
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,10 +24,15 @@ def init() -> None:
         return
     _F16_LUT = kernels.f16_table()
     x = np.ones((1, 4), np.float32)
+    for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
+        kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
     for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
               QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2),
               QuantWeight("int4", np.ones((2, 2), np.uint8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
+    x64 = np.ones((1, 128), np.float32)
+    for g in kernels.MATMUL_Q4:
+        linear(x64, QuantWeight("int4", np.ones((2, 64), np.uint8), np.ones((2, 128 // g), np.float16), g))
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
     kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
@@ -45,13 +51,25 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if isinstance(w, QuantWeight):
         y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
-        kernel = kernels.matmul_q4 if w.kind == "int4" else kernels.matmul_q8
-        kernel(x, w.q, w.scales.view(np.uint16), w.group_size, _F16_LUT, y)
+        scales = w.scales.view(np.uint16)
+        if w.kind == "int8":
+            kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
+        else:
+            T, D = x.shape
+            xe, xo = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
+            xsum8 = np.empty((T, D // w.group_size), np.float32)
+            kernels.q4_split(x, w.group_size, xe, xo, xsum8)
+            kernel = kernels.MATMUL_Q4.get(w.group_size)
+            if kernel is not None:
+                kernel(xe, xo, xsum8, w.q, scales, _F16_LUT, y)
+            else:
+                kernels.matmul_q4_any(xe, xo, xsum8, w.q, scales, w.group_size, _F16_LUT, y)
     elif w.dtype == np.float32:
         y = x @ w.T
     else:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
-        kernels.matmul_u16(x, w.view(np.uint16), w.dtype == np.uint16, _F16_LUT, y)
+        kernel = kernels.matmul_u16_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_u16
+        kernel(x, w.view(np.uint16), w.dtype == np.uint16, _F16_LUT, y)
     if bias is not None:
         y += bias
     return y
@@ -227,6 +245,7 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
+    t0 = time.perf_counter()
     T, A = ids.shape
     ys = np.zeros((T, A, x.shape[1]), np.float32)  # [T, A, D] each token's expert outputs
     union = np.unique(ids)  # each expert of the step once, however many tokens chose it
@@ -236,4 +255,5 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
         out += ys[:, a]
+    experts.stats.moe_s += time.perf_counter() - t0
     return out

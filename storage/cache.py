@@ -100,13 +100,18 @@ class ExpertCache:
         self.budget_bytes = int(budget)
         self.arena_bytes = self.n_slots * rb
         self._mm = mmap.mmap(-1, self.arena_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.hugepages = "not available"
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        self.mlock = _mlock(self._mm) if mlock else "not asked"
+                self.hugepages = "transparent (madvise)"
+            except OSError as e:
+                self.hugepages = f"madvise refused: {e.strerror}"
         self.arena = np.frombuffer(self._mm, np.uint8).reshape(self.n_slots, rb)  # [slots, record_bytes]
+        # touch every page now: a first read into a fresh page costs a fault and halves early read
+        # bandwidth; the arena is the budget, so RSS is what was asked for
+        self.arena.reshape(-1)[:: mmap.PAGESIZE] = 0
+        self.mlock = _mlock(self._mm) if mlock else "not asked"
         self._views: dict[int, tuple] = {}
         self.free = {il: deque(range(i * per_layer, (i + 1) * per_layer)) for i, il in enumerate(layers)}
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in layers}  # ie -> slot
@@ -234,4 +239,4 @@ class ExpertCache:
         return {"placement": "expert cache", "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
                 "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
-                "mlock": self.mlock}
+                "mlock": self.mlock, "hugepages": self.hugepages}

@@ -77,6 +77,20 @@ def to_f32(a: np.ndarray) -> np.ndarray:
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
+def expert_values(src, name: str, expert_dtype: str | None, group_size: int | None) -> dict:
+    """One expert matrix as the record stores it: {"weight"} or {"weight", "scales"}.
+    A source may hand out matrices already quantized (`read_quantized`), as the
+    benchmarks' synthetic models do."""
+    if expert_dtype not in QUANT_DTYPES:
+        return {"weight": cast(src.read(name), expert_dtype)}
+    group = group_size or src.entry(name).shape[1]
+    if hasattr(src, "read_quantized"):
+        qw = src.read_quantized(name, expert_dtype, group)
+    else:
+        qw = quantize(to_f32(src.read(name)), expert_dtype, group)
+    return {"weight": qw.q, "scales": qw.scales}
+
+
 def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | None = None,
             dense_dtype: str | None = None, group_size: int | None = None, force: bool = False,
             progress: Callable[[int, int], None] | None = None) -> dict:
@@ -178,12 +192,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         for ie in range(plan.n_expert):
             record[:] = 0
             for part, name in zip(PARTS, plan.names(il, ie)):
-                a = src.read(name)
-                if quant:
-                    qw = quantize(to_f32(a), expert_dtype, group_size or a.shape[1])
-                    values = {"weight": qw.q, "scales": qw.scales}
-                else:
-                    values = {"weight": cast(a, expert_dtype)}
+                values = expert_values(src, name, expert_dtype, group_size)
                 for p in layout:
                     if p.part == part:
                         v = np.ascontiguousarray(values[p.tensor])

@@ -28,12 +28,14 @@ class ExpertStats:
     bytes_read: int = 0
     io_wait_s: float = 0.0  # time the engine waited for reads
     io_wall_s: float = 0.0  # time with reads in flight
+    moe_s: float = 0.0  # time in the routed-expert part of the layers, waiting included (the engine adds it)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = round(self.hits / self.experts, 4) if self.experts else None
         d["read_gbs"] = round(self.bytes_read / self.io_wall_s / 1e9, 3) if self.io_wall_s else None
-        d["io_wait_s"], d["io_wall_s"] = round(self.io_wait_s, 6), round(self.io_wall_s, 6)
+        for k in ("io_wait_s", "io_wall_s", "moe_s"):
+            d[k] = round(d[k], 6)
         return d
 
     def minus(self, before: "ExpertStats") -> "ExpertStats":

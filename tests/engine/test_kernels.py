@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from colibri.engine import kernels, layers
+from colibri.storage.experts import ExpertStats
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
 
 rng = np.random.default_rng(0)
@@ -42,15 +43,15 @@ def ref_attention(q, k, v, pos0, window, scale):
     return out
 
 
-@pytest.mark.parametrize("T,N,D", [(1, 7, 33), (5, 64, 128), (3, 1, 1), (17, 31, 250)])
+@pytest.mark.parametrize("T,N,D", [(1, 7, 33), (5, 64, 128), (3, 1, 1), (17, 31, 250), (2, 2049, 2048)])
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_matmul_u16(T, N, D, dtype):
     layers.init()
     x, w32 = rand(T, D), rand(N, D)
     w = f32_to_bf16(w32) if dtype == "bf16" else w32.astype(np.float16)
     wf = bf16_to_f32(w) if dtype == "bf16" else w.astype(np.float32)
-    out = layers.linear(x, w)
-    np.testing.assert_allclose(out, x.astype(np.float64) @ wf.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    out = layers.linear(x, w)  # the last shape takes the parallel kernel
+    np.testing.assert_allclose(out, x.astype(np.float64) @ wf.T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
 def test_f16_table_is_exact():
@@ -103,6 +104,7 @@ def test_moe_dispatch_matches_dense_loop():
     class Source:
         def __init__(self, experts, reverse=False):
             self.experts, self.calls, self.reverse = experts, [], reverse
+            self.stats = ExpertStats()
 
         def stream(self, il, ids):
             self.calls.append(list(ids))
