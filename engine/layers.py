@@ -3,6 +3,7 @@ SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 """
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -15,11 +16,14 @@ from . import kernels
 _F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
 
 
-def init() -> None:
-    """Start-up work for the kernels: the f16 table, and one call of each kernel on tiny
-    arrays so that compiling (or loading the compiled cache) happens here, not in the
-    first request's timings. Call once before forward."""
+def init(n_threads: int | None = None) -> None:
+    """Start-up work for the kernels: the f16 table, the compute threads (default: the CPUs
+    this process may run on), and one call of each kernel on tiny arrays so that compiling
+    (or loading the compiled cache) happens here, not in the first request's timings.
+    Call once before forward."""
     global _F16_LUT
+    if n_threads is not None or _COMPUTE_POOL is None:
+        set_threads(n_threads or len(os.sched_getaffinity(0)))
     if _F16_LUT.shape[0] == 65536:
         return
     _F16_LUT = kernels.f16_table()
@@ -243,15 +247,44 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
     return ids, w
 
 
+_COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
+
+
+def set_threads(n: int) -> None:
+    """Use n threads for the experts of a batch (the caller's thread is one of them) and for
+    the parallel dense kernels."""
+    global _COMPUTE_POOL
+    import numba
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    if _COMPUTE_POOL is not None:
+        _COMPUTE_POOL.shutdown()
+    _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
     T, A = ids.shape
     ys = np.zeros((T, A, x.shape[1]), np.float32)  # [T, A, D] each token's expert outputs
-    union = np.unique(ids)  # each expert of the step once, however many tokens chose it
-    for ie, (gate, up, down) in experts.stream(il, union.tolist()):  # in any order
+
+    def expert(item):
+        ie, (gate, up, down) = item
         t_idx, slot = np.nonzero(ids == ie)  # a token picks an expert at most once
         ys[t_idx, slot] = swiglu(x[t_idx], gate, up, down) * weights[t_idx, slot][:, None]
+
+    union = np.unique(ids)  # each expert of the step once, however many tokens chose it
+    for batch in experts.stream(il, union.tolist()):  # in any order
+        if _COMPUTE_POOL is None or len(batch) == 1:
+            for item in batch:
+                expert(item)
+        else:  # the kernels release the GIL: the batch's experts run side by side
+            rest = [_COMPUTE_POOL.submit(expert, item) for item in batch[1:]]
+            expert(batch[0])
+            for f in rest:
+                f.result()
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
         out += ys[:, a]

@@ -176,10 +176,11 @@ class ExpertCache:
                 return slot
         return None
 
-    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, tuple]]:
-        """Yield (expert id, (gate, up, down)) for each of `ids` (unique) of layer il, hits
-        first, misses as their reads complete. The weights are valid until the next item
-        is asked for. Raises ExpertReadError."""
+    def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, tuple]]]:
+        """Batches of (expert id, (gate, up, down)) covering `ids` (unique) of layer il: the
+        hits first, then the misses as their reads complete (each batch: every read done by
+        then). A batch's weights are valid until the next batch is asked for.
+        Raises ExpertReadError."""
         st, lru = self.stats, self.lru[il]
         st.fetches += 1
         st.experts += len(ids)
@@ -203,27 +204,33 @@ class ExpertCache:
                     t_first = time.perf_counter()
                 inflight.append((ie, slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot)))
 
+        def landed(ie, slot, fut):
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            except ExpertReadError:
+                self.free[il].append(slot)
+                raise
+            finally:
+                st.io_wait_s += time.perf_counter() - t0
+            st.bytes_read += self.record_bytes
+            lru[ie] = slot
+            return ie, self.views(slot)
+
         try:
             submit()
-            for ie in hits:
-                lru.move_to_end(ie)
-                yield ie, self.views(lru[ie])
-                busy.discard(ie)
+            if hits:
+                for ie in hits:
+                    lru.move_to_end(ie)
+                yield [(ie, self.views(lru[ie])) for ie in hits]
+                busy.difference_update(hits)
                 submit()
             while inflight:
-                ie, slot, fut = inflight.popleft()
-                t0 = time.perf_counter()
-                try:
-                    fut.result()
-                except ExpertReadError:
-                    self.free[il].append(slot)
-                    raise
-                finally:
-                    st.io_wait_s += time.perf_counter() - t0
-                st.bytes_read += self.record_bytes
-                lru[ie] = slot
-                yield ie, self.views(slot)
-                busy.discard(ie)
+                batch = [landed(*inflight.popleft())]  # the oldest read, waited for
+                while inflight and inflight[0][2].done():  # and every read already done
+                    batch.append(landed(*inflight.popleft()))
+                yield batch
+                busy.difference_update(ie for ie, _ in batch)
                 submit()
         finally:
             for ie, slot, fut in inflight:  # abandoned (an error or the consumer stopped): settle the reads

@@ -2,8 +2,9 @@
 
 The engine asks for the union of one layer's selected experts at once
 (`stream(il, ids)`), so a source reads each expert once per step however many tokens
-route to it, and may hand out the experts in any order (resident ones first, the rest
-as they arrive from disk). `ResidentExperts` keeps every expert in RAM; the expert
+route to it. The source hands them out in batches, in any order: the resident ones
+first, the rest as they arrive from disk. A batch's weights stay valid until the engine
+asks for the next batch, so the engine may compute a batch's experts in parallel. `ResidentExperts` keeps every expert in RAM; the expert
 cache (cache.py) streams them from a container under a byte budget.
 """
 
@@ -51,9 +52,9 @@ class ExpertSource(Protocol):
     def begin_step(self) -> None:
         """A new forward step starts (for stats and traces)."""
 
-    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """(id, weights) for each of `ids` (unique) of layer il, in any order; the weights
-        are valid until the next item is asked for."""
+    def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Batches of (id, weights) covering each of `ids` (unique) of layer il once, in any
+        order; a batch's weights are valid until the next batch is asked for."""
         ...
 
 
@@ -73,13 +74,12 @@ class ResidentExperts:
     def begin_step(self) -> None:
         self.stats.steps += 1
 
-    def stream(self, il: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         self.stats.fetches += 1
         self.stats.experts += len(ids)
         self.stats.hits += len(ids)
         layer = self.experts[il]
-        for ie in ids:
-            yield ie, layer[ie]
+        yield [(ie, layer[ie]) for ie in ids]
 
     @property
     def n_bytes(self) -> int:

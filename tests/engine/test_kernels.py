@@ -109,7 +109,7 @@ def test_moe_dispatch_matches_dense_loop():
         def stream(self, il, ids):
             self.calls.append(list(ids))
             for i in (reversed(ids) if self.reverse else ids):
-                yield i, self.experts[i]
+                yield [(i, self.experts[i])]
 
     D, I, E, T, A = 12, 8, 5, 6, 2
     experts = [(rand(I, D), rand(I, D), rand(D, I)) for _ in range(E)]
