@@ -128,7 +128,7 @@ def disk_gbs(container, threads: int, seconds: float = 3.0) -> float:
     recs = list(container.records.values())
     rng = np.random.default_rng(1)
     bufs = [mmap.mmap(-1, container.record_bytes) for _ in range(threads)]
-    fds = {r.file: os.open(r.file, os.O_RDONLY | os.O_DIRECT) for r in recs}
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in {r.file for r in recs}}
     stop = time.perf_counter() + seconds
     picks = rng.integers(0, len(recs), 1 << 20)
 

@@ -203,22 +203,4 @@ def _make_q4(half: int):
     return matmul_q4_g
 
 
-MATMUL_Q4 = {g: _make_q4(g // 2) for g in (32, 64, 128)}  # group size -> kernel (compiled on first use)
-
-
-@nb.njit(**JIT_FAST)
-def matmul_q4_any(xe, xo, xsum8, q, scales, g, f16_lut, out):
-    # as MATMUL_Q4, for any even group size (slower: the group length is not a constant)
-    T, H = xe.shape
-    N = q.shape[0]
-    half = g // 2
-    for n in range(N):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for gi in range(H // half):
-                part = np.float32(0.0)
-                for j in range(gi * half, gi * half + half):
-                    b = q[n, j]
-                    part += xe[t, j] * np.float32(b & 15) + xo[t, j] * np.float32(b >> 4)
-                acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
-            out[t, n] = acc
+MATMUL_Q4 = {g: _make_q4(g // 2) for g in (32, 64, 128)}  # group size -> kernel (storage/quant.py INT4_GROUPS)

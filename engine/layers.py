@@ -31,8 +31,7 @@ def init(n_threads: int | None = None) -> None:
     for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
         kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
     for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
-              QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2),
-              QuantWeight("int4", np.ones((2, 2), np.uint8), np.ones((2, 2), np.float16), 2)):
+              QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     x64 = np.ones((1, 128), np.float32)
     for g in kernels.MATMUL_Q4:
@@ -63,11 +62,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
             xe, xo = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
             xsum8 = np.empty((T, D // w.group_size), np.float32)
             kernels.q4_split(x, w.group_size, xe, xo, xsum8)
-            kernel = kernels.MATMUL_Q4.get(w.group_size)
-            if kernel is not None:
-                kernel(xe, xo, xsum8, w.q, scales, _F16_LUT, y)
-            else:
-                kernels.matmul_q4_any(xe, xo, xsum8, w.q, scales, w.group_size, _F16_LUT, y)
+            kernels.MATMUL_Q4[w.group_size](xe, xo, xsum8, w.q, scales, _F16_LUT, y)
     elif w.dtype == np.float32:
         y = x @ w.T
     else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 QUANT_DTYPES = ("int8", "int4")
+INT4_GROUPS = (32, 64, 128)  # the group sizes the int4 kernels are built for
 QMAX = {"int8": 127, "int4": 7}
 
 
@@ -46,8 +47,8 @@ def check_group(kind: str, shape: tuple[int, int], group_size: int) -> str | Non
     d = shape[1]
     if group_size <= 0 or d % group_size:
         return f"group size {group_size} does not divide the row length {d}"
-    if kind == "int4" and group_size % 2:
-        return f"int4 needs an even group size, not {group_size}"
+    if kind == "int4" and group_size not in INT4_GROUPS:
+        return f"int4 group size must be one of {', '.join(map(str, INT4_GROUPS))}, not {group_size}"
     return None
 
 

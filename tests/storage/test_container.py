@@ -131,7 +131,7 @@ def test_interrupted_convert_leaves_nothing_that_opens(src, tmp_path, monkeypatc
     monkeypatch.setattr(convert_mod.SafetensorsWriter, "write", write)
     monkeypatch.setattr(convert_mod, "write_manifest", manifest)
     with pytest.raises(KeyboardInterrupt):
-        convert(open_checkpoint(str(src)), tmp_path / "c", plan, expert_dtype="int4", group_size=2)
+        convert(open_checkpoint(str(src)), tmp_path / "c", plan, expert_dtype="int8", group_size=2)
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError):
         open_container(str(tmp_path / "c"))

@@ -1,0 +1,95 @@
+"""The expert cache on its own: O_DIRECT with a buffered fallback, slots, LRU, read errors."""
+
+import errno
+import logging
+import os
+
+import numpy as np
+import pytest
+from hf_models import build
+
+from colibri.engine.registry import build_model
+from colibri.storage import cache as cache_mod
+from colibri.storage.cache import ExpertCache, ExpertReadError
+from colibri.storage.checkpoint import load_config, open_checkpoint
+from colibri.storage.container import open_container
+from colibri.storage.convert import ExpertPlan, convert
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    build("qwen3_moe", "basic", root / "hf", seed=9)
+    model = build_model(str(root / "hf"), load_config(str(root / "hf")))
+    convert(open_checkpoint(str(root / "hf")), root / "c",
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
+    return open_container(str(root / "c"))
+
+
+def served(cache, il, ids):
+    return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}
+
+
+def test_o_direct_by_default(container):
+    c = ExpertCache(container, "min")
+    assert c.direct and c.fallback_reason is None
+    assert c.arena.ctypes.data % 4096 == 0 and c.record_bytes % 4096 == 0
+
+
+def test_buffered_fallback_when_o_direct_is_refused(container, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):  # a file system without O_DIRECT cannot be made here: fake its refusal
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(cache_mod.os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="colibri.storage"):
+        c = ExpertCache(container, "all")
+    assert not c.direct and "O_DIRECT refused" in c.fallback_reason
+    assert len([r for r in caplog.records if "O_DIRECT" in r.message]) == 1  # logged once
+    monkeypatch.undo()
+    ref = ExpertCache(container, "all")
+    for il in container.moe_layers:
+        a, b = served(c, il, [0, 3, 5]), served(ref, il, [0, 3, 5])
+        for ie in a:
+            for x, y in zip(a[ie], b[ie]):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_lru_keeps_the_recent_and_counts(container):
+    il = container.moe_layers[0]
+    c = ExpertCache(container, 2 * len(container.moe_layers) * container.record_bytes)  # 2 slots per layer
+    served(c, il, [1, 2])
+    served(c, il, [1])  # 1 is now the most recent
+    served(c, il, [3])  # evicts 2
+    assert set(c.lru[il]) == {1, 3}
+    assert (c.stats.hits, c.stats.misses, c.stats.evictions) == (1, 3, 1)
+    assert c.stats.bytes_read == 3 * c.record_bytes
+
+
+def test_more_experts_than_slots_stream_through(container):
+    il = container.moe_layers[0]
+    c = ExpertCache(container, "min")  # one slot per layer
+    got = served(c, il, list(range(container.n_expert)))
+    ref = served(ExpertCache(container, "all"), il, list(range(container.n_expert)))
+    assert sorted(got) == list(range(container.n_expert))
+    for ie in got:
+        for x, y in zip(got[ie], ref[ie]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_read_error_names_the_expert_and_frees_the_slot(container, monkeypatch):
+    il = container.moe_layers[-1]
+    c = ExpertCache(container, "min")
+
+    def eio(fd, bufs, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cache_mod.os, "preadv", eio)  # a failing disk cannot be made here either
+    with pytest.raises(ExpertReadError, match=f"layer {il} expert 4 from .*experts-.* at offset"):
+        served(c, il, [4])
+    monkeypatch.undo()
+    assert len(c.free[il]) == 1  # the slot came back
+    assert 4 in served(c, il, [4])
