@@ -195,8 +195,11 @@ def _make_q4(half: int):
                 for gi in range(H // half):
                     part = np.float32(0.0)
                     for j in range(gi * half, gi * half + half):
-                        b = q[n, j]
-                        part += xe[t, j] * np.float32(b & 15) + xo[t, j] * np.float32(b >> 4)
+                        # nibbles in float arithmetic (exact for 0..255): integer ops would widen
+                        # to int64, whose conversion to float does not vectorise on AVX2
+                        b = np.float32(q[n, j])
+                        hi = np.floor(b * np.float32(0.0625))
+                        part += xe[t, j] * (b - np.float32(16.0) * hi) + xo[t, j] * hi
                     acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
                 out[t, n] = acc
 

@@ -249,8 +249,9 @@ def set_threads(n: int) -> None:
     """Use n threads for the experts of a batch (the caller's thread is one of them) and for
     the parallel dense kernels."""
     global _COMPUTE_POOL
-    import numba
     from concurrent.futures import ThreadPoolExecutor
+
+    import numba
 
     n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)

@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-from hf_models import build
 
 from colibri.engine.registry import build_model
 from colibri.storage import cache as cache_mod
@@ -14,6 +13,8 @@ from colibri.storage.cache import ExpertCache, ExpertReadError
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
 from colibri.storage.convert import ExpertPlan, convert
+
+from hf_models import build
 
 
 @pytest.fixture(scope="module")
