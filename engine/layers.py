@@ -4,6 +4,7 @@ SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -276,10 +277,22 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -
         if _COMPUTE_POOL is None or len(batch) == 1:
             for item in batch:
                 expert(item)
-        else:  # the kernels release the GIL: the batch's experts run side by side
-            rest = [_COMPUTE_POOL.submit(expert, item) for item in batch[1:]]
-            expert(batch[0])
-            for f in rest:
+        else:  # the kernels release the GIL: the batch's experts run side by side, every thread
+            # (this one included) taking the next expert until none is left
+            todo = iter(batch)
+            lock = threading.Lock()
+
+            def work():
+                while True:
+                    with lock:
+                        item = next(todo, None)
+                    if item is None:
+                        return
+                    expert(item)
+
+            helpers = [_COMPUTE_POOL.submit(work) for _ in range(_COMPUTE_POOL._max_workers)]
+            work()
+            for f in helpers:
                 f.result()
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
