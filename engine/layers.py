@@ -261,6 +261,26 @@ def set_threads(n: int) -> None:
     _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
 
 
+def run_shared(items: list, fn) -> None:
+    """fn(item) for every item, on this thread and the compute threads, each taking the next
+    item until none is left."""
+    todo = iter(items)
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            fn(item)
+
+    helpers = [_COMPUTE_POOL.submit(work) for _ in range(_COMPUTE_POOL._max_workers)]
+    work()
+    for f in helpers:
+        f.result()
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
@@ -277,23 +297,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -
         if _COMPUTE_POOL is None or len(batch) == 1:
             for item in batch:
                 expert(item)
-        else:  # the kernels release the GIL: the batch's experts run side by side, every thread
-            # (this one included) taking the next expert until none is left
-            todo = iter(batch)
-            lock = threading.Lock()
-
-            def work():
-                while True:
-                    with lock:
-                        item = next(todo, None)
-                    if item is None:
-                        return
-                    expert(item)
-
-            helpers = [_COMPUTE_POOL.submit(work) for _ in range(_COMPUTE_POOL._max_workers)]
-            work()
-            for f in helpers:
-                f.result()
+        else:  # the kernels release the GIL: the batch's experts run side by side
+            run_shared(batch, expert)
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
         out += ys[:, a]
