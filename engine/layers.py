@@ -244,6 +244,7 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 
 _COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
+_N_HELPERS = 0
 
 
 def set_threads(n: int) -> None:
@@ -259,6 +260,7 @@ def set_threads(n: int) -> None:
     if _COMPUTE_POOL is not None:
         _COMPUTE_POOL.shutdown()
     _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
+    _N_HELPERS = n - 1
 
 
 def run_shared(items: list, fn) -> None:
@@ -275,7 +277,7 @@ def run_shared(items: list, fn) -> None:
                 return
             fn(item)
 
-    helpers = [_COMPUTE_POOL.submit(work) for _ in range(_COMPUTE_POOL._max_workers)]
+    helpers = [_COMPUTE_POOL.submit(work) for _ in range(_N_HELPERS)]
     work()
     for f in helpers:
         f.result()
