@@ -126,54 +126,114 @@ def check_prompt(prompt_ids: list[int], n_ctx: int) -> None:
         raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
 
 
+class Request:
+    """One generation in a Batcher: its own KV cache, sampler and text; advances one step
+    (its whole prompt, then one token) each time the batcher steps."""
+
+    def __init__(self, model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, rid=None):
+        params.check()
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        check_prompt(self.prompt_ids, model.n_ctx)
+        self.id = rid
+        self.params = params
+        self.eos = {int(i) for i in eos_ids}
+        self.sampler = Sampler(params)
+        self.text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None
+        self.cache = model.new_cache(len(self.prompt_ids) + params.max_tokens)
+        self.last = -1  # the token to feed next step (-1: the prompt)
+        self.n_gen = 0
+        self.finish = ""  # set when done
+        self.cancelled = False
+        self.t_start = self.t_first = self.t_end = None
+        self.stats0 = model.experts.stats.copy()
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish)
+
+    def feed(self) -> list[int]:
+        return self.prompt_ids if self.last < 0 else [self.last]
+
+    def advance(self, logits: np.ndarray) -> list[Event]:
+        # logits [V] of this request's last row -> its events for this step
+        tok = self.sampler(logits)
+        self.n_gen += 1
+        self.last = tok
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if tok in self.eos:
+            self.finish = "stop"
+            return [Event("token", tok)]
+        delta, hit = self.text.push(tok) if self.text else ("", False)
+        if hit:
+            self.finish = "stop"
+        elif self.n_gen >= self.params.max_tokens or self.cache.n_pos >= self.cache.n_ctx:
+            self.finish = "length"
+        return [Event("token", tok, delta)]
+
+    def done_event(self, model) -> Event:
+        self.t_end = time.perf_counter()
+        n_prompt, n_decode = len(self.prompt_ids), max(self.n_gen - 1, 0)
+        prefill_s = (self.t_first or self.t_end) - self.t_start
+        decode_s = self.t_end - (self.t_first or self.t_end)
+        return Event(
+            "done",
+            text=self.text.flush() if self.text else "",
+            finish_reason=self.finish,
+            stats={
+                "n_prompt_tokens": n_prompt,
+                "n_generated_tokens": self.n_gen,
+                "prefill_s": round(prefill_s, 6),
+                "prefill_tok_s": round(n_prompt / prefill_s, 3) if prefill_s > 0 else None,
+                "decode_s": round(decode_s, 6),
+                "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
+                "experts": expert_stats(model.experts.stats.minus(self.stats0), n_prompt + n_decode,
+                                        prefill_s + decode_s),
+            },
+        )
+
+
+class Batcher:
+    """Continuous batching: every active request advances one step per forward (new ones
+    with their prompt, the others with one token), so the step reads each weight and each
+    expert of the union once for all of them. A request's tokens are the same as alone:
+    every row of the batch is computed on its own."""
+
+    def __init__(self, model):
+        self.model = model
+        self.active: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.t_start = time.perf_counter()
+        req.stats0 = self.model.experts.stats.copy()
+        self.active.append(req)
+
+    def step(self) -> list[tuple[Request, Event]]:
+        """One forward over all active requests; returns (request, event) pairs, a request's
+        "done" event last. Cancelled requests leave without a step."""
+        out = []
+        for r in [r for r in self.active if r.cancelled]:
+            r.finish = r.finish or "cancelled"
+            out.append((r, r.done_event(self.model)))
+        self.active = [r for r in self.active if not r.done]
+        if not self.active:
+            return out
+        logits = self.model.forward_batch([(np.asarray(r.feed()), r.cache) for r in self.active])
+        for r, lg in zip(self.active, logits):
+            out += [(r, ev) for ev in r.advance(lg[-1])]
+            if r.done:
+                out.append((r, r.done_event(self.model)))
+        self.active = [r for r in self.active if not r.done]
+        return out
+
+
 def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None) -> Iterator[Event]:
     """Generate from prompt_ids, yielding a "token" event per new token and one "done".
 
     Raises InvalidRequest (bad parameters, empty prompt) or PromptTooLong before any work.
     """
-    params.check()
-    prompt_ids = [int(i) for i in prompt_ids]
-    check_prompt(prompt_ids, model.n_ctx)
-    n_prompt = len(prompt_ids)
-    eos = set(int(i) for i in eos_ids)
-    sampler = Sampler(params)
-    text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None
-    cache = model.new_cache(n_prompt + params.max_tokens)
-    stats0 = model.experts.stats.copy()
-
-    t0 = time.perf_counter()
-    logits = model.forward(np.asarray(prompt_ids), cache)[-1]  # [V]
-    t1 = time.perf_counter()
-    prefill_s = t1 - t0
-    n_gen, finish = 0, "length"
-    while True:
-        tok = sampler(logits)
-        n_gen += 1
-        if tok in eos:
-            finish = "stop"
-            yield Event("token", tok)
-            break
-        delta, hit = text.push(tok) if text else ("", False)
-        yield Event("token", tok, delta)
-        if hit:
-            finish = "stop"
-            break
-        if n_gen >= params.max_tokens or cache.n_pos >= cache.n_ctx:
-            break
-        logits = model.forward(np.asarray([tok]), cache)[-1]
-    decode_s = time.perf_counter() - t1
-    n_decode = max(n_gen - 1, 0)  # the first token comes from the prefill
-    yield Event(
-        "done",
-        text=text.flush() if text else "",
-        finish_reason=finish,
-        stats={
-            "n_prompt_tokens": n_prompt,
-            "n_generated_tokens": n_gen,
-            "prefill_s": round(prefill_s, 6),
-            "prefill_tok_s": round(n_prompt / prefill_s, 3) if prefill_s > 0 else None,
-            "decode_s": round(decode_s, 6),
-            "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
-            "experts": expert_stats(model.experts.stats.minus(stats0), n_prompt + n_decode, prefill_s + decode_s),
-        },
-    )
+    batcher = Batcher(model)
+    batcher.add(Request(model, prompt_ids, params, eos_ids, tokenizer))
+    while batcher.active:
+        for _, ev in batcher.step():
+            yield ev

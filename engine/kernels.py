@@ -57,6 +57,27 @@ matmul_u16_par = _make_matmul_u16(parallel=True)
 PARALLEL_MIN_ELEMENTS = 4 * 2**20
 
 
+def _make_matmul_f32(parallel: bool):
+    @nb.njit(parallel=parallel, **JIT_FAST)
+    def matmul_f32(x, w, out):
+        # x [T, D] f32, w [N, D] f32, out [T, N]: out = x @ w.T, each row on its own
+        T, D = x.shape
+        N = w.shape[0]
+        assert parallel or not parallel  # part of the cache key, as in matmul_u16
+        for n in nb.prange(N):
+            for t in range(T):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += x[t, d] * w[n, d]
+                out[t, n] = acc
+
+    return matmul_f32
+
+
+matmul_f32 = _make_matmul_f32(parallel=False)
+matmul_f32_par = _make_matmul_f32(parallel=True)
+
+
 @nb.njit(**JIT)
 def rmsnorm(x, w, eps, out):
     # x [T, D] f32, w [D] f32, out [T, D]

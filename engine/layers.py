@@ -31,7 +31,8 @@ def init(n_threads: int | None = None) -> None:
     x = np.ones((1, 4), np.float32)
     for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
         kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
-    for w in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
+    kernels.matmul_f32_par(x, np.ones((2, 4), np.float32), np.empty((1, 2), np.float32))
+    for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
               QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     x64 = np.ones((1, 128), np.float32)
@@ -65,7 +66,11 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
             kernels.q4_split(x, w.group_size, xe, xo, xsum8)
             kernels.MATMUL_Q4[w.group_size](xe, xo, xsum8, w.q, scales, _F16_LUT, y)
     elif w.dtype == np.float32:
-        y = x @ w.T
+        # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
+        # blocking), and a request's tokens must not change when others share its step
+        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        kernel = kernels.matmul_f32_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_f32
+        kernel(x, w, y)
     else:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
         kernel = kernels.matmul_u16_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_u16
@@ -191,12 +196,31 @@ class AttnSpec:
     clip_qkv: float | None = None
 
 
-def attention(spec: AttnSpec, w: dict, x: np.ndarray, cache: KVCache, il: int, cos, sin, window: int = 0):
+@dataclass
+class Segment:
+    """One sequence's rows in a batched forward step."""
+
+    cache: KVCache
+    start: int  # first row in the batch
+    n: int  # rows (tokens) of this sequence in the step
+
+
+@dataclass
+class Step:
+    """A forward step over several sequences: their tokens are the rows of one batch (so
+    every matrix is read once per step, and a layer's experts are the union over all of
+    them); attention is per sequence, against its own KV cache."""
+
+    segments: list[Segment]
+    cos: np.ndarray  # [T, hd/2] at each row's position
+    sin: np.ndarray
+
+
+def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, window: int = 0):
     # x [T, D] (normed) -> [T, D]; w: a layer's weights by key (q, k, v, o; optional q_bias,
-    # k_bias, v_bias, o_bias, q_norm, k_norm); writes this step's keys/values at cache.n_pos
+    # k_bias, v_bias, o_bias, q_norm, k_norm); writes each sequence's keys/values at its cache.n_pos
     T = x.shape[0]
     Hq, Hkv, hd = spec.n_head, spec.n_kv_head, spec.head_dim
-    pos0 = cache.n_pos
     q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*hd]
     k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*hd]
     v = linear(x, w["v"], w.get("v_bias"))  # [T, Hkv*hd]
@@ -209,12 +233,15 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, cache: KVCache, il: int, c
     k = np.ascontiguousarray(k.reshape(T, Hkv, hd))  # [T, Hkv, hd]
     if spec.qk_norm == "head":
         q, k = rmsnorm(q, w["q_norm"], spec.eps), rmsnorm(k, w["k_norm"], spec.eps)
-    kernels.rope(q, cos, sin)
-    kernels.rope(k, cos, sin)
-    cache.k[il, :, pos0 : pos0 + T] = k.transpose(1, 0, 2)  # [Hkv, T, hd]
-    cache.v[il, :, pos0 : pos0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
+    kernels.rope(q, step.cos, step.sin)
+    kernels.rope(k, step.cos, step.sin)
+    v = v.reshape(T, Hkv, hd)  # [T, Hkv, hd]
     out = np.empty((T, Hq, hd), np.float32)  # [T, Hq, hd]
-    kernels.attention(q, cache.k[il], cache.v[il], pos0, window, np.float32(hd**-0.5), out)
+    for sg in step.segments:
+        rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
+        cache.k[il, :, pos0 : pos0 + sg.n] = k[rows].transpose(1, 0, 2)  # [Hkv, n, hd]
+        cache.v[il, :, pos0 : pos0 + sg.n] = v[rows].transpose(1, 0, 2)
+        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, np.float32(hd**-0.5), out[rows])
     return linear(out.reshape(T, Hq * hd), w["o"], w.get("o_bias"))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, ResidentExperts
-from .layers import KVCache, Rope, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
+from .layers import KVCache, Rope, Segment, Step, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
 
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
 
@@ -178,7 +178,7 @@ class MoEModel:
     def is_moe(self, il: int) -> bool:
         return True
 
-    def block(self, il: int, h: np.ndarray, cache: KVCache, cos, sin) -> np.ndarray:
+    def block(self, il: int, h: np.ndarray, step: Step) -> np.ndarray:
         raise NotImplementedError
 
     # ---- shapes every family shares ----
@@ -214,16 +214,30 @@ class MoEModel:
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)
-        ids = np.asarray(ids, dtype=np.int64)
-        T = ids.shape[0]
+        return self.forward_batch([(ids, cache)], all_logits)[0]
+
+    def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
+        # seqs: (ids [T_i], cache) per sequence -> logits [T_i, V] or [1, V] per sequence. One step:
+        # the sequences' tokens are the rows of one batch; each row's result is the same as alone.
+        ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in seqs])  # [T]
+        segments, start, tables = [], 0, []
+        for i, cache in seqs:
+            n = len(i)
+            segments.append(Segment(cache, start, n))
+            tables.append(self.rope.table(cache.n_pos, n))
+            start += n
+        step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
         h = to_f32(self.glob["embed"][ids])  # [T, D]
-        cos, sin = self.rope.table(cache.n_pos, T)
         self.experts.begin_step()
         for il in range(self.n_layer):
-            h = self.block(il, h, cache, cos, sin)
-        cache.n_pos += T
-        h = rmsnorm(h if all_logits else h[-1:], self.glob["norm"], self.args.rms_norm_eps)
-        return linear(h, self.lm_head)
+            h = self.block(il, h, step)
+        for sg in segments:
+            sg.cache.n_pos += sg.n
+        rows = np.arange(len(ids)) if all_logits else np.array([sg.start + sg.n - 1 for sg in segments])
+        logits = linear(rmsnorm(h[rows], self.glob["norm"], self.args.rms_norm_eps), self.lm_head)  # [R, V]
+        if not all_logits:
+            return [logits[i : i + 1] for i in range(len(segments))]
+        return [logits[sg.start : sg.start + sg.n] for sg in segments]
 
     def describe(self) -> dict:
         """Facts about the loaded model for stats and `colictl run --json`."""

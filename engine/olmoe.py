@@ -59,10 +59,10 @@ class Model(MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(a.intermediate_size)
 
-    def block(self, il, h, cache, cos, sin):
+    def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
-        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin)
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il)
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
         return h + moe(x, ids, w, self.experts, il)

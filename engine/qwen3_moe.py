@@ -76,11 +76,10 @@ class Model(MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(a.moe_intermediate_size)
 
-    def block(self, il, h, cache, cos, sin):
+    def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
-        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), cache, il, cos, sin,
-                          self.window)
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il, self.window)
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         if not self.is_moe(il):
             return h + swiglu(x, L["gate"], L["up"], L["down"])

@@ -1,0 +1,89 @@
+"""Continuous batching: requests that share forward steps get exactly the tokens they get
+alone, whatever joins or leaves around them; the step reads the union of their experts."""
+
+import numpy as np
+import pytest
+
+from colibri.engine import layers
+from colibri.engine.generate import Batcher, Request, SamplingParams, generate
+from colibri.engine.registry import build_model, load_model
+from colibri.storage.checkpoint import load_config, open_checkpoint
+from colibri.storage.convert import ExpertPlan, convert
+
+from hf_models import build
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    layers.init()
+
+
+def alone(model, ids, n):
+    return [e.token_id for e in generate(model, ids, SamplingParams(max_tokens=n)) if e.kind == "token"]
+
+
+def together(model, prompts, n, join_at):
+    batcher, got, step = Batcher(model), {}, 0
+    waiting = sorted(range(len(prompts)), key=lambda i: join_at[i])
+    while waiting or batcher.active:
+        while waiting and join_at[waiting[0]] <= step:
+            i = waiting.pop(0)
+            batcher.add(Request(model, prompts[i], SamplingParams(max_tokens=n), rid=i))
+            got[i] = []
+        for req, ev in batcher.step():
+            if ev.kind == "token":
+                got[req.id].append(ev.token_id)
+        step += 1
+    return got
+
+
+@pytest.mark.parametrize("family,case,dtype", [("mixtral", "basic", "f32"), ("qwen2_moe", "sparse_step_tied_window", "f32"),
+                                               ("qwen3_moe", "basic", "bf16")])
+def test_tokens_identical_alone_and_batched(tmp_path, family, case, dtype):
+    import torch
+
+    build(family, case, tmp_path / "hf", seed=13, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = load_model(str(tmp_path / "hf"))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (3, 11, 6, 1)]
+    want = {i: alone(model, p, 16) for i, p in enumerate(prompts)}
+    assert together(model, prompts, 16, join_at=[0, 0, 3, 7]) == want
+
+
+def test_forward_batch_rows_equal_alone(tmp_path):
+    build("olmoe", "gqa_clip_tied_bias", tmp_path / "hf", seed=4)
+    model = load_model(str(tmp_path / "hf"))
+    seqs = [np.arange(5), np.arange(20, 29), np.array([7])]
+    caches = [model.new_cache(16) for _ in seqs]
+    batched = model.forward_batch(list(zip(seqs, caches)), all_logits=True)
+    for ids, got in zip(seqs, batched):
+        np.testing.assert_array_equal(got, model.forward(ids, model.new_cache(16), all_logits=True))
+
+
+def test_streamed_batch_reads_the_union_once(tmp_path):
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=5)
+    m = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
+    convert(open_checkpoint(str(tmp_path / "hf")), tmp_path / "c", ExpertPlan(m.moe_layers, m.n_expert, m.expert_names))
+    model = load_model(str(tmp_path / "c"), budget="all")
+    seqs = [np.arange(i, i + 6) for i in range(0, 60, 6)]  # 10 requests, 60 tokens, 8 experts
+    model.forward_batch([(s, model.new_cache(8)) for s in seqs])
+    st = model.experts.stats
+    assert st.misses <= model.n_expert * len(model.moe_layers)  # never more than one read per expert
+    assert st.fetches == len(model.moe_layers)  # one request for the union per layer
+    want = {i: alone(load_model(str(tmp_path / "c"), budget="min"), s.tolist(), 8) for i, s in enumerate(seqs[:3])}
+    assert together(load_model(str(tmp_path / "c"), budget="min"), [s.tolist() for s in seqs[:3]], 8,
+                    join_at=[0, 1, 2]) == want
+
+
+def test_cancel_leaves_with_a_done_event(tmp_path):
+    build("mixtral", "basic", tmp_path / "hf", seed=6)
+    model = load_model(str(tmp_path / "hf"))
+    b = Batcher(model)
+    a, c = Request(model, [1, 2, 3], SamplingParams(max_tokens=50)), Request(model, [4, 5], SamplingParams(max_tokens=5))
+    b.add(a)
+    b.add(c)
+    b.step()
+    a.cancelled = True
+    events = b.step()
+    assert [(r is a, ev.kind, ev.finish_reason) for r, ev in events if r is a] == [(True, "done", "cancelled")]
+    assert b.active == [c]
