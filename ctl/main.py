@@ -1,6 +1,12 @@
-"""colictl: the command line. Commands that need no daemon (run, demo-model) live in
-ctl/offline.py and are imported only when called, so the client commands never load
-numpy or numba."""
+"""colictl: the command line. Client commands talk to colibrid through ctl/client.py and
+import nothing heavy; the commands that need no daemon (run, convert, demo-model) live in
+ctl/offline.py and are imported only when called, so the client path never loads numpy
+or numba."""
+
+import functools
+import json
+import sys
+import time
 
 import click
 
@@ -24,9 +30,162 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--socket", "socket_path", metavar="PATH", envvar="COLIBRI_SOCKET",
+              help="colibrid's socket (default: COLIBRI_SOCKET, else the runtime directory's)")
 @click.version_option(package_name="colibri", prog_name="colictl")
-def cli():
+@click.pass_context
+def cli(ctx, socket_path):
     """colibri: run Mixture-of-Experts models far larger than RAM."""
+    ctx.obj = {"socket": socket_path}
+
+
+def fail(message: str, code: int):
+    click.echo(f"colictl: {message}", err=True)
+    raise SystemExit(code)
+
+
+def with_client(fn):
+    """Give the command a connected Client; daemon down and error replies become one line
+    and an exit code."""
+
+    @functools.wraps(fn)
+    @click.pass_context
+    def wrapper(ctx, *args, **kwargs):
+        from .client import Client, DaemonDown, ReplyError
+
+        client = Client(ctx.obj["socket"])
+        try:
+            return fn(client.connect(), *args, **kwargs)
+        except DaemonDown as e:
+            fail(str(e), exitcodes.DAEMON_DOWN)
+        except ReplyError as e:
+            fail(f"{e.name}: {e}", exitcodes.FROM_ERROR.get(e.name, exitcodes.INTERNAL))
+        except BrokenPipeError:
+            sys.stderr.close()
+            raise SystemExit(exitcodes.OK) from None
+        finally:
+            client.close()
+
+    return wrapper
+
+
+@cli.command()
+@with_client
+def ping(client):
+    """Check that colibrid answers; prints the round trip."""
+    t0 = time.perf_counter()
+    client.call("ping")
+    click.echo(f"pong from {client.path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@with_client
+def status(client, as_json):
+    """The daemon, its model and what boot-time placement got."""
+    r = client.call("status")
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in r.items() if k not in ("type", "id", "v", "status")}))
+        return
+    m = r["model"]
+    p = m["precision"]
+    click.echo(f"colibrid pid {r['pid']}, up {r['uptime_s']:.0f} s, socket {r['socket']}")
+    click.echo(f"model     {m['type']} at {m['path']}: {m['n_layer']} layers, {m['n_expert']} experts, "
+               f"dense {p['dense']}, experts {p['experts']}{' (LOSSY)' if p.get('lossy') else ''}")
+    pl = m["placement"]
+    click.echo(f"experts   {pl.get('placement')}" + (f", {pl['slots_per_layer']} slots per layer, "
+                                                      f"O_DIRECT {pl['o_direct']}" if "slots" in pl else ""))
+    for step, got in r["boot"].items():
+        click.echo(f"boot      {step}: {json.dumps(got)}")
+    click.echo(f"requests  {r['requests']['active']} running or queued")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per sample")
+@click.option("--watch", type=float, metavar="SECONDS", default=None, is_flag=False, flag_value=2.0,
+              help="print again every SECONDS (default 2) until Ctrl-C")
+@with_client
+def stats(client, as_json, watch):
+    """Expert cache and request counters."""
+    while True:
+        r = client.call("stats")
+        if as_json:
+            click.echo(json.dumps({"experts": r["experts"], "requests": r["requests"], "uptime_s": r["uptime_s"]}))
+        else:
+            e, q = r["experts"], r["requests"]
+            rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
+            click.echo(f"experts: {e['hits']} hits, {e['misses']} misses (hit rate {rate}), "
+                       f"{e['bytes_read'] / 2**20:.1f} MiB read, {e['evictions']} evictions, "
+                       f"waiting on I/O {e['io_wait_s']:.2f} s | requests: {q['served']} served, "
+                       f"{q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
+        if not watch:
+            return
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
+
+
+@cli.command()
+@with_client
+def shutdown(client):
+    """Stop the daemon (it cancels running requests and exits)."""
+    client.call("shutdown")
+    click.echo("colibrid is stopping", err=True)
+
+
+@cli.command()
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, metavar="STR")
+@click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
+@click.argument("prompt", required=False)
+@with_client
+def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt):
+    """Generate through colibrid. PROMPT, or stdin when absent or '-'. Ctrl-C cancels."""
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("no prompt: give PROMPT or pipe it on stdin", exitcodes.USAGE)
+        prompt = sys.stdin.read()
+    client.hello()
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+              "stop": list(stop)}
+    if seed is not None:
+        fields["seed"] = seed
+    fields |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    rid = client.send("generate", **fields)
+    try:
+        while True:
+            msg = client.recv(None)
+            if msg.get("id") != rid:
+                continue
+            if msg["type"] == "generate_stream":
+                if not as_json and msg.get("text"):
+                    sys.stdout.write(msg["text"])
+                    sys.stdout.flush()
+                continue
+            break
+    except KeyboardInterrupt:
+        client.send("cancel", target=rid)
+        fail("cancelled", exitcodes.INTERRUPTED)
+    if msg.get("status") != "ok":
+        from .client import ReplyError
+
+        raise ReplyError(msg)
+    if as_json:
+        click.echo(json.dumps({"token_ids": msg["token_ids"], "text": msg["text"],
+                               "finish_reason": msg["finish_reason"], "stats": msg["stats"]}))
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    s = msg["stats"]
+    rate = f"{s['decode_tok_s']:.1f} tok/s" if s.get("decode_tok_s") else "-"
+    click.echo(f"[colibri] {s['n_prompt_tokens']} prompt tokens, {s['n_generated_tokens']} generated ({rate}), "
+               f"finish: {msg['finish_reason']}", err=True)
 
 
 def main():

@@ -24,7 +24,17 @@ def our_imports(path: Path, package: str) -> set[str]:
             for a in node.names:
                 if a.name.startswith("colibri."):
                     found.add(a.name.split(".")[1])
-    return found - {package}
+    return found - {package, "colibri"}  # the root package holds only __version__
+
+
+def test_client_commands_stay_light():
+    import subprocess
+    import sys
+
+    code = ("import sys; import colibri.ctl.main, colibri.ctl.client; "
+            "heavy = {'numpy', 'numba', 'colibri.engine', 'colibri.storage.cache'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_imports_flow_one_way():

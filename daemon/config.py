@@ -1,0 +1,115 @@
+"""colibrid's configuration: etc/colibri.yaml, loaded once, validated, frozen.
+
+Every key has a default here and a line in etc/colibri.yaml; an unknown key or a bad
+value stops the daemon at start with a message naming the key (ConfigError).
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from ..storage.errors import ColibriError
+
+
+class ConfigError(ColibriError):
+    """The configuration file or a flag has an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = None  # model directory; None: the demo model, written into state_dir
+    socket: str | None = None  # socket path; None: the runtime directory's (docs/protocol.md)
+    state_dir: str | None = None  # None: $STATE_DIRECTORY, else ~/.local/state/colibri
+    expert_cache: str = "all"  # RAM for routed experts of a container: SIZE, min or all
+    io_threads: int = 2  # threads reading experts
+    compute_threads: int = 0  # 0: every CPU the daemon may run on
+    cpus: list = field(default_factory=list)  # CPU affinity, e.g. [0, 1]; empty: leave as started
+    mlock: bool = False  # lock the expert cache in RAM (within RLIMIT_MEMLOCK)
+    max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
+    max_active: int = 8  # requests decoding together in one batch
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    watchdog_s: float = 0.0  # 0: use WATCHDOG_USEC from systemd when set
+    log_level: str = "info"  # debug, info, warning, error
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_KINDS = {  # key -> what a valid value is
+    "model": "path", "socket": "path", "state_dir": "path", "expert_cache": "size",
+    "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
+    "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
+    "watchdog_s": "seconds", "log_level": "level",
+}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _valid(kind: str, v) -> str | None:
+    """Why v is not a valid value of this kind, or None."""
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    if kind == "path":
+        return None if v is None or (isinstance(v, str) and v) else "a path or null"
+    if kind == "size":
+        from ..storage.cache import BudgetInvalid, parse_size
+
+        try:
+            parse_size(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else parse_size("?")
+        except BudgetInvalid:
+            return "a size: bytes, KiB/MiB/GiB, min or all"
+        return None
+    if kind == "positive":
+        return None if is_int and v >= 1 else "an integer of at least 1"
+    if kind == "count":
+        return None if is_int and v >= 0 else "an integer of at least 0"
+    if kind == "cpus":
+        ok = isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
+        return None if ok else "a list of CPU numbers"
+    if kind == "bool":
+        return None if isinstance(v, bool) else "true or false"
+    if kind == "seconds":
+        return None if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else "seconds, at least 0"
+    if kind == "level":
+        return None if v in LOG_LEVELS else f"one of {', '.join(LOG_LEVELS)}"
+    raise AssertionError(kind)
+
+
+def _check(key: str, value, where: str):
+    why = _valid(_KINDS[key], value)
+    if why:
+        raise ConfigError(f"{where}: {key} = {value!r} is not valid: it must be {why}")
+    return value
+
+
+def load(path: str | None, overrides: dict | None = None) -> Config:
+    """The configuration from `path` (YAML; None: defaults only) with `overrides` (flags)
+    on top. Raises ConfigError naming the file and key."""
+    import yaml
+
+    values: dict = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the configuration ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the configuration is a mapping of keys to values")
+        for key, value in data.items():
+            if key not in _KINDS:
+                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
+            values[key] = _check(key, value, path)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _check(key, value, "command line")
+    if "expert_cache" in values:
+        values["expert_cache"] = str(values["expert_cache"])
+    return Config(**values)
+
+
+def state_dir(cfg: Config) -> str:
+    return cfg.state_dir or os.environ.get("STATE_DIRECTORY", "").split(":")[0] or os.path.join(
+        os.path.expanduser("~"), ".local", "state", "colibri")

@@ -1,0 +1,109 @@
+"""The control plane's wire format (docs/protocol.md is the authority; a test ties the
+two together). Pure Python, no numpy: colictl imports this and nothing else of the daemon.
+
+Transport: ZeroMQ, ROUTER in colibrid, DEALER in clients, on an ipc:// socket. Every
+message is one frame of UTF-8 JSON, an object with at least `type`; requests carry `id`
+(the client's choice, echoed in every message about that request) and `v` (the sender's
+PROTOCOL_VERSION). Replies carry `status` "ok" or "error"; an error has `error`:
+{"code", "name", "message"}. Unknown fields are ignored by both sides.
+"""
+
+import json
+import os
+
+PROTOCOL_VERSION = "1.0"  # major.minor: minors only add fields and messages
+
+# numbered errors: (code, name) -> what the client's user can do about it
+ERRORS = {
+    "BAD_MESSAGE": 1,  # not UTF-8 JSON, not an object, a field missing or of the wrong type
+    "UNKNOWN_TYPE": 2,  # a message type this daemon does not handle
+    "VERSION_MISMATCH": 3,  # the protocol major versions differ
+    "INVALID_REQUEST": 4,  # well-formed but cannot run: sampling values, prompt too long, ...
+    "BUSY": 5,  # the request queue is full: retry later
+    "NOT_FOUND": 6,  # cancel of a request that is not running
+    "CANCELLED": 7,  # the request was cancelled
+    "SHUTTING_DOWN": 8,  # the daemon is stopping and takes no new work
+    "MODEL_ERROR": 9,  # the model failed (e.g. an expert could not be read)
+    "INTERNAL": 10,  # a bug in colibrid: the message says what, the log says more
+}
+ERROR_NAMES = {code: name for name, code in ERRORS.items()}
+
+REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "shutdown")
+
+DEFAULT_SOCKET_NAME = "colibri.sock"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be decoded; `name` is the ERRORS key to reply with."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def encode(msg: dict) -> bytes:
+    """One message as the frame that carries it."""
+    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def decode(frame: bytes) -> dict:
+    """The message in a frame. Raises ProtocolError(BAD_MESSAGE) for anything but a JSON
+    object with a string `type`."""
+    try:
+        msg = json.loads(frame.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError("BAD_MESSAGE", f"not UTF-8 JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("BAD_MESSAGE", f"a message is a JSON object, not {type(msg).__name__}")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError("BAD_MESSAGE", "the message has no string field 'type'")
+    return msg
+
+
+def major(version) -> int | None:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def compatible(version) -> bool:
+    """Whether a peer speaking `version` can talk to us (same major version)."""
+    return major(version) == major(PROTOCOL_VERSION)
+
+
+def request(kind: str, rid: str, **fields) -> dict:
+    return {"type": f"{kind}_request", "id": rid, "v": PROTOCOL_VERSION, **fields}
+
+
+def ok(kind: str, rid, **fields) -> dict:
+    return {"type": f"{kind}_reply", "id": rid, "v": PROTOCOL_VERSION, "status": "ok", **fields}
+
+
+def error(kind: str, rid, name: str, message: str) -> dict:
+    """An error reply; `name` is a key of ERRORS."""
+    return {"type": f"{kind}_reply", "id": rid, "v": PROTOCOL_VERSION, "status": "error",
+            "error": {"code": ERRORS[name], "name": name, "message": message}}
+
+
+def default_socket() -> str:
+    """Where colibrid listens when neither --socket nor COLIBRI_SOCKET says: the runtime
+    directory systemd made (RUNTIME_DIRECTORY, /run/colibri), else $XDG_RUNTIME_DIR/colibri,
+    else /tmp/colibri-UID (the fallback for a box without a per-user runtime directory)."""
+    env = os.environ.get("COLIBRI_SOCKET")
+    if env:
+        return env
+    candidates = []
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        candidates.append(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    candidates.append("/run/colibri")
+    for d in candidates:
+        if os.path.exists(os.path.join(d, DEFAULT_SOCKET_NAME)) or (d != "/run/colibri" and os.path.isdir(d)):
+            return os.path.join(d, DEFAULT_SOCKET_NAME)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(xdg, "colibri") if xdg else f"/tmp/colibri-{os.getuid()}"
+    return os.path.join(base, DEFAULT_SOCKET_NAME)
+
+
+def endpoint(socket_path: str) -> str:
+    return socket_path if socket_path.startswith(("ipc://", "tcp://", "inproc://")) else f"ipc://{socket_path}"

@@ -1,0 +1,437 @@
+"""colibrid: the model placed once, served to many clients.
+
+Threads:
+- the I/O thread (the main thread) owns the ROUTER socket and never runs model code, so
+  ping, status, stats and cancel answer at once, even during heavy generation;
+- the engine thread runs the Batcher: every active request advances one token per step;
+  it hands the I/O thread (identity, frame) pairs over an inproc PUSH/PULL pair.
+ZMQ sockets stay in the thread that made them; requests go to the engine thread through
+a queue.
+"""
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import zmq
+
+from ..storage.errors import ColibriError
+from . import protocol as P
+from .config import Config, state_dir
+from .notify import notify, watchdog_interval_s
+
+log = logging.getLogger("colibri.daemon")
+
+EVENTS = "inproc://colibri-events"
+
+
+class Server:
+    """Config loaded once, then Server(config).run()."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.t_start = time.time()
+        self.stopping = threading.Event()
+        self.signals = 0
+        self.inbox: queue.Queue = queue.Queue()  # I/O thread -> engine thread
+        self.inflight: dict[tuple[bytes, str], float] = {}  # generate requests not yet replied to
+        self.gone: set[tuple[bytes, str]] = set()  # of those, the ones whose client vanished
+        self.counters = {"served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.boot: dict = {}
+        self.socket_path = cfg.socket or P.default_socket()
+        self.handlers = {  # request type -> handler (explicit: never getattr on a wire string)
+            "hello_request": self.on_hello,
+            "ping_request": self.on_ping,
+            "status_request": self.on_status,
+            "stats_request": self.on_stats,
+            "generate_request": self.on_generate,
+            "cancel_request": self.on_cancel,
+            "shutdown_request": self.on_shutdown,
+        }
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def place(self) -> None:
+        """Boot-time placement; each step records what was asked, what it got and why not."""
+        cfg = self.cfg
+        if cfg.cpus:
+            try:
+                os.sched_setaffinity(0, cfg.cpus)
+                self.boot["cpus"] = {"asked": cfg.cpus, "got": sorted(os.sched_getaffinity(0))}
+            except OSError as e:
+                self.boot["cpus"] = {"asked": cfg.cpus, "got": sorted(os.sched_getaffinity(0)),
+                                     "fallback": f"sched_setaffinity refused: {e.strerror}"}
+                log.warning("CPU affinity %s refused (%s); running on %s", cfg.cpus, e.strerror,
+                            self.boot["cpus"]["got"])
+        else:
+            self.boot["cpus"] = {"asked": "all", "got": sorted(os.sched_getaffinity(0))}
+        self.boot["io_threads"] = {"asked": cfg.io_threads, "got": cfg.io_threads}
+
+    def load(self) -> None:
+        from ..engine import layers
+        from ..engine.demo import write_demo_model
+        from ..engine.registry import load_model
+        from ..engine.tokenizer import Tokenizer, eos_ids
+        from ..storage.cache import parse_size
+        from ..storage.checkpoint import load_config
+
+        path = self.cfg.model
+        if path is None:
+            path = os.path.join(state_dir(self.cfg), "demo-model")
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                notify("STATUS=writing the demo model")
+                log.info("no model configured: writing the demo model to %s", path)
+                write_demo_model(path, force=True)
+        notify(f"STATUS=loading {path}")
+        t0 = time.perf_counter()
+        n = self.cfg.compute_threads or len(os.sched_getaffinity(0))
+        from ..storage.container import is_container
+
+        budget = parse_size(self.cfg.expert_cache) if is_container(path) else None
+        self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock)
+        self.tokenizer = Tokenizer(path)
+        self.eos = eos_ids(path, load_config(path), self.tokenizer)
+        layers.init(n)
+        self.model_path = path
+        self.boot["compute_threads"] = {"asked": self.cfg.compute_threads or "all", "got": n}
+        experts = self.model.experts.describe()
+        if "mlock" in experts:
+            self.boot["mlock"] = {"asked": self.cfg.mlock, "got": experts["mlock"]}
+            self.boot["hugepages"] = {"asked": "transparent", "got": experts.get("hugepages")}
+        self.boot["load_s"] = round(time.perf_counter() - t0, 3)
+        log.info("model %s placed in %.2f s", path, self.boot["load_s"])
+
+    def bind(self, ctx: zmq.Context) -> zmq.Socket:
+        path = self.socket_path
+        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
+        if os.path.exists(path):  # a stale file from a killed daemon, unless one still answers
+            if self._answers(ctx, path):
+                raise ColibriError(f"another colibrid already serves {path}")
+            os.unlink(path)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(P.endpoint(path))
+        os.chmod(path, 0o660)
+        return router
+
+    @staticmethod
+    def _answers(ctx, path) -> bool:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(P.endpoint(path))
+            s.send(P.encode(P.request("ping", "probe")))
+            return bool(s.poll(500))
+        finally:
+            s.close()
+
+    # ---- main loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Place the model, serve until told to stop, return the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop_signal)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        notify("STATUS=placing")
+        self.place()
+        self.load()
+        ctx = zmq.Context()
+        router = self.bind(ctx)
+        events = ctx.socket(zmq.PULL)
+        events.bind(EVENTS)
+        engine = threading.Thread(target=self.engine_loop, args=(ctx,), name="colibri-engine", daemon=True)
+        engine.start()
+        notify("READY=1", f"STATUS=serving {self.model_path} on {self.socket_path}")
+        log.info("serving on %s", self.socket_path)
+        watchdog = watchdog_interval_s(self.cfg.watchdog_s)
+        last_ping = 0.0
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(events, zmq.POLLIN)
+        self.router = router
+        try:
+            while not self.stopping.is_set() or self.inflight:
+                if self.stopping.is_set() and not engine.is_alive():
+                    break
+                for sock, _ in poller.poll(100):
+                    if sock is router:
+                        self.on_frames(router.recv_multipart())
+                    else:
+                        identity, frame = events.recv_multipart()
+                        self.deliver(identity, frame)
+                now = time.monotonic()
+                if watchdog and now - last_ping >= watchdog:
+                    notify("WATCHDOG=1")
+                    last_ping = now
+        finally:
+            notify("STOPPING=1", "STATUS=stopping")
+            self.stopping.set()
+            engine.join(timeout=10)
+            router.close(0)
+            events.close(0)
+            ctx.term()
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+            log.info("stopped")
+        return 0
+
+    def _on_stop_signal(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            os._exit(1)  # a second signal: stop now
+        log.info("signal %d: stopping (a second one forces exit)", signum)
+        self.stopping.set()
+
+    def _on_hup(self, signum, frame):
+        log.info("SIGHUP: nothing in the running configuration can change without a restart yet")
+
+    # ---- I/O thread: frames in, replies out ------------------------------------------------
+
+    def send(self, identity: bytes, msg: dict) -> bool:
+        """Send to one client; False if it is gone (ROUTER_MANDATORY makes that an error)."""
+        try:
+            self.router.send_multipart([identity, P.encode(msg)])
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        identity, payload = frames[0], frames[-1]
+        try:
+            msg = P.decode(payload)
+        except P.ProtocolError as e:
+            self.send(identity, P.error("unknown", None, e.name, str(e)))
+            return
+        kind = msg["type"].removesuffix("_request")
+        rid = msg.get("id")
+        handler = self.handlers.get(msg["type"])
+        if handler is None:
+            self.send(identity, P.error(kind, rid, "UNKNOWN_TYPE",
+                                        f"colibrid does not handle {msg['type']!r} (protocol {P.PROTOCOL_VERSION})"))
+            return
+        if "v" in msg and not P.compatible(msg["v"]):
+            self.send(identity, P.error(kind, rid, "VERSION_MISMATCH",
+                                        f"client speaks protocol {msg['v']}, colibrid {P.PROTOCOL_VERSION}: "
+                                        "upgrade the older side"))
+            return
+        if not isinstance(rid, str):
+            self.send(identity, P.error(kind, None, "BAD_MESSAGE", "a request needs a string 'id'"))
+            return
+        try:
+            reply = handler(identity, rid, msg)
+        except Exception as e:  # a bug must cost one request, never the daemon
+            log.exception("handling %s", msg["type"])
+            reply = P.error(kind, rid, "INTERNAL", f"{type(e).__name__}: {e}")
+        if reply is not None:
+            self.send(identity, reply)
+
+    def deliver(self, identity: bytes, frame: bytes) -> None:
+        """An engine event for a client; a final reply ends the request's bookkeeping."""
+        msg = P.decode(frame)
+        key = (identity, msg.get("id"))
+        if msg["type"].endswith("_reply"):
+            self.inflight.pop(key, None)
+            self.gone.discard(key)
+        try:
+            delivered = self.router.send_multipart([identity, frame]) or True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            delivered = False
+        if not delivered and key in self.inflight and key not in self.gone:
+            log.info("client of request %s is gone: cancelling it", key[1])
+            self.gone.add(key)
+            self.inbox.put(("cancel", key))
+
+    def model_summary(self) -> dict:
+        info = self.model.describe()
+        return {"path": self.model_path, "type": info["model_type"], "precision": info["precision"],
+                "placement": info["experts"], "n_layer": info["n_layer"], "n_expert": info["n_expert"],
+                "n_ctx": info["n_ctx"]}
+
+    def on_hello(self, identity, rid, msg):
+        if not P.compatible(msg.get("protocol")):
+            return P.error("hello", rid, "VERSION_MISMATCH",
+                           f"client speaks protocol {msg.get('protocol')}, colibrid {P.PROTOCOL_VERSION}")
+        from .. import __version__
+
+        return P.ok("hello", rid, protocol=P.PROTOCOL_VERSION, server=f"colibrid {__version__}",
+                    model=self.model_summary())
+
+    def on_ping(self, identity, rid, msg):
+        return P.ok("ping", rid, t=time.time())
+
+    def on_status(self, identity, rid, msg):
+        return P.ok("status", rid, pid=os.getpid(), uptime_s=round(time.time() - self.t_start, 3),
+                    socket=self.socket_path, model=self.model_summary(), boot=self.boot,
+                    requests={"active": len(self.inflight), "queued": self.inbox.qsize()},
+                    config=self.cfg.as_dict())
+
+    def on_stats(self, identity, rid, msg):
+        return P.ok("stats", rid, experts=self.model.experts.stats.as_dict(), requests=dict(self.counters),
+                    uptime_s=round(time.time() - self.t_start, 3))
+
+    def on_generate(self, identity, rid, msg):
+        if self.stopping.is_set():
+            return P.error("generate", rid, "SHUTTING_DOWN", "colibrid is stopping")
+        why = check_generate(msg, self.cfg.max_tokens_limit)
+        if why:
+            return P.error("generate", rid, "BAD_MESSAGE" if why[0] == "type" else "INVALID_REQUEST", why[1])
+        key = (identity, rid)
+        if key in self.inflight:
+            return P.error("generate", rid, "INVALID_REQUEST", f"a request with id {rid!r} is already running")
+        if len(self.inflight) >= self.cfg.max_active + self.cfg.max_queue:
+            return P.error("generate", rid, "BUSY", f"{len(self.inflight)} requests are running or queued; "
+                                                    "retry later")
+        self.inflight[key] = time.time()
+        self.inbox.put(("generate", key, msg))
+        return None  # the engine thread streams and replies
+
+    def on_cancel(self, identity, rid, msg):
+        target = msg.get("target")
+        if (identity, target) not in self.inflight:
+            return P.error("cancel", rid, "NOT_FOUND", f"no running request {target!r} of this client")
+        self.inbox.put(("cancel", (identity, target)))
+        return P.ok("cancel", rid, cancelled=True)
+
+    def on_shutdown(self, identity, rid, msg):
+        log.info("shutdown requested")
+        self.stopping.set()
+        return P.ok("shutdown", rid, stopping=True)
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def engine_loop(self, ctx: zmq.Context) -> None:
+        from ..engine.generate import Batcher
+
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(EVENTS)
+        batcher = Batcher(self.model)
+        waiting: list = []
+        state: dict = {}  # key -> (request, token ids, text pieces)
+
+        def out(key, msg):
+            push.send_multipart([key[0], P.encode(msg)])
+
+        try:
+            while True:
+                if self.stopping.is_set():  # finish nothing new: cancel what runs and waits
+                    for r in batcher.active:
+                        r.cancelled = True
+                    for key, _ in waiting:
+                        out(key, P.error("generate", key[1], "SHUTTING_DOWN", "colibrid is stopping"))
+                    waiting.clear()
+                    if not batcher.active:
+                        return
+                block = not batcher.active and not waiting and not self.stopping.is_set()
+                try:
+                    while True:
+                        item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+                        block = False
+                        if item[0] == "generate":
+                            waiting.append((item[1], item[2]))
+                        else:  # cancel: a running request leaves at the next step, a waiting one now
+                            key = item[1]
+                            if key in state:
+                                state[key][0].cancelled = True
+                            elif any(k == key for k, _ in waiting):
+                                waiting = [(k, m) for k, m in waiting if k != key]
+                                out(key, P.error("generate", key[1], "CANCELLED", "cancelled before it started"))
+                                self.counters["cancelled"] += 1
+                except queue.Empty:
+                    pass
+                while waiting and len(batcher.active) < self.cfg.max_active:
+                    key, msg = waiting.pop(0)
+                    try:
+                        req = self.new_request(key, msg)
+                    except ColibriError as e:
+                        out(key, P.error("generate", key[1], "INVALID_REQUEST", str(e)))
+                        self.counters["failed"] += 1
+                        continue
+                    batcher.add(req)
+                    state[key] = (req, [], [])
+                if not batcher.active:
+                    continue
+                try:
+                    events = batcher.step()
+                except ColibriError as e:  # e.g. an expert read failed: fail this step's requests
+                    log.error("step failed: %s", e)
+                    for r in batcher.active:
+                        key = r.id
+                        out(key, P.error("generate", key[1], "MODEL_ERROR", str(e)))
+                        state.pop(key, None)
+                        self.counters["failed"] += 1
+                    batcher.active.clear()
+                    continue
+                for req, ev in events:
+                    key = req.id
+                    _, ids, pieces = state[key]
+                    if ev.kind == "token":
+                        ids.append(ev.token_id)
+                        pieces.append(ev.text)
+                        self.counters["tokens"] += 1
+                        out(key, {"type": "generate_stream", "id": key[1], "v": P.PROTOCOL_VERSION,
+                                  "token_id": ev.token_id, "text": ev.text})
+                        continue
+                    pieces.append(ev.text)
+                    del state[key]
+                    if ev.finish_reason == "cancelled":
+                        self.counters["cancelled"] += 1
+                        out(key, P.error("generate", key[1], "CANCELLED", "the request was cancelled") |
+                            {"token_ids": ids, "text": "".join(pieces)})
+                    else:
+                        self.counters["served"] += 1
+                        out(key, P.ok("generate", key[1], token_ids=ids, text="".join(pieces),
+                                      finish_reason=ev.finish_reason, stats=ev.stats))
+        except Exception:
+            log.exception("the engine thread failed; stopping")
+            self.stopping.set()
+        finally:
+            push.close()
+
+    def new_request(self, key, msg):
+        from ..engine.generate import Request, SamplingParams
+
+        if "messages" in msg:
+            text = self.tokenizer.apply_chat_template(msg["messages"])
+            ids = self.tokenizer.encode(text, special=False)
+        else:
+            ids = self.tokenizer.encode(msg["prompt"])
+        params = SamplingParams(max_tokens=msg.get("max_tokens", 256), temperature=float(msg.get("temperature", 0.0)),
+                                top_k=msg.get("top_k", 0), top_p=float(msg.get("top_p", 1.0)), seed=msg.get("seed"),
+                                stop=tuple(msg.get("stop") or ()))
+        return Request(self.model, ids, params, self.eos, self.tokenizer, rid=key)
+
+
+def check_generate(msg: dict, max_tokens_limit: int) -> tuple[str, str] | None:
+    """("type" or "value", why) for a generate request that cannot run, else None."""
+    prompt, messages = msg.get("prompt"), msg.get("messages")
+    if (prompt is None) == (messages is None):
+        return "type", "a generate request has exactly one of 'prompt' (a string) or 'messages' (a list)"
+    if prompt is not None and not isinstance(prompt, str):
+        return "type", "'prompt' must be a string"
+    if messages is not None and not (
+        isinstance(messages, list) and messages
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+        return "type", "'messages' must be a non-empty list of {\"role\": str, \"content\": str}"
+    for name, types in (("max_tokens", int), ("top_k", int), ("seed", int), ("temperature", int | float),
+                        ("top_p", int | float)):
+        v = msg.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
+            return "type", f"'{name}' must be a number" if types is not int else f"'{name}' must be an integer"
+    stop = msg.get("stop")
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return "type", "'stop' must be a list of strings"
+    if msg.get("max_tokens", 1) > max_tokens_limit:
+        return "value", f"max_tokens {msg['max_tokens']} is above this daemon's limit of {max_tokens_limit}"
+    return None

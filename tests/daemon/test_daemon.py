@@ -1,0 +1,239 @@
+"""colibrid as a real process on a temporary socket, with a fake NOTIFY_SOCKET."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from colibri.ctl import exitcodes
+from colibri.ctl.client import Client, ReplyError
+from colibri.daemon import protocol as P
+from colibri.engine.demo import write_demo_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Notify:
+    """The datagram socket systemd would own: a thread collects what the daemon tells it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.lines: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        while True:
+            try:
+                self.lines += self.sock.recv(4096).decode().splitlines()
+            except TimeoutError:
+                pass
+            except OSError:
+                return
+
+    def wait_for(self, line: str, timeout: float) -> bool:
+        end = time.time() + timeout
+        while time.time() < end and line not in self.lines:
+            time.sleep(0.05)
+        return line in self.lines
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("model") / "demo")
+
+
+def start(tmp_path, model, *extra, env=None):
+    notify = Notify(tmp_path / "notify")
+    sock = str(tmp_path / "colibri.sock")
+    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000", **(env or {})}
+    env.pop("COLIBRI_SOCKET", None)
+    log = open(tmp_path / "colibrid.log", "w")  # a file, not a pipe nobody reads
+    proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", str(model), "--socket", sock, *extra],
+                            env=env, stderr=log, text=True)
+    assert notify.wait_for("READY=1", 120), "no READY=1"
+    return proc, sock, notify
+
+
+@pytest.fixture
+def daemon(tmp_path, demo):
+    proc, sock, notify = start(tmp_path, demo)
+    yield proc, sock, notify
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def ctl(sock, *args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "colibri.ctl", "--socket", sock, *map(str, args)], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_ready_watchdog_status_and_sigterm(daemon):
+    proc, sock, notify = daemon
+    assert any(line.startswith("STATUS=") for line in notify.lines)
+    assert notify.wait_for("WATCHDOG=1", 5)
+    r = ctl(sock, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["pid"] == proc.pid and st["model"]["type"] == "qwen3_moe" and "cpus" in st["boot"]
+    assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert notify.wait_for("STOPPING=1", 5)
+    assert not os.path.exists(sock)
+
+
+def test_generate_matches_run_in_process(daemon, demo):
+    _, sock, _ = daemon
+    r = ctl(sock, "generate", "--json", "--max-tokens", 20, stdin="The daemon and the process agree")
+    assert r.returncode == 0, r.stderr
+    ref = subprocess.run([sys.executable, "-m", "colibri.ctl", "run", "--model", str(demo), "--json", "--max-tokens",
+                          "20", "The daemon and the process agree"], capture_output=True, text=True, timeout=120)
+    assert json.loads(r.stdout)["token_ids"] == json.loads(ref.stdout)["token_ids"]
+    text = ctl(sock, "generate", "--max-tokens", 20, "The daemon and the process agree")
+    assert text.stdout == json.loads(ref.stdout)["text"] + "\n"
+
+
+def generate(sock, prompt, n, results, key):
+    c = Client(sock).connect()
+    try:
+        c.hello()
+        r = c.call("generate", timeout_ms=None, prompt=prompt, max_tokens=n)
+        results[key] = r["token_ids"]
+    finally:
+        c.close()
+
+
+def test_concurrent_clients_get_their_own_tokens(daemon):
+    _, sock, _ = daemon
+    prompts = [f"client number {i} says" + " hello" * i for i in range(8)]
+    alone = {}
+    for i, p in enumerate(prompts):
+        generate(sock, p, 16, alone, i)
+    together = {}
+    threads = [threading.Thread(target=generate, args=(sock, p, 16, together, i)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+
+
+def test_cancel_and_status_during_generation(daemon):
+    _, sock, _ = daemon
+    c = Client(sock).connect()
+    rid = c.send("generate", prompt="a long one", max_tokens=3000)
+    first = c.recv(30000)
+    assert first["type"] == "generate_stream" and first["id"] == rid
+    t0 = time.perf_counter()
+    other = Client(sock).connect()
+    assert other.call("ping")["status"] == "ok"
+    assert other.call("status")["requests"]["active"] == 1
+    assert time.perf_counter() - t0 < 1.0  # the I/O thread answers while the engine works
+    c.send("cancel", target=rid)
+    while True:
+        msg = c.recv(30000)
+        if msg.get("id") == rid and msg["type"] == "generate_reply":
+            break
+    assert msg["status"] == "error" and msg["error"]["name"] == "CANCELLED"
+    assert len(msg["token_ids"]) < 3000
+    assert other.call("stats")["requests"]["cancelled"] == 1
+    c.close()
+    other.close()
+
+
+def test_client_killed_mid_stream(daemon):
+    _, sock, _ = daemon
+    p = subprocess.Popen([sys.executable, "-m", "colibri.ctl", "--socket", sock, "generate", "--max-tokens", "3000",
+                          "forever"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert p.stdout.read(5)  # it streams
+    p.kill()
+    p.wait()
+    c = Client(sock).connect()
+    for _ in range(100):
+        if c.call("stats")["requests"]["cancelled"] == 1:
+            break
+        time.sleep(0.1)
+    assert c.call("stats")["requests"]["cancelled"] == 1
+    assert c.call("status")["requests"]["active"] == 0
+    assert ctl(sock, "generate", "--max-tokens", 3, "still fine").returncode == 0
+    c.close()
+
+
+def test_bad_messages_get_error_replies(daemon):
+    proc, sock, _ = daemon
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(P.endpoint(sock))
+    cases = [b"\xff\xfe not json", b"[1, 2]", b'{"no": "type"}',
+             P.encode({"type": "frobnicate_request", "id": "1"}),
+             P.encode({"type": "ping_request", "id": "2", "v": "2.0"}),
+             P.encode({"type": "generate_request", "id": "3", "prompt": 7}),
+             P.encode({"type": "generate_request", "id": "4", "prompt": "x", "max_tokens": 10**9}),
+             P.encode({"type": "generate_request", "id": "5", "prompt": "x", "temperature": -1}),
+             P.encode({"type": "cancel_request", "id": "6", "target": "nothing"})]
+    want = ["BAD_MESSAGE", "BAD_MESSAGE", "BAD_MESSAGE", "UNKNOWN_TYPE", "VERSION_MISMATCH", "BAD_MESSAGE",
+            "INVALID_REQUEST", "INVALID_REQUEST", "NOT_FOUND"]
+    got = []
+    for frame in cases:
+        s.send(frame)
+        assert s.poll(10000)
+        msg = json.loads(s.recv())
+        assert msg["status"] == "error" and msg["error"]["code"] == P.ERRORS[msg["error"]["name"]]
+        got.append(msg["error"]["name"])
+    assert got == want
+    s.close()
+    assert proc.poll() is None and Client(sock).connect().call("ping")["status"] == "ok"
+    r = ctl(sock, "generate", "--temperature", "-1", "x")
+    assert r.returncode == exitcodes.BAD_REQUEST and "temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_daemon_down_is_one_line_and_its_own_exit_code(tmp_path):
+    r = ctl(str(tmp_path / "none.sock"), "ping")
+    assert r.returncode == exitcodes.DAEMON_DOWN and len(r.stderr.strip().splitlines()) == 1
+    assert "not running" in r.stderr
+
+
+def test_shutdown_command(daemon):
+    proc, sock, notify = daemon
+    assert ctl(sock, "shutdown").returncode == 0
+    assert proc.wait(30) == 0 and notify.wait_for("STOPPING=1", 5)
+
+
+def test_bad_config_names_the_key(tmp_path, demo):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("expert_cache: 1GiB\nio_thread: 3\n")
+    r = subprocess.run([sys.executable, "-m", "colibri.daemon", "--config", str(cfg), "--model", str(demo)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "io_thread" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    out = subprocess.run([sys.executable, "-m", "colibri.daemon", "--config", os.path.join(ROOT, "etc/colibri.yaml"),
+                          "--print-config"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "expert_cache: all" in out.stdout
+
+
+def test_protocol_doc_matches_the_code():
+    doc = open(os.path.join(ROOT, "docs/protocol.md")).read()
+    assert re.search(r"Protocol version: \*\*([\d.]+)\*\*", doc).group(1) == P.PROTOCOL_VERSION
+    table = dict((name, int(code)) for code, name in re.findall(r"^\| (\d+) \| ([A-Z_]+) \|", doc, re.M))
+    assert table == P.ERRORS
+    for kind in P.REQUEST_TYPES:
+        assert f"`{kind}_request`" in doc
+
+
+def test_unit_client_reports_reply_errors(daemon):
+    _, sock, _ = daemon
+    with pytest.raises(ReplyError) as e:
+        Client(sock).connect().call("cancel", target="x")
+    assert e.value.name == "NOT_FOUND"
