@@ -6,8 +6,10 @@
 set -eu
 cd "$(dirname "$0")"
 
+pkgs="libsystemd-dev pkg-config"
+[ "${1:-}" = "--test" ] && pkgs="$pkgs systemd"  # systemd-analyze verifies the unit in the tests
 need=""
-for pkg in libsystemd-dev pkg-config; do
+for pkg in $pkgs; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
 done
 if [ -n "$need" ]; then

@@ -1,0 +1,24 @@
+"""The shipped unit verifies, and asks for what the daemon relies on."""
+
+import os
+import shutil
+import subprocess
+import sysconfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_unit_verifies(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze is missing: ./setup.sh --test installs it"
+    unit = open(os.path.join(ROOT, "systemd", "colibrid.service")).read()
+    colibrid = os.path.join(sysconfig.get_path("scripts"), "colibrid")
+    assert os.path.exists(colibrid)
+    (tmp_path / "colibrid.service").write_text(unit.replace("/usr/local/bin/colibrid", colibrid))
+    r = subprocess.run([analyze, "verify", str(tmp_path / "colibrid.service")], capture_output=True, text=True)
+    assert r.returncode == 0 and "colibrid.service" not in r.stderr, r.stderr
+    for line in ("Type=notify", "WatchdogSec=", "RuntimeDirectory=colibri", "StateDirectory=colibri",
+                 "User=colibri", "LimitMEMLOCK=", "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes",
+                 "PrivateTmp=yes", "ExecReload=/bin/kill -HUP $MAINPID", "RestrictAddressFamilies=AF_UNIX"):
+        assert line in unit, line
+    assert "colibri" in open(os.path.join(ROOT, "systemd", "colibri.sysusers.conf")).read()
