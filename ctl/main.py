@@ -126,6 +126,44 @@ def stats(client, as_json, watch):
             return
 
 
+@cli.group()
+def cache():
+    """Show or resize the expert cache of the running daemon."""
+
+
+def show_placement(r: dict) -> None:
+    p, e = r["placement"], r["experts"]
+    if "slots" not in p:
+        click.echo(f"experts all resident ({p.get('expert_bytes', 0) / 2**20:.1f} MiB)")
+        return
+    click.echo(f"budget {p['budget_bytes'] / 2**20:.1f} MiB: arena {p['arena_bytes'] / 2**20:.1f} MiB, "
+               f"{p['slots_per_layer']} slots per layer of {p['record_bytes'] / 2**10:.0f} KiB, "
+               f"{'O_DIRECT' if p['o_direct'] else 'buffered'} reads, {p['io_threads']} I/O threads, "
+               f"mlock: {p['mlock']}, hugepages: {p['hugepages']}")
+    rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
+    click.echo(f"hits {e['hits']}, misses {e['misses']} (hit rate {rate}), evictions {e['evictions']}")
+
+
+@cache.command("show")
+@click.option("--json", "as_json", is_flag=True)
+@with_client
+def cache_show(client, as_json):
+    """The budget, the arena and the counters."""
+    r = client.call("cache", action="show")
+    if as_json:
+        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"]}))
+    else:
+        show_placement(r)
+
+
+@cache.command("set")
+@click.option("--experts", "size", required=True, metavar="SIZE", help="bytes, KiB/MiB/GiB, min or all")
+@with_client
+def cache_set(client, size):
+    """Resize the expert cache now: no restart, no request dropped."""
+    show_placement(client.call("cache", timeout_ms=None, action="set", experts=size))
+
+
 @cli.command()
 @with_client
 def shutdown(client):

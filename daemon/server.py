@@ -50,6 +50,7 @@ class Server:
             "generate_request": self.on_generate,
             "cancel_request": self.on_cancel,
             "shutdown_request": self.on_shutdown,
+            "cache_request": self.on_cache,
         }
 
     # ---- start-up --------------------------------------------------------------------------
@@ -302,6 +303,28 @@ class Server:
         self.inbox.put(("cancel", (identity, target)))
         return P.ok("cancel", rid, cancelled=True)
 
+    def on_cache(self, identity, rid, msg):
+        action = msg.get("action")
+        if action == "show":
+            return P.ok("cache", rid, placement=self.model.experts.describe(),
+                        experts=self.model.experts.stats.as_dict())
+        if action != "set":
+            return P.error("cache", rid, "BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
+        from ..storage.cache import BudgetInvalid, parse_size
+
+        size = msg.get("experts")
+        if isinstance(size, bool) or not isinstance(size, str | int):
+            return P.error("cache", rid, "BAD_MESSAGE", "'experts' must be a size: bytes, KiB/MiB/GiB, min or all")
+        try:
+            budget = parse_size(str(size))
+        except BudgetInvalid as e:
+            return P.error("cache", rid, "INVALID_REQUEST", str(e))
+        if not hasattr(self.model.experts, "resize"):
+            return P.error("cache", rid, "INVALID_REQUEST", "this model's experts are all resident (a checkpoint); "
+                                                            "convert it to a container to stream them under a budget")
+        self.inbox.put(("cache_set", (identity, rid), budget))  # the engine thread resizes between two steps
+        return None
+
     def on_shutdown(self, identity, rid, msg):
         log.info("shutdown requested")
         self.stopping.set()
@@ -339,6 +362,8 @@ class Server:
                         block = False
                         if item[0] == "generate":
                             waiting.append((item[1], item[2]))
+                        elif item[0] == "cache_set":
+                            out(item[1], self.resize(item[1][1], item[2]))
                         else:  # cancel: a running request leaves at the next step, a waiting one now
                             key = item[1]
                             if key in state:
@@ -397,6 +422,18 @@ class Server:
             self.stopping.set()
         finally:
             push.close()
+
+    def resize(self, rid, budget) -> dict:
+        """Between two steps, on the engine thread: no request sees the change but in speed."""
+        from ..storage.cache import BudgetInvalid
+
+        try:
+            t0 = time.perf_counter()
+            desc = self.model.experts.resize(budget)
+        except BudgetInvalid as e:
+            return P.error("cache", rid, "INVALID_REQUEST", str(e))
+        log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)
+        return P.ok("cache", rid, placement=desc, experts=self.model.experts.stats.as_dict())
 
     def new_request(self, key, msg):
         from ..engine.generate import Request, SamplingParams

@@ -83,9 +83,22 @@ class ExpertCache:
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
                  mlock: bool = False):
         self.c = container
-        self.record_bytes = rb = container.record_bytes
-        layers = container.moe_layers
-        n_moe, n_expert = len(layers), container.n_expert
+        self.record_bytes = container.record_bytes
+        self.mlock_asked = mlock
+        self._mm = None
+        self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
+        self._place(budget)
+        self.stats = ExpertStats()
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
+        self.io_threads = io_threads
+        self.fds: dict[str, int] = {}
+        self.direct, self.fallback_reason = direct, None
+        for file in sorted({r.file for r in container.records.values()}):
+            self.fds[file] = self._open(file)
+
+    def slots_for(self, budget: int | str) -> tuple[int, int]:
+        """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""
+        rb, n_moe, n_expert = self.record_bytes, len(self.c.moe_layers), self.c.n_expert
         min_bytes = n_moe * rb
         if budget == "min":
             budget = min_bytes
@@ -96,38 +109,56 @@ class ExpertCache:
                 f"expert cache of {fmt_bytes(budget)} is too small: the minimum is {fmt_bytes(min_bytes)} "
                 f"({min_bytes} bytes: one {fmt_bytes(rb)} expert slot for each of {n_moe} MoE layers)"
             )
-        per_layer = min(budget // rb // n_moe, n_expert)
-        self.n_slots = per_layer * n_moe
-        self.budget_bytes = int(budget)
-        self.arena_bytes = self.n_slots * rb
-        self._mm = mmap.mmap(-1, self.arena_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return min(budget // rb // n_moe, n_expert), int(budget)
+
+    def _place(self, budget: int | str) -> None:
+        """Make the arena for `budget` and move into it the most recently used experts that
+        fit (all of them when it grows). Call between steps, never during a stream."""
+        per_layer, budget_bytes = self.slots_for(budget)
+        rb, layers = self.record_bytes, self.c.moe_layers
+        n_slots = per_layer * len(layers)
+        mm = mmap.mmap(-1, n_slots * rb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.hugepages = "not available"
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
-                self._mm.madvise(mmap.MADV_HUGEPAGE)
+                mm.madvise(mmap.MADV_HUGEPAGE)
                 self.hugepages = "transparent (madvise)"
             except OSError as e:
                 self.hugepages = f"madvise refused: {e.strerror}"
-        self.arena = np.frombuffer(self._mm, np.uint8).reshape(self.n_slots, rb)  # [slots, record_bytes]
+        arena = np.frombuffer(mm, np.uint8).reshape(n_slots, rb)  # [slots, record_bytes]
         # make every page now: a first read into a fresh page costs a fault and halves early read
         # bandwidth; the arena is the budget, so RSS is what was asked for. MADV_POPULATE_WRITE
         # (Linux 5.14) does it in the kernel, 25x faster than touching each page from here.
         try:
-            self._mm.madvise(MADV_POPULATE_WRITE)
+            mm.madvise(MADV_POPULATE_WRITE)
         except OSError:
-            self.arena.reshape(-1)[:: mmap.PAGESIZE] = 0
-        self.mlock = _mlock(self._mm) if mlock else "not asked"
-        self._views: dict[int, tuple] = {}
-        self.free = {il: deque(range(i * per_layer, (i + 1) * per_layer)) for i, il in enumerate(layers)}
-        self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in layers}  # ie -> slot
-        self.slots_per_layer = per_layer
-        self.stats = ExpertStats()
-        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
-        self.io_threads = io_threads
-        self.fds: dict[str, int] = {}
-        self.direct, self.fallback_reason = direct, None
-        for file in sorted({r.file for r in container.records.values()}):
-            self.fds[file] = self._open(file)
+            arena.reshape(-1)[:: mmap.PAGESIZE] = 0
+        self.mlock = _mlock(mm) if self.mlock_asked else "not asked"
+        free, lru = {}, {}
+        for i, il in enumerate(layers):
+            slots = deque(range(i * per_layer, (i + 1) * per_layer))
+            keep = list(self.lru[il].items())[-per_layer:]  # the most recent that fit
+            lru[il] = OrderedDict()
+            for ie, old_slot in keep:
+                slot = slots.popleft()
+                arena[slot] = self.arena[old_slot]
+                lru[il][ie] = slot
+            free[il] = slots
+        old = self._mm
+        self._mm, self.arena, self.free, self.lru, self._views = mm, arena, free, lru, {}
+        self.n_slots, self.slots_per_layer = n_slots, per_layer
+        self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
+        if old is not None:
+            try:
+                old.close()
+            except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
+                pass
+
+    def resize(self, budget: int | str) -> dict:
+        """Change the budget at runtime, keeping the most recently used experts that fit.
+        Call between forward steps. Raises BudgetInvalid. Returns describe()."""
+        self._place(budget)
+        return self.describe()
 
     def _open(self, file: str) -> int:
         if self.direct:

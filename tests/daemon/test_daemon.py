@@ -108,7 +108,7 @@ def generate(sock, prompt, n, results, key):
     c = Client(sock).connect()
     try:
         c.hello()
-        r = c.call("generate", timeout_ms=None, prompt=prompt, max_tokens=n)
+        r = c.call("generate", timeout_ms=120000, prompt=prompt, max_tokens=n)
         results[key] = r["token_ids"]
     finally:
         c.close()
@@ -121,7 +121,7 @@ def test_concurrent_clients_get_their_own_tokens(daemon):
     for i, p in enumerate(prompts):
         generate(sock, p, 16, alone, i)
     together = {}
-    threads = [threading.Thread(target=generate, args=(sock, p, 16, together, i)) for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=generate, args=(sock, p, 16, together, i), daemon=True) for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -221,6 +221,44 @@ def test_bad_config_names_the_key(tmp_path, demo):
     out = subprocess.run([sys.executable, "-m", "colibri.daemon", "--config", os.path.join(ROOT, "etc/colibri.yaml"),
                           "--print-config"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "expert_cache: all" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def container(demo, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("container") / "demo-c"
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", str(demo), str(dst)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return dst
+
+
+def test_cache_resize_under_load(tmp_path, container):
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "all")
+    try:
+        prompts = [f"resize test {i}" + "!" * i for i in range(4)]
+        alone = {}
+        for i, p in enumerate(prompts):
+            generate(sock, p, 40, alone, i)
+        together = {}
+        threads = [threading.Thread(target=generate, args=(sock, p, 40, together, i), daemon=True) for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        sizes = []
+        for size in ("min", "3MiB", "all", "min"):
+            r = ctl(sock, "cache", "set", "--experts", size)
+            assert r.returncode == 0, r.stderr
+            sizes.append(json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots_per_layer"])
+        for t in threads:
+            t.join(120)
+        assert together == alone  # nothing failed, nothing changed but speed
+        assert sizes == [1, 2, 16, 1]
+        stats = Client(sock).connect().call("stats")["requests"]
+        assert stats["failed"] == 0 and stats["served"] == 8
+        bad = ctl(sock, "cache", "set", "--experts", "1KiB")
+        assert bad.returncode == exitcodes.BAD_REQUEST and "minimum" in bad.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 def test_protocol_doc_matches_the_code():

@@ -94,3 +94,29 @@ def test_read_error_names_the_expert_and_frees_the_slot(container, monkeypatch):
     monkeypatch.undo()
     assert len(c.free[il]) == 1  # the slot came back
     assert 4 in served(c, il, [4])
+
+
+def test_resize_keeps_the_most_recent_and_their_bytes(container):
+    il = container.moe_layers[0]
+    n_moe, rb = len(container.moe_layers), container.record_bytes
+    c = ExpertCache(container, 4 * n_moe * rb)
+    for ie in (0, 1, 2, 3):
+        served(c, il, [ie])
+    ref = served(ExpertCache(container, "all"), il, [0, 1, 2, 3])
+    c.resize(2 * n_moe * rb)  # shrink: the two most recent stay
+    assert list(c.lru[il]) == [2, 3] and c.slots_per_layer == 2 and c.arena_bytes == 2 * n_moe * rb
+    misses = c.stats.misses
+    got = served(c, il, [2, 3])
+    assert c.stats.misses == misses  # still resident after the move
+    for ie in (2, 3):
+        for x, y in zip(got[ie], ref[ie]):
+            np.testing.assert_array_equal(x, y)
+    c.resize("all")  # grow: everything kept, room for the rest
+    assert list(c.lru[il]) == [2, 3] and c.slots_per_layer == container.n_expert
+    got = served(c, il, [0, 1, 2, 3])
+    for ie in range(4):
+        for x, y in zip(got[ie], ref[ie]):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(cache_mod.BudgetInvalid, match="minimum"):
+        c.resize(rb)
+    assert c.slots_per_layer == container.n_expert  # a refused resize changes nothing
