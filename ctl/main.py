@@ -166,6 +166,69 @@ def cache_set(client, size):
 
 @cli.command()
 @with_client
+def reload(client):
+    """Re-read the daemon's configuration and apply what can change while it runs."""
+    r = client.call("reload")
+    click.echo(f"applied: {', '.join(r['applied']) or 'nothing'}; needs a restart: "
+               f"{', '.join(r['restart_needed']) or 'nothing'}")
+
+
+@cli.command()
+@click.option("--max-tokens", type=int, default=512, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--system", metavar="TEXT", help="a system message to start the conversation")
+@with_client
+def chat(client, max_tokens, temperature, top_k, top_p, seed, system):
+    """Talk with the model: each line you type is a user message; the conversation is kept
+    and formatted with the model's chat template. Ctrl-C stops a reply, Ctrl-D ends."""
+    client.hello()
+    messages = [{"role": "system", "content": system}] if system else []
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    if seed is not None:
+        fields["seed"] = seed
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        rid = client.send("generate", messages=messages, **fields)
+        try:
+            msg = stream_reply(client, rid, show=True)
+        except KeyboardInterrupt:
+            client.send("cancel", target=rid)
+            msg = stream_reply(client, rid, show=False)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if msg.get("status") != "ok" and msg.get("error", {}).get("name") != "CANCELLED":
+            from .client import ReplyError
+
+            raise ReplyError(msg)
+        messages.append({"role": "assistant", "content": msg.get("text", "")})
+
+
+def stream_reply(client, rid: str, show: bool) -> dict:
+    """Print a generate request's stream (when show) and return its final reply."""
+    while True:
+        msg = client.recv(None)
+        if msg.get("id") != rid:
+            continue
+        if msg["type"] != "generate_stream":
+            return msg
+        if show and msg.get("text"):
+            sys.stdout.write(msg["text"])
+            sys.stdout.flush()
+
+
+@cli.command()
+@with_client
 def shutdown(client):
     """Stop the daemon (it cancels running requests and exits)."""
     client.call("shutdown")
@@ -197,16 +260,7 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     fields |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     rid = client.send("generate", **fields)
     try:
-        while True:
-            msg = client.recv(None)
-            if msg.get("id") != rid:
-                continue
-            if msg["type"] == "generate_stream":
-                if not as_json and msg.get("text"):
-                    sys.stdout.write(msg["text"])
-                    sys.stdout.flush()
-                continue
-            break
+        msg = stream_reply(client, rid, show=not as_json)
     except KeyboardInterrupt:
         client.send("cancel", target=rid)
         fail("cancelled", exitcodes.INTERRUPTED)

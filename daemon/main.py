@@ -45,8 +45,9 @@ def main(config_path, model, socket_path, expert_cache, print_config):
         os.environ.setdefault(var, val)
     from . import config as C
 
+    overrides = {"model": model, "socket": socket_path, "expert_cache": expert_cache}
     try:
-        cfg = C.load(config_path, {"model": model, "socket": socket_path, "expert_cache": expert_cache})
+        cfg = C.load(config_path, overrides)
     except C.ConfigError as e:
         click.echo(f"colibrid: {e}", err=True)
         raise SystemExit(EXIT_CONFIG) from None
@@ -59,7 +60,7 @@ def main(config_path, model, socket_path, expert_cache, print_config):
     from .server import Server
 
     try:
-        code = Server(cfg).run()
+        code = Server(cfg, config_path, overrides).run()
     except ColibriError as e:
         click.echo(f"colibrid: {e}", err=True)
         raise SystemExit(EXIT_START) from None

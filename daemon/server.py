@@ -31,11 +31,13 @@ EVENTS = "inproc://colibri-events"
 class Server:
     """Config loaded once, then Server(config).run()."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, config_path: str | None = None, overrides: dict | None = None):
         self.cfg = cfg
+        self.config_path, self.overrides = config_path, overrides or {}
         self.t_start = time.time()
         self.stopping = threading.Event()
         self.signals = 0
+        self.hup = False
         self.inbox: queue.Queue = queue.Queue()  # I/O thread -> engine thread
         self.inflight: dict[tuple[bytes, str], float] = {}  # generate requests not yet replied to
         self.gone: set[tuple[bytes, str]] = set()  # of those, the ones whose client vanished
@@ -51,6 +53,7 @@ class Server:
             "cancel_request": self.on_cancel,
             "shutdown_request": self.on_shutdown,
             "cache_request": self.on_cache,
+            "reload_request": self.on_reload,
         }
 
     # ---- start-up --------------------------------------------------------------------------
@@ -164,6 +167,12 @@ class Server:
                     else:
                         identity, frame = events.recv_multipart()
                         self.deliver(identity, frame)
+                if self.hup:
+                    self.hup = False
+                    try:
+                        self.reload()
+                    except ColibriError as e:
+                        log.error("SIGHUP: reload refused, keeping the running configuration: %s", e)
                 now = time.monotonic()
                 if watchdog and now - last_ping >= watchdog:
                     notify("WATCHDOG=1")
@@ -190,7 +199,40 @@ class Server:
         self.stopping.set()
 
     def _on_hup(self, signum, frame):
-        log.info("SIGHUP: nothing in the running configuration can change without a restart yet")
+        self.hup = True  # handled by the main loop, outside the signal handler
+
+    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s")
+
+    def reload(self, key=None) -> dict:
+        """Read the configuration again (flags still override it) and apply what can change
+        while running; say what needs a restart. A bad file changes nothing.
+        Raises ConfigError."""
+        from .config import load
+        from .main import setup_logging
+
+        new = load(self.config_path, self.overrides)
+        old = self.cfg
+        changed = [k for k in new.as_dict() if getattr(new, k) != getattr(old, k)]
+        applied = [k for k in changed if k in self.RUNTIME_KEYS]
+        restart = [k for k in changed if k not in self.RUNTIME_KEYS]
+        self.cfg = new
+        if "log_level" in applied:
+            setup_logging(new.log_level)
+        if "expert_cache" in applied and hasattr(self.model.experts, "resize"):
+            from ..storage.cache import parse_size
+
+            self.inbox.put(("cache_set", key, parse_size(new.expert_cache)))
+        log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
+        return {"applied": applied, "restart_needed": restart}
+
+    def on_reload(self, identity, rid, msg):
+        from .config import ConfigError
+
+        try:
+            return P.ok("reload", rid, **self.reload())
+        except ConfigError as e:
+            log.error("reload refused, keeping the running configuration: %s", e)
+            return P.error("reload", rid, "INVALID_REQUEST", f"{e} (the running configuration is unchanged)")
 
     # ---- I/O thread: frames in, replies out ------------------------------------------------
 
@@ -363,7 +405,9 @@ class Server:
                         if item[0] == "generate":
                             waiting.append((item[1], item[2]))
                         elif item[0] == "cache_set":
-                            out(item[1], self.resize(item[1][1], item[2]))
+                            reply = self.resize(item[1][1] if item[1] else None, item[2])
+                            if item[1]:  # None: a reload asked, nobody waits for the reply
+                                out(item[1], reply)
                         else:  # cancel: a running request leaves at the next step, a waiting one now
                             key = item[1]
                             if key in state:

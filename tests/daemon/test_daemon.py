@@ -275,3 +275,44 @@ def test_unit_client_reports_reply_errors(daemon):
     with pytest.raises(ReplyError) as e:
         Client(sock).connect().call("cancel", target="x")
     assert e.value.name == "NOT_FOUND"
+
+
+def test_chat_keeps_the_conversation(daemon):
+    _, sock, _ = daemon
+    r = ctl(sock, "chat", "--max-tokens", 6, stdin="first question\nsecond question\n")
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 2
+    c = Client(sock).connect()
+    first = c.call("generate", timeout_ms=60000, messages=[{"role": "user", "content": "first question"}], max_tokens=6)
+    second = c.call("generate", timeout_ms=60000, max_tokens=6, messages=[
+        {"role": "user", "content": "first question"}, {"role": "assistant", "content": first["text"]},
+        {"role": "user", "content": "second question"}])
+    assert replies == [first["text"], second["text"]]
+    c.close()
+
+
+def test_reload_applies_what_it_can(tmp_path, container):
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text("expert_cache: all\nio_threads: 2\n")
+    proc, sock, _ = start(tmp_path, container, "--config", str(cfg))
+    try:
+        cfg.write_text("expert_cache: min\nio_threads: 3\nlog_level: debug\n")
+        r = ctl(sock, "reload")
+        assert r.returncode == 0, r.stderr
+        assert "applied: expert_cache, log_level" in r.stdout and "needs a restart: io_threads" in r.stdout
+        for _ in range(50):
+            if json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots_per_layer"] == 1:
+                break
+            time.sleep(0.1)
+        assert json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots_per_layer"] == 1
+        cfg.write_text("expert_cache: lots\n")
+        bad = ctl(sock, "reload")
+        assert bad.returncode == exitcodes.BAD_REQUEST and "expert_cache" in bad.stderr and "unchanged" in bad.stderr
+        proc.send_signal(signal.SIGHUP)  # the same bad file through SIGHUP: logged, nothing changes
+        time.sleep(0.5)
+        assert proc.poll() is None and ctl(sock, "ping").returncode == 0
+        assert "reload refused" in (tmp_path / "colibrid.log").read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
