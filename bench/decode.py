@@ -84,10 +84,10 @@ class SyntheticSource:
 
 
 def build(workdir: str, expert_gb: float) -> str:
-    path = os.path.join(workdir, "qwen3-30b-a3b-shaped-int4")
     one_layer = SHAPE["num_experts"] * 3 * (768 * 2048 // 2 + 768 * 2048 // GROUP * 2)
     free = shutil.disk_usage(workdir).free
     n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
+    path = os.path.join(workdir, f"qwen3-30b-a3b-shaped-int4-{n_layer}l")
     cfg = SHAPE | {"num_hidden_layers": n_layer}
     stamp = os.path.join(path, "bench-config.json")
     if os.path.isfile(stamp) and json.load(open(stamp)) == cfg:
