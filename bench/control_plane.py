@@ -104,11 +104,11 @@ def main():
             st0 = c.call("stats")
             results, t0 = {}, time.perf_counter()
 
-            def one(i):
+            def one(i, results):
                 cl = Client(sock).connect()
                 results[i] = cl.call("generate", timeout_ms=None, prompt=prompts[i], max_tokens=a.tokens)
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+            threads = [threading.Thread(target=one, args=(i, results)) for i in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
