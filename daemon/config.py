@@ -24,7 +24,9 @@ class Config:
     io_threads: int = 2  # threads reading experts
     compute_threads: int = 0  # 0: every CPU the daemon may run on
     cpus: list = field(default_factory=list)  # CPU affinity, e.g. [0, 1]; empty: leave as started
-    mlock: bool = False  # lock the expert cache in RAM (within RLIMIT_MEMLOCK)
+    numa_node: int | None = None  # run on this NUMA node and prefer its memory (libnuma); None: any
+    hugepages: bool = False  # put the expert arena on reserved hugepages (vm.nr_hugepages), else THP
+    mlock: bool = False  # lock the dense weights and the expert cache in RAM (within RLIMIT_MEMLOCK)
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
@@ -38,6 +40,7 @@ class Config:
 _KINDS = {  # key -> what a valid value is
     "model": "path", "socket": "path", "state_dir": "path", "expert_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
+    "numa_node": "node", "hugepages": "bool",
     "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
     "watchdog_s": "seconds", "log_level": "level",
 }
@@ -64,6 +67,8 @@ def _valid(kind: str, v) -> str | None:
     if kind == "cpus":
         ok = isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
         return None if ok else "a list of CPU numbers"
+    if kind == "node":
+        return None if v is None or (is_int and v >= 0) else "a NUMA node number or null"
     if kind == "bool":
         return None if isinstance(v, bool) else "true or false"
     if kind == "seconds":

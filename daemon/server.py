@@ -59,20 +59,12 @@ class Server:
     # ---- start-up --------------------------------------------------------------------------
 
     def place(self) -> None:
-        """Boot-time placement; each step records what was asked, what it got and why not."""
-        cfg = self.cfg
-        if cfg.cpus:
-            try:
-                os.sched_setaffinity(0, cfg.cpus)
-                self.boot["cpus"] = {"asked": cfg.cpus, "got": sorted(os.sched_getaffinity(0))}
-            except OSError as e:
-                self.boot["cpus"] = {"asked": cfg.cpus, "got": sorted(os.sched_getaffinity(0)),
-                                     "fallback": f"sched_setaffinity refused: {e.strerror}"}
-                log.warning("CPU affinity %s refused (%s); running on %s", cfg.cpus, e.strerror,
-                            self.boot["cpus"]["got"])
-        else:
-            self.boot["cpus"] = {"asked": "all", "got": sorted(os.sched_getaffinity(0))}
-        self.boot["io_threads"] = {"asked": cfg.io_threads, "got": cfg.io_threads}
+        """Boot-time placement before the model loads: CPUs, NUMA node (daemon/boot.py)."""
+        from .boot import set_cpus, set_numa
+
+        self.boot["cpus"] = set_cpus(self.cfg.cpus)
+        self.boot["numa"] = set_numa(self.cfg.numa_node)
+        self.boot["io_threads"] = {"asked": self.cfg.io_threads, "got": self.cfg.io_threads}
 
     def load(self) -> None:
         from ..engine import layers
@@ -95,7 +87,8 @@ class Server:
         from ..storage.container import is_container
 
         budget = parse_size(self.cfg.expert_cache) if is_container(path) else None
-        self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock)
+        self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
+                                hugetlb=self.cfg.hugepages)
         self.tokenizer = Tokenizer(path)
         self.eos = eos_ids(path, load_config(path), self.tokenizer)
         layers.init(n)
@@ -103,8 +96,14 @@ class Server:
         self.boot["compute_threads"] = {"asked": self.cfg.compute_threads or "all", "got": n}
         experts = self.model.experts.describe()
         if "mlock" in experts:
-            self.boot["mlock"] = {"asked": self.cfg.mlock, "got": experts["mlock"]}
-            self.boot["hugepages"] = {"asked": "transparent", "got": experts.get("hugepages")}
+            self.boot["mlock_experts"] = {"asked": self.cfg.mlock, "got": experts["mlock"]}
+            self.boot["hugepages"] = {"asked": "reserved" if self.cfg.hugepages else "transparent",
+                                      "got": experts.get("hugepages")}
+        if self.cfg.mlock:
+            from .boot import lock_arrays
+
+            dense = list(self.model.glob.values()) + [a for L in self.model.layers for a in L.values()]
+            self.boot["mlock_dense"] = lock_arrays(dense, "dense weights")
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
 

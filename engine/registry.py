@@ -49,7 +49,7 @@ def default_budget(container) -> int:
 
 
 def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, direct: bool = True,
-               mlock: bool = False, trace=None) -> MoEModel:
+               mlock: bool = False, trace=None, hugetlb: bool = False) -> MoEModel:
     """Open a model directory (a Hugging Face checkpoint or a colibri container), check it
     fully and load it. A checkpoint's experts are all read into RAM; a container's are
     streamed through an expert cache of `budget` bytes ("min", "all", or None for the
@@ -68,7 +68,7 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
         c = open_container(path)
         if c.moe_layers != model.moe_layers or c.n_expert != model.n_expert:
             raise ContainerInvalid(f"{path}: the manifest's experts do not match config.json")
-        experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock)
+        experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock, hugetlb)
         model.container = c
         model.load(c.dense, TracedSource(experts, trace) if trace else experts)
         return model

@@ -30,6 +30,19 @@ from .experts import ExpertStats
 
 log = logging.getLogger("colibri.storage")
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; Python 3.11 lacks the name
+MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # likewise
+HUGEPAGE = 2 * 2**20
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -63,6 +76,16 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _transparent_hugepages(mm: mmap.mmap) -> str:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "transparent hugepages not available"
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        return "transparent (madvise)"
+    except OSError as e:
+        return f"transparent hugepages refused: {e.strerror}"
+
+
 def _mlock(buf: mmap.mmap) -> str:
     import ctypes
 
@@ -81,10 +104,10 @@ class ExpertCache:
     """
 
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
-                 mlock: bool = False):
+                 mlock: bool = False, hugetlb: bool = False):
         self.c = container
         self.record_bytes = container.record_bytes
-        self.mlock_asked = mlock
+        self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
         self._mm = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
         self._place(budget)
@@ -117,15 +140,12 @@ class ExpertCache:
         per_layer, budget_bytes = self.slots_for(budget)
         rb, layers = self.record_bytes, self.c.moe_layers
         n_slots = per_layer * len(layers)
-        mm = mmap.mmap(-1, n_slots * rb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.hugepages = "not available"
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                mm.madvise(mmap.MADV_HUGEPAGE)
-                self.hugepages = "transparent (madvise)"
-            except OSError as e:
-                self.hugepages = f"madvise refused: {e.strerror}"
-        arena = np.frombuffer(mm, np.uint8).reshape(n_slots, rb)  # [slots, record_bytes]
+        mm = self._reserved_hugepages(n_slots * rb) if self.hugetlb_asked else None
+        if mm is None:
+            mm = mmap.mmap(-1, n_slots * rb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            thp = _transparent_hugepages(mm)
+            self.hugepages = f"{thp}; {self.hugepages}" if self.hugetlb_asked else thp
+        arena = np.frombuffer(mm, np.uint8)[: n_slots * rb].reshape(n_slots, rb)  # [slots, record_bytes]
         # make every page now: a first read into a fresh page costs a fault and halves early read
         # bandwidth; the arena is the budget, so RSS is what was asked for. MADV_POPULATE_WRITE
         # (Linux 5.14) does it in the kernel, 25x faster than touching each page from here.
@@ -153,6 +173,21 @@ class ExpertCache:
                 old.close()
             except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
                 pass
+
+    def _reserved_hugepages(self, n_bytes: int):
+        """An anonymous mapping on the reserved 2 MiB hugepages, or None (and the reason in
+        self.hugepages) when the pool cannot hold it."""
+        size = -(-n_bytes // HUGEPAGE) * HUGEPAGE
+        try:
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
+        except OSError as e:
+            free = _meminfo("HugePages_Free")
+            self.hugepages = (f"fallback from reserved hugepages: {e.strerror}; {free} free of 2 MiB, "
+                              f"{size // HUGEPAGE} needed (sysctl vm.nr_hugepages)")
+            log.warning("expert arena: %s", self.hugepages)
+            return None
+        self.hugepages = f"reserved ({size // HUGEPAGE} x 2 MiB)"
+        return mm
 
     def resize(self, budget: int | str) -> dict:
         """Change the budget at runtime, keeping the most recently used experts that fit.

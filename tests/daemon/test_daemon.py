@@ -316,3 +316,21 @@ def test_reload_applies_what_it_can(tmp_path, container):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_boot_placement_reports_each_step(tmp_path, container):
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text("numa_node: 0\nhugepages: true\nmlock: true\ncpus: [0]\nio_threads: 3\n")
+    proc, sock, _ = start(tmp_path, container, "--config", str(cfg))
+    try:
+        boot = json.loads(ctl(sock, "status", "--json").stdout)["boot"]
+        assert boot["cpus"] == {"asked": [0], "got": [0]}
+        assert boot["numa"]["asked"] == 0 and (boot["numa"]["got"] == 0 or "fallback" in boot["numa"])
+        assert boot["io_threads"]["got"] == 3
+        assert boot["mlock_dense"]["got"] == boot["mlock_dense"]["asked"] or "fallback" in boot["mlock_dense"]
+        assert boot["hugepages"]["asked"] == "reserved"
+        assert boot["hugepages"]["got"].startswith(("reserved", "transparent"))
+        assert ctl(sock, "generate", "--max-tokens", 4, "placed").returncode == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

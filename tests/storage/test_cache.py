@@ -120,3 +120,34 @@ def test_resize_keeps_the_most_recent_and_their_bytes(container):
     with pytest.raises(cache_mod.BudgetInvalid, match="minimum"):
         c.resize(rb)
     assert c.slots_per_layer == container.n_expert  # a refused resize changes nothing
+
+
+def test_reserved_hugepages_and_the_fallback(container):
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        before = int(f.read())
+    need = -(-container.expert_bytes // (2 * 2**20))
+    c = ExpertCache(container, "all", hugetlb=True)
+    if before < need:  # the pool cannot hold it: transparent hugepages, and the reason
+        assert "fallback from reserved hugepages" in c.hugepages and "vm.nr_hugepages" in c.hugepages
+    try:  # reserve the pages (root can) and get them
+        with open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(str(before + need))
+    except OSError:
+        pytest.skip("cannot reserve hugepages here")
+    try:
+        c2 = ExpertCache(container, "all", hugetlb=True)
+        if c2.hugepages.startswith("fallback"):
+            pytest.skip(f"the kernel gave no hugepages: {c2.hugepages}")
+        assert c2.hugepages.startswith("reserved")
+        il = container.moe_layers[0]
+        got, ref = served(c2, il, [0, 1]), served(ExpertCache(container, "all"), il, [0, 1])
+        for ie in got:
+            for x, y in zip(got[ie], ref[ie]):
+                np.testing.assert_array_equal(x, y)
+        del c2, got
+    finally:
+        import gc
+
+        gc.collect()
+        with open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(str(before))
