@@ -136,7 +136,8 @@ def show_placement(r: dict) -> None:
     if "slots" not in p:
         click.echo(f"experts all resident ({p.get('expert_bytes', 0) / 2**20:.1f} MiB)")
         return
-    click.echo(f"budget {p['budget_bytes'] / 2**20:.1f} MiB: arena {p['arena_bytes'] / 2**20:.1f} MiB, "
+    click.echo(f"budget {p['budget_bytes'] / 2**20:.1f} MiB ({p['pinned_bytes'] / 2**20:.1f} MiB pinned: "
+               f"{' '.join(p['pinned']) or 'none'}): arena {p['arena_bytes'] / 2**20:.1f} MiB, "
                f"{p['slots_per_layer']} slots per layer of {p['record_bytes'] / 2**10:.0f} KiB, "
                f"{'O_DIRECT' if p['o_direct'] else 'buffered'} reads, {p['io_threads']} I/O threads, "
                f"mlock: {p['mlock']}, hugepages: {p['hugepages']}")
@@ -158,10 +159,40 @@ def cache_show(client, as_json):
 
 @cache.command("set")
 @click.option("--experts", "size", required=True, metavar="SIZE", help="bytes, KiB/MiB/GiB, min or all")
+@click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts (default: unchanged)")
 @with_client
-def cache_set(client, size):
+def cache_set(client, size, pinned):
     """Resize the expert cache now: no restart, no request dropped."""
-    show_placement(client.call("cache", timeout_ms=None, action="set", experts=size))
+    fields = {"pinned": pinned} if pinned is not None else {}
+    show_placement(client.call("cache", timeout_ms=None, action="set", experts=size, **fields))
+
+
+def expert_ref(value: str) -> tuple[int, int]:
+    try:
+        layer, expert = (int(v) for v in value.split(":"))
+        return layer, expert
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not LAYER:EXPERT, e.g. 3:17") from None
+
+
+@cli.command()
+@click.argument("ref", metavar="LAYER:EXPERT")
+@with_client
+def pin(client, ref):
+    """Keep an expert in RAM until unpinned (uses the cache's pinned part)."""
+    il, ie = expert_ref(ref)
+    r = client.call("pin", timeout_ms=None, layer=il, expert=ie)
+    click.echo(f"pinned: {' '.join(r['pinned'])}")
+
+
+@cli.command()
+@click.argument("ref", metavar="LAYER:EXPERT")
+@with_client
+def unpin(client, ref):
+    """Let a pinned expert be evicted again."""
+    il, ie = expert_ref(ref)
+    r = client.call("unpin", timeout_ms=None, layer=il, expert=ie)
+    click.echo(f"pinned: {' '.join(r['pinned']) or 'none'}")
 
 
 @cli.command()

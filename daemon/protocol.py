@@ -28,7 +28,8 @@ ERRORS = {
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
-REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "reload", "shutdown")
+REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "pin", "unpin", "reload",
+                 "shutdown")
 
 DEFAULT_SOCKET_NAME = "colibri.sock"
 

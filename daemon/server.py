@@ -26,6 +26,8 @@ from .notify import notify, watchdog_interval_s
 log = logging.getLogger("colibri.daemon")
 
 EVENTS = "inproc://colibri-events"
+RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
+            "(colictl convert) to stream them under a budget")
 
 
 class Server:
@@ -54,6 +56,8 @@ class Server:
             "shutdown_request": self.on_shutdown,
             "cache_request": self.on_cache,
             "reload_request": self.on_reload,
+            "pin_request": self.on_pin,
+            "unpin_request": self.on_pin,
         }
 
     # ---- start-up --------------------------------------------------------------------------
@@ -220,7 +224,7 @@ class Server:
         if "expert_cache" in applied and hasattr(self.model.experts, "resize"):
             from ..storage.cache import parse_size
 
-            self.inbox.put(("cache_set", key, parse_size(new.expert_cache)))
+            self.inbox.put(("cache_set", key, parse_size(new.expert_cache), None))
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
 
@@ -360,10 +364,31 @@ class Server:
             budget = parse_size(str(size))
         except BudgetInvalid as e:
             return P.error("cache", rid, "INVALID_REQUEST", str(e))
+        pinned = msg.get("pinned")
+        if pinned is not None:
+            try:
+                pinned = parse_size(str(pinned)) if not isinstance(pinned, bool) else parse_size("?")
+            except BudgetInvalid as e:
+                return P.error("cache", rid, "INVALID_REQUEST", f"pinned: {e}")
+            if not isinstance(pinned, int):
+                return P.error("cache", rid, "INVALID_REQUEST", "pinned must be a size in bytes, KiB, MiB or GiB")
         if not hasattr(self.model.experts, "resize"):
-            return P.error("cache", rid, "INVALID_REQUEST", "this model's experts are all resident (a checkpoint); "
-                                                            "convert it to a container to stream them under a budget")
-        self.inbox.put(("cache_set", (identity, rid), budget))  # the engine thread resizes between two steps
+            return P.error("cache", rid, "INVALID_REQUEST", RESIDENT)
+        self.inbox.put(("cache_set", (identity, rid), budget, pinned))  # the engine thread resizes between two steps
+        return None
+
+    def on_pin(self, identity, rid, msg):
+        kind = msg["type"].removesuffix("_request")
+        il, ie = msg.get("layer"), msg.get("expert")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (il, ie)):
+            return P.error(kind, rid, "BAD_MESSAGE", "'layer' and 'expert' must be integers")
+        if not hasattr(self.model.experts, "pin"):
+            return P.error(kind, rid, "INVALID_REQUEST", RESIDENT)
+        if il not in self.model.moe_layers or not 0 <= ie < self.model.n_expert:
+            return P.error(kind, rid, "INVALID_REQUEST", f"no expert {il}:{ie}: MoE layers are "
+                                                         f"{self.model.moe_layers[0]}..{self.model.moe_layers[-1]}, "
+                                                         f"experts 0..{self.model.n_expert - 1}")
+        self.inbox.put((kind, (identity, rid), il, ie))
         return None
 
     def on_shutdown(self, identity, rid, msg):
@@ -404,9 +429,11 @@ class Server:
                         if item[0] == "generate":
                             waiting.append((item[1], item[2]))
                         elif item[0] == "cache_set":
-                            reply = self.resize(item[1][1] if item[1] else None, item[2])
+                            reply = self.resize(item[1][1] if item[1] else None, item[2], item[3])
                             if item[1]:  # None: a reload asked, nobody waits for the reply
                                 out(item[1], reply)
+                        elif item[0] in ("pin", "unpin"):
+                            out(item[1], self.pin(item[0], item[1][1], item[2], item[3]))
                         else:  # cancel: a running request leaves at the next step, a waiting one now
                             key = item[1]
                             if key in state:
@@ -466,13 +493,28 @@ class Server:
         finally:
             push.close()
 
-    def resize(self, rid, budget) -> dict:
+    def pin(self, kind, rid, il, ie) -> dict:
+        """Between two steps, on the engine thread."""
+        from ..storage.cache import BudgetInvalid, ExpertReadError
+
+        try:
+            (self.model.experts.pin if kind == "pin" else self.model.experts.unpin)(il, ie)
+        except BudgetInvalid as e:
+            return P.error(kind, rid, "INVALID_REQUEST", str(e))
+        except KeyError:
+            return P.error(kind, rid, "NOT_FOUND", f"expert {il}:{ie} is not pinned")
+        except ExpertReadError as e:
+            return P.error(kind, rid, "MODEL_ERROR", str(e))
+        log.info("%sned expert %d:%d", kind, il, ie)
+        return P.ok(kind, rid, pinned=self.model.experts.describe()["pinned"])
+
+    def resize(self, rid, budget, pinned=None) -> dict:
         """Between two steps, on the engine thread: no request sees the change but in speed."""
         from ..storage.cache import BudgetInvalid
 
         try:
             t0 = time.perf_counter()
-            desc = self.model.experts.resize(budget)
+            desc = self.model.experts.resize(budget, pinned)
         except BudgetInvalid as e:
             return P.error("cache", rid, "INVALID_REQUEST", str(e))
         log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)

@@ -110,6 +110,7 @@ class ExpertCache:
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
         self._mm = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
+        self.pinned: dict[tuple[int, int], int] = {}  # (il, ie) -> slot, by hand (pin) or by policy
         self._place(budget)
         self.stats = ExpertStats()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
@@ -134,12 +135,24 @@ class ExpertCache:
             )
         return min(budget // rb // n_moe, n_expert), int(budget)
 
-    def _place(self, budget: int | str) -> None:
-        """Make the arena for `budget` and move into it the most recently used experts that
-        fit (all of them when it grows). Call between steps, never during a stream."""
-        per_layer, budget_bytes = self.slots_for(budget)
+    def _place(self, budget: int | str, pinned_bytes: int = 0) -> None:
+        """Make the arena for `budget`, of which `pinned_bytes` hold pinned experts (never
+        evicted) and the rest the per-layer LRU shares, and move into it the pins and the most
+        recently used experts that fit. Call between steps, never during a stream.
+        Raises BudgetInvalid when the LRU part would fall below one slot per layer."""
         rb, layers = self.record_bytes, self.c.moe_layers
-        n_slots = per_layer * len(layers)
+        total = self.slots_for(budget)[1]  # raises below the minimum
+        n_pin = min(pinned_bytes // rb, len(layers) * self.c.n_expert)
+        if total - n_pin * rb < len(layers) * rb:
+            raise BudgetInvalid(
+                f"pinning {fmt_bytes(n_pin * rb)} of a {fmt_bytes(total)} budget leaves less than one "
+                f"{fmt_bytes(rb)} slot per MoE layer for the LRU; the pinned part can be at most "
+                f"{fmt_bytes(max(total - len(layers) * rb, 0))}"
+            )
+        per_layer, _ = self.slots_for(total - n_pin * rb)
+        budget_bytes = int(total)
+        n_lru = per_layer * len(layers)
+        n_slots = n_lru + n_pin
         mm = self._reserved_hugepages(n_slots * rb) if self.hugetlb_asked else None
         if mm is None:
             mm = mmap.mmap(-1, n_slots * rb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -164,8 +177,14 @@ class ExpertCache:
                 arena[slot] = self.arena[old_slot]
                 lru[il][ie] = slot
             free[il] = slots
+        pin_slots, pinned = deque(range(n_lru, n_slots)), {}
+        for key, old_slot in list(self.pinned.items())[:n_pin]:  # pins are kept, first pinned first
+            slot = pin_slots.popleft()
+            arena[slot] = self.arena[old_slot]
+            pinned[key] = slot
         old = self._mm
         self._mm, self.arena, self.free, self.lru, self._views = mm, arena, free, lru, {}
+        self.pinned, self.pin_free, self.pinned_bytes = pinned, pin_slots, n_pin * rb
         self.n_slots, self.slots_per_layer = n_slots, per_layer
         self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
         if old is not None:
@@ -189,11 +208,41 @@ class ExpertCache:
         self.hugepages = f"reserved ({size // HUGEPAGE} x 2 MiB)"
         return mm
 
-    def resize(self, budget: int | str) -> dict:
-        """Change the budget at runtime, keeping the most recently used experts that fit.
-        Call between forward steps. Raises BudgetInvalid. Returns describe()."""
-        self._place(budget)
+    def resize(self, budget: int | str, pinned_bytes: int | None = None) -> dict:
+        """Change the budget (and its pinned part; None keeps it) at runtime, keeping the pins
+        and the most recently used experts that fit. Call between forward steps.
+        Raises BudgetInvalid. Returns describe()."""
+        self._place(budget, self.pinned_bytes if pinned_bytes is None else pinned_bytes)
         return self.describe()
+
+    def pin(self, il: int, ie: int) -> None:
+        """Keep expert ie of layer il resident until unpinned (read now if it is not).
+        Call between steps. Raises BudgetInvalid (no pinned room), KeyError (no such expert),
+        ExpertReadError."""
+        key = (il, ie)
+        if key in self.pinned:
+            return
+        rec = self.c.records[key]
+        if not self.pin_free:
+            raise BudgetInvalid(f"no room to pin: {len(self.pinned)} experts fill the pinned part of "
+                                f"{fmt_bytes(self.pinned_bytes)}; grow it with cache set --pinned SIZE")
+        slot = self.pin_free.popleft()
+        if ie in self.lru[il]:  # resident already: move it out of the LRU
+            old = self.lru[il].pop(ie)
+            self.arena[slot] = self.arena[old]
+            self.free[il].append(old)
+        else:
+            try:
+                self._read(rec, slot)
+            except ExpertReadError:
+                self.pin_free.appendleft(slot)
+                raise
+            self.stats.bytes_read += self.record_bytes
+        self.pinned[key] = slot
+
+    def unpin(self, il: int, ie: int) -> None:
+        """Let the expert be evicted again. Raises KeyError if it is not pinned."""
+        self.pin_free.append(self.pinned.pop((il, ie)))
 
     def _open(self, file: str) -> int:
         if self.direct:
@@ -255,9 +304,10 @@ class ExpertCache:
         st, lru = self.stats, self.lru[il]
         st.fetches += 1
         st.experts += len(ids)
+        pinned = [ie for ie in ids if (il, ie) in self.pinned]
         hits = [ie for ie in ids if ie in lru]
-        pending = deque(ie for ie in ids if ie not in lru)
-        st.hits += len(hits)
+        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned)
+        st.hits += len(hits) + len(pinned)
         st.misses += len(pending)
         busy = set(hits)  # experts of this step whose slots must not be reused yet
         inflight: deque[tuple[int, int, Future]] = deque()
@@ -290,10 +340,11 @@ class ExpertCache:
 
         try:
             submit()
-            if hits:
+            if hits or pinned:
                 for ie in hits:
                     lru.move_to_end(ie)
-                yield [(ie, self.views(lru[ie])) for ie in hits]
+                yield ([(ie, self.views(lru[ie])) for ie in hits]
+                       + [(ie, self.views(self.pinned[(il, ie)])) for ie in pinned])
                 busy.difference_update(hits)
                 submit()
             while inflight:
@@ -314,7 +365,8 @@ class ExpertCache:
                 st.io_wall_s += time.perf_counter() - t_first
 
     def describe(self) -> dict:
-        return {"placement": "expert cache", "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
+        return {"placement": "expert cache", "pinned_bytes": self.pinned_bytes,
+                "pinned": sorted(f"{il}:{ie}" for il, ie in self.pinned), "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
                 "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
                 "mlock": self.mlock, "hugepages": self.hugepages}

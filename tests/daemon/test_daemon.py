@@ -334,3 +334,25 @@ def test_boot_placement_reports_each_step(tmp_path, container):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_pin_and_unpin(tmp_path, container):
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "min")
+    try:
+        r = ctl(sock, "pin", "1:3")
+        assert r.returncode == exitcodes.BAD_REQUEST and "no room to pin" in r.stderr
+        assert ctl(sock, "cache", "set", "--experts", "4MiB", "--pinned", "1MiB").returncode == 0
+        r = ctl(sock, "pin", "1:3")
+        assert r.returncode == 0 and "1:3" in r.stdout, r.stderr
+        show = json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]
+        assert show["pinned"] == ["1:3"] and show["pinned_bytes"] > 0
+        assert ctl(sock, "generate", "--max-tokens", 8, "pinned").returncode == 0
+        assert ctl(sock, "unpin", "1:3").returncode == 0
+        r = ctl(sock, "unpin", "1:3")
+        assert r.returncode == exitcodes.BAD_REQUEST and "not pinned" in r.stderr
+        r = ctl(sock, "pin", "99:0")
+        assert r.returncode == exitcodes.BAD_REQUEST and "no expert 99:0" in r.stderr
+        assert ctl(sock, "pin", "nonsense").returncode == exitcodes.USAGE
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

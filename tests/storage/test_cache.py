@@ -151,3 +151,34 @@ def test_reserved_hugepages_and_the_fallback(container):
         gc.collect()
         with open("/proc/sys/vm/nr_hugepages", "w") as f:
             f.write(str(before))
+
+
+def test_pins_stay_resident_and_count_against_the_budget(container):
+    layers_ = container.moe_layers
+    il, n_moe, rb = layers_[0], len(layers_), container.record_bytes
+    c = ExpertCache(container, 2 * n_moe * rb)  # 2 LRU slots per layer
+    with pytest.raises(cache_mod.BudgetInvalid, match="no room to pin"):
+        c.pin(il, 5)
+    with pytest.raises(cache_mod.BudgetInvalid, match="at most"):
+        c.resize(2 * n_moe * rb, pinned_bytes=2 * n_moe * rb)  # nothing left for the LRU
+    c.resize(3 * n_moe * rb, pinned_bytes=n_moe * rb)  # room for n_moe pins, 2 LRU slots per layer
+    assert c.slots_per_layer == 2 and c.pinned_bytes == n_moe * rb
+    served(c, il, [5])
+    c.pin(il, 5)  # resident already: moved out of the LRU, no read
+    c.pin(il, 6)  # read now
+    assert c.stats.misses == 1 and c.stats.bytes_read == 2 * rb
+    ref = served(ExpertCache(container, "all"), il, [5, 6])
+    for ie in range(8):  # churn the LRU: the pins never leave
+        served(c, il, [ie])
+    misses = c.stats.misses
+    got = served(c, il, [5, 6])
+    assert c.stats.misses == misses
+    for ie in (5, 6):
+        for x, y in zip(got[ie], ref[ie]):
+            np.testing.assert_array_equal(x, y)
+    c.resize("all")  # the pins survive a resize
+    assert set(c.pinned) == {(il, 5), (il, 6)}
+    c.unpin(il, 5)
+    assert set(c.pinned) == {(il, 6)} and len(c.pin_free) == n_moe - 1
+    with pytest.raises(KeyError):
+        c.unpin(il, 5)
