@@ -175,24 +175,20 @@ def expert_ref(value: str) -> tuple[int, int]:
         raise click.BadParameter(f"{value!r} is not LAYER:EXPERT, e.g. 3:17") from None
 
 
-@cli.command()
-@click.argument("ref", metavar="LAYER:EXPERT")
-@with_client
-def pin(client, ref):
-    """Keep an expert in RAM until unpinned (uses the cache's pinned part)."""
-    il, ie = expert_ref(ref)
-    r = client.call("pin", timeout_ms=None, layer=il, expert=ie)
-    click.echo(f"pinned: {' '.join(r['pinned'])}")
+def pin_command(kind: str, doc: str):
+    @cli.command(kind, help=doc)
+    @click.argument("ref", metavar="LAYER:EXPERT")
+    @with_client
+    def command(client, ref):
+        il, ie = expert_ref(ref)
+        r = client.call(kind, timeout_ms=None, layer=il, expert=ie)
+        click.echo(f"pinned: {' '.join(r['pinned']) or 'none'}")
+
+    return command
 
 
-@cli.command()
-@click.argument("ref", metavar="LAYER:EXPERT")
-@with_client
-def unpin(client, ref):
-    """Let a pinned expert be evicted again."""
-    il, ie = expert_ref(ref)
-    r = client.call("unpin", timeout_ms=None, layer=il, expert=ie)
-    click.echo(f"pinned: {' '.join(r['pinned']) or 'none'}")
+pin = pin_command("pin", "Keep an expert in RAM until unpinned (it uses the cache's pinned part).")
+unpin = pin_command("unpin", "Let a pinned expert be evicted again.")
 
 
 @cli.command()
