@@ -180,6 +180,7 @@ def main():
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
     ap.add_argument("--expert-gb", type=float, default=16.0)
     ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=0, help="router lookahead: reads started ahead per layer (0: off)")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     layers.init()
@@ -199,7 +200,7 @@ def main():
         # the shared disk is noisy: its best of a few measurements, at the run's thread count and at 4
         disk = max(disk_gbs(c, a.io_threads), disk_gbs(c, 4), disk_gbs(c, a.io_threads))
         t0 = time.perf_counter()
-        model = load_model(path, budget=budget, io_threads=a.io_threads)
+        model = load_model(path, budget=budget, io_threads=a.io_threads, prefetch=a.prefetch)
         load_s = time.perf_counter() - t0
         r = run(model, prompt, a.tokens)
         st = r["st"]
@@ -217,6 +218,8 @@ def main():
             if st.io_wall_s else None,
             "io_wait_s": round(st.io_wait_s, 3), "wall_s": round(r["wall_s"], 3),
             "io_floor_ratio": round(st.bytes_read / (disk * 1e9) / r["wall_s"], 3) if st.bytes_read else None,
+            "prefetch": {"reads_per_layer": a.prefetch, "issued": st.prefetch_issued, "used": st.prefetch_used,
+                         "wasted": st.prefetch_wasted},
         }
         if frac >= 1.0:  # warm: everything resident, no reads; how fast do the expert kernels go?
             for il in model.moe_layers:

@@ -101,9 +101,11 @@ def resolve_model(model: str | None) -> str:
 @click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
 @click.option("--routing-trace", type=click.Path(dir_okay=False, writable=True), metavar="PATH",
               help="write the experts each layer used at each step as JSON lines")
+@click.option("--prefetch", type=click.IntRange(0, 1024), default=0, show_default=True, metavar="N",
+              help="router lookahead: start up to N reads for the next layer's predicted experts (0: off)")
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        mlock, routing_trace):
+        mlock, routing_trace, prefetch):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
@@ -120,7 +122,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     t0 = time.perf_counter()
     tok = Tokenizer(path)
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
-    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace)
+    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace, prefetch=prefetch)
     layers.init()  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
@@ -161,6 +163,10 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
                    f"{100 * (e['hit_rate'] or 0):.1f} %), {fmt_bytes(e['bytes_read'])} read{gbs}, "
                    f"{e['experts_read_per_token']} read per token, waiting on I/O {e['io_wait_s']:.3f} s, "
                    f"computing {e['compute_s']:.3f} s", err=True)
+        if e["prefetch_issued"]:
+            click.echo(f"[colibri] prefetch: {e['prefetch_issued']} reads ahead, {e['prefetch_used']} used, "
+                       f"{e['prefetch_wasted']} not chosen (precision {100 * (e['prefetch_precision'] or 0):.0f} %)",
+                       err=True)
     sys.stdout.flush()
 
 

@@ -27,6 +27,7 @@ class Config:
     numa_node: int | None = None  # run on this NUMA node and prefer its memory (libnuma); None: any
     hugepages: bool = False  # put the expert arena on reserved hugepages (vm.nr_hugepages), else THP
     mlock: bool = False  # lock the dense weights and the expert cache in RAM (within RLIMIT_MEMLOCK)
+    prefetch_reads: int = 0  # router lookahead: reads started ahead per MoE layer; 0: off
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
@@ -40,7 +41,7 @@ class Config:
 _KINDS = {  # key -> what a valid value is
     "model": "path", "socket": "path", "state_dir": "path", "expert_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
-    "numa_node": "node", "hugepages": "bool",
+    "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count",
     "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
     "watchdog_s": "seconds", "log_level": "level",
 }

@@ -92,7 +92,7 @@ class Server:
 
         budget = parse_size(self.cfg.expert_cache) if is_container(path) else None
         self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
-                                hugetlb=self.cfg.hugepages)
+                                hugetlb=self.cfg.hugepages, prefetch=self.cfg.prefetch_reads)
         self.tokenizer = Tokenizer(path)
         self.eos = eos_ids(path, load_config(path), self.tokenizer)
         layers.init(n)
@@ -204,7 +204,8 @@ class Server:
     def _on_hup(self, signum, frame):
         self.hup = True  # handled by the main loop, outside the signal handler
 
-    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s")
+    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s",
+                    "prefetch_reads")
 
     def reload(self, key=None) -> dict:
         """Read the configuration again (flags still override it) and apply what can change
@@ -221,6 +222,8 @@ class Server:
         self.cfg = new
         if "log_level" in applied:
             setup_logging(new.log_level)
+        if "prefetch_reads" in applied:
+            self.model.prefetch_reads = new.prefetch_reads  # read by the engine thread at its next layer
         if "expert_cache" in applied and hasattr(self.model.experts, "resize"):
             from ..storage.cache import parse_size
 

@@ -127,6 +127,7 @@ class MoEModel:
         self.layers: list[dict[str, np.ndarray]] = []
         self.experts: ExpertSource | None = None
         self.container = None  # the Container, when the experts stream from one
+        self.prefetch_reads = 0  # router lookahead: most reads to start for the next MoE layer (0: off)
 
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
         """Checkpoint names of expert ie of layer il: (gate, up, down)."""
@@ -231,6 +232,8 @@ class MoEModel:
         self.experts.begin_step()
         for il in range(self.n_layer):
             h = self.block(il, h, step)
+            if self.prefetch_reads and il + 1 < self.n_layer and self.is_moe(il + 1):
+                self.lookahead(il + 1, h)
         for sg in segments:
             sg.cache.n_pos += sg.n
         rows = np.arange(len(ids)) if all_logits else np.array([sg.start + sg.n - 1 for sg in segments])
@@ -238,6 +241,15 @@ class MoEModel:
         if not all_logits:
             return [logits[i : i + 1] for i in range(len(segments))]
         return [logits[sg.start : sg.start + sg.n] for sg in segments]
+
+    def lookahead(self, il: int, h: np.ndarray) -> None:
+        # h [T, D] after layer il-1: layer il's norm and router on it predict its experts, whose
+        # reads start now, while layer il's attention runs. Only data moves: the real router decides.
+        L = self.layers[il]
+        logits = linear(rmsnorm(h, L["post_norm"], self.args.rms_norm_eps), L["router"])  # [T, E]
+        k = self.args.num_experts_per_tok
+        top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [T, k] softmax keeps the order
+        self.experts.prefetch(il, np.unique(top).tolist(), self.prefetch_reads)
 
     def describe(self) -> dict:
         """Facts about the loaded model for stats and `colictl run --json`."""

@@ -49,11 +49,12 @@ def default_budget(container) -> int:
 
 
 def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, direct: bool = True,
-               mlock: bool = False, trace=None, hugetlb: bool = False) -> MoEModel:
+               mlock: bool = False, trace=None, hugetlb: bool = False, prefetch: int = 0) -> MoEModel:
     """Open a model directory (a Hugging Face checkpoint or a colibri container), check it
     fully and load it. A checkpoint's experts are all read into RAM; a container's are
     streamed through an expert cache of `budget` bytes ("min", "all", or None for the
-    default). `trace`, a text file, receives the routing trace.
+    default). `trace`, a text file, receives the routing trace. `prefetch` > 0 turns on the
+    router lookahead with at most that many reads started ahead per layer.
 
     Raises the storage errors (ModelNotFound, ConfigMissing, ConfigInvalid, header and
     tensor errors, ContainerInvalid), UnsupportedModelType, BudgetInvalid.
@@ -71,6 +72,7 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
         experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock, hugetlb)
         model.container = c
         model.load(c.dense, TracedSource(experts, trace) if trace else experts)
+        model.prefetch_reads = prefetch
         return model
     if budget is not None:
         raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "

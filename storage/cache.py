@@ -111,6 +111,7 @@ class ExpertCache:
         self._mm = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
         self.pinned: dict[tuple[int, int], int] = {}  # (il, ie) -> slot, by hand (pin) or by policy
+        self.prefetched: dict[int, dict[int, tuple]] = {}  # il -> {ie: (slot, read future)} not yet streamed
         self._place(budget)
         self.stats = ExpertStats()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
@@ -142,6 +143,7 @@ class ExpertCache:
         Raises BudgetInvalid when the LRU part would fall below one slot per layer."""
         rb, layers = self.record_bytes, self.c.moe_layers
         total = self.slots_for(budget)[1]  # raises below the minimum
+        self.settle_prefetch()
         n_pin = min(pinned_bytes // rb, len(layers) * self.c.n_expert)
         if total - n_pin * rb < len(layers) * rb:
             raise BudgetInvalid(
@@ -304,14 +306,25 @@ class ExpertCache:
         st, lru = self.stats, self.lru[il]
         st.fetches += 1
         st.experts += len(ids)
+        ahead = self.prefetched.pop(il, {})  # reads started by prefetch() for this layer
+        for ie in [ie for ie in ahead if ie not in ids]:  # predicted but not chosen: resident now, wasted
+            slot, fut = ahead.pop(ie)
+            try:
+                fut.result()
+                lru[ie] = slot
+            except ExpertReadError:
+                self.free[il].append(slot)
+            st.bytes_read += self.record_bytes
+            st.prefetch_wasted += 1
         pinned = [ie for ie in ids if (il, ie) in self.pinned]
         hits = [ie for ie in ids if ie in lru]
-        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned)
+        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned and ie not in ahead)
         st.hits += len(hits) + len(pinned)
-        st.misses += len(pending)
-        busy = set(hits)  # experts of this step whose slots must not be reused yet
-        inflight: deque[tuple[int, int, Future]] = deque()
-        t_first = None
+        st.misses += len(pending) + len(ahead)
+        st.prefetch_used += len(ahead)
+        busy = set(hits) | set(ahead)  # experts of this step whose slots must not be reused yet
+        inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
+        t_first = time.perf_counter() if ahead else None
 
         def submit():
             nonlocal t_first
@@ -363,6 +376,38 @@ class ExpertCache:
                     self.free[il].append(slot)
             if t_first is not None:
                 st.io_wall_s += time.perf_counter() - t_first
+
+    def settle_prefetch(self) -> None:
+        """Wait for reads started ahead and keep what they read as resident."""
+        for il, ahead in self.prefetched.items():
+            for ie, (slot, fut) in ahead.items():
+                try:
+                    fut.result()
+                    self.lru[il][ie] = slot
+                except ExpertReadError:
+                    self.free[il].append(slot)
+        self.prefetched = {}
+
+    def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
+        """Start reading experts `ids` of layer il that are not resident, at most `max_reads`,
+        into that layer's free or least recently used slots; stream() picks them up. The
+        prediction only moves data: stream() still serves exactly what it is asked for.
+        Call between the layers of a step. Returns the reads started."""
+        lru, ahead = self.lru[il], self.prefetched.setdefault(il, {})
+        protect = set(ids) | set(ahead)  # a predicted expert that is resident must not make room for another
+        n = 0
+        for ie in ids:
+            if n >= max_reads:
+                break
+            if ie in lru or (il, ie) in self.pinned or ie in ahead:
+                continue
+            slot = self._take_slot(il, protect)
+            if slot is None:
+                break
+            ahead[ie] = (slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot))
+            n += 1
+        self.stats.prefetch_issued += n
+        return n
 
     def describe(self) -> dict:
         return {"placement": "expert cache", "pinned_bytes": self.pinned_bytes,

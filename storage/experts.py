@@ -30,11 +30,16 @@ class ExpertStats:
     io_wait_s: float = 0.0  # time the engine waited for reads
     io_wall_s: float = 0.0  # time with reads in flight
     moe_s: float = 0.0  # time in the routed-expert part of the layers, waiting included (the engine adds it)
+    prefetch_issued: int = 0  # reads started ahead of the router (router lookahead)
+    prefetch_used: int = 0  # of those, experts the real router chose
+    prefetch_wasted: int = 0  # of those, experts it did not choose (they stay resident)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = round(self.hits / self.experts, 4) if self.experts else None
         d["read_gbs"] = round(self.bytes_read / self.io_wall_s / 1e9, 3) if self.io_wall_s else None
+        used, settled = self.prefetch_used, self.prefetch_used + self.prefetch_wasted
+        d["prefetch_precision"] = round(used / settled, 4) if settled else None
         for k in ("io_wait_s", "io_wall_s", "moe_s"):
             d[k] = round(d[k], 6)
         return d

@@ -118,3 +118,18 @@ def test_quantized_container_runs_close_to_bf16(tmp_path, dtype):
     b = q.forward(ids, q.new_cache(12), all_logits=True)
     rel = np.abs(a - b).max() / np.abs(a).max()
     assert rel < (0.4 if dtype == "int4" else 0.1), rel  # a flipped router choice moves logits more
+
+
+@pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
+                                         ("mixtral", "odd_tied_window")])
+def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
+    build(family, case, tmp_path / "hf", seed=31)
+    path = to_container(tmp_path / "hf", tmp_path / "c")
+    ids = np.random.default_rng(6).integers(0, 60, 9)
+    want = greedy(load_model(path, budget="min"), ids, 24)
+    for budget in ("min", budgets(path)["half"]):
+        model = load_model(path, budget=budget, prefetch=4)
+        assert greedy(model, ids, 24) == want
+        st = model.experts.stats
+        assert st.prefetch_issued > 0 and st.prefetch_used + st.prefetch_wasted <= st.prefetch_issued
+        assert st.prefetch_used > 0  # the lookahead guesses some right even on random weights
