@@ -290,12 +290,12 @@ class Server:
             self.inflight.pop(key, None)
             self.gone.discard(key)
         try:
-            delivered = self.router.send_multipart([identity, frame]) or True
+            self.router.send_multipart([identity, frame])
+            return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            delivered = False
-        if not delivered and key in self.inflight and key not in self.gone:
+        if key in self.inflight and key not in self.gone:  # the client is gone
             log.info("client of request %s is gone: cancelling it", key[1])
             self.gone.add(key)
             self.inbox.put(("cancel", key))
