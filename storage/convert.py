@@ -131,6 +131,26 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     return manifest
 
 
+def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, quant: bool) -> list:
+    """The safetensors entries of layer il's expert file: each record's parts under the
+    checkpoint's names (`.qweight`/`.scales` when quantized), with `__pad__.*` U8 tensors
+    filling the alignment gaps, since safetensors allows no holes."""
+    entries = []
+    for ie in range(plan.n_expert):
+        names, cursor = plan.names(il, ie), 0
+        for p in layout:
+            if p.offset > cursor:
+                entries.append((f"__pad__.{il}.{ie}.{p.part}.{p.tensor}", "U8", (p.offset - cursor,)))
+            name = names[PARTS.index(p.part)]
+            if quant:
+                name = f"{name.removesuffix('.weight')}.{'qweight' if p.tensor == 'weight' else 'scales'}"
+            entries.append((name, p.dtype, p.shape))
+            cursor = p.offset + p.n_bytes
+        if record_bytes > cursor:
+            entries.append((f"__pad__.{il}.{ie}.tail", "U8", (record_bytes - cursor,)))
+    return entries
+
+
 def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, progress) -> dict:
     t0 = time.perf_counter()
     for name in COPIED:
@@ -172,21 +192,8 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     index = []
     for il in plan.moe_layers:
         file = expert_file_name(il)
-        entries, cursor = [], 0
-        for ie in range(plan.n_expert):
-            names = plan.names(il, ie)
-            for p in layout:
-                if p.offset > cursor:
-                    entries.append((f"__pad__.{il}.{ie}.{p.part}.{p.tensor}", "U8", (p.offset - cursor,)))
-                name = names[PARTS.index(p.part)]
-                entries.append((name if p.tensor == "weight" and not quant else
-                                f"{name.removesuffix('.weight')}.{'qweight' if p.tensor == 'weight' else 'scales'}",
-                                p.dtype, p.shape))
-                cursor = p.offset + p.n_bytes
-            if record_bytes > cursor:
-                entries.append((f"__pad__.{il}.{ie}.tail", "U8", (record_bytes - cursor,)))
-            cursor = 0
         meta = {"format": "pt", "colibri": "experts", "layer": str(il), "record_bytes": str(record_bytes)}
+        entries = expert_file_entries(il, plan, layout, record_bytes, quant)
         w = SafetensorsWriter(os.path.join(tmp, file), entries, meta, header_align=ALIGN)
         record = np.zeros(record_bytes, np.uint8)
         for ie in range(plan.n_expert):
