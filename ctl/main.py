@@ -11,6 +11,7 @@ import time
 import click
 
 from . import exitcodes
+from .options import sampling_fields, sampling_options
 
 
 class LazyGroup(click.Group):
@@ -201,11 +202,7 @@ def reload(client):
 
 
 @cli.command()
-@click.option("--max-tokens", type=int, default=512, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options(max_tokens=512)
 @click.option("--system", metavar="TEXT", help="a system message to start the conversation")
 @with_client
 def chat(client, max_tokens, temperature, top_k, top_p, seed, system):
@@ -213,9 +210,7 @@ def chat(client, max_tokens, temperature, top_k, top_p, seed, system):
     and formatted with the model's chat template. Ctrl-C stops a reply, Ctrl-D ends."""
     client.hello()
     messages = [{"role": "system", "content": system}] if system else []
-    fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-    if seed is not None:
-        fields["seed"] = seed
+    fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed)
     tty = sys.stdin.isatty()
     while True:
         if tty:
@@ -263,11 +258,7 @@ def shutdown(client):
 
 
 @cli.command()
-@click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options(max_tokens=128)
 @click.option("--stop", multiple=True, metavar="STR")
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
@@ -280,10 +271,7 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
             fail("no prompt: give PROMPT or pipe it on stdin", exitcodes.USAGE)
         prompt = sys.stdin.read()
     client.hello()
-    fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-              "stop": list(stop)}
-    if seed is not None:
-        fields["seed"] = seed
+    fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed) | {"stop": list(stop)}
     fields |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     rid = client.send("generate", **fields)
     try:

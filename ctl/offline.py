@@ -9,6 +9,7 @@ import time
 import click
 
 from . import exitcodes
+from .options import sampling_options
 
 # one BLAS thread and passive OpenMP waits, before numpy is first imported
 for _var, _val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -84,11 +85,7 @@ def resolve_model(model: str | None) -> str:
 
 @click.command()
 @click.option("--model", "model_path", metavar="DIR", help="model directory (default: the built-in demo model)")
-@click.option("--max-tokens", type=int, default=128, show_default=True, help="most tokens to generate")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", type=int, default=0, show_default=True, help="sample from the k likeliest (0 = off)")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling mass (1 = off)")
-@click.option("--seed", type=int, default=None, help="random seed: the same seed gives the same text")
+@sampling_options(max_tokens=128)
 @click.option("--stop", multiple=True, metavar="STR", help="stop when this string is generated (repeatable)")
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
