@@ -111,20 +111,30 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({"experts": r["experts"], "requests": r["requests"], "uptime_s": r["uptime_s"]}))
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "requests", "uptime_s", "policy", "history")}))
         else:
             e, q = r["experts"], r["requests"]
             rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
             click.echo(f"experts: {e['hits']} hits, {e['misses']} misses (hit rate {rate}), "
                        f"{e['bytes_read'] / 2**20:.1f} MiB read, {e['evictions']} evictions, "
-                       f"waiting on I/O {e['io_wait_s']:.2f} s | requests: {q['served']} served, "
-                       f"{q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
+                       f"waiting on I/O {e['io_wait_s']:.2f} s, policy {r.get('policy') or '-'} | requests: "
+                       f"{q['served']} served, {q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
+            if r.get("history"):
+                click.echo(f"history: {history_line(r['history'])}")
         if not watch:
             return
         try:
             time.sleep(watch)
         except KeyboardInterrupt:
             return
+
+
+def history_line(h: dict) -> str:
+    saved = f"saved {h['saved_age_s']:.0f} s ago" if h.get("saved_age_s") is not None else "not saved yet"
+    where = h["path"] or "in memory only"
+    size = f", {h['file_bytes'] / 1024:.0f} KiB" if h.get("file_bytes") else ""
+    return (f"{h['steps']} steps ({h['steps_loaded']} from before this start), age {h['age_s'] / 3600:.1f} h, "
+            f"{h['experts_seen']} experts seen, {saved}{', read-only' if h['read_only'] else ''} ({where}{size})")
 
 
 @cli.group()
@@ -144,6 +154,9 @@ def show_placement(r: dict) -> None:
                f"mlock: {p['mlock']}, hugepages: {p['hugepages']}")
     rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
     click.echo(f"hits {e['hits']}, misses {e['misses']} (hit rate {rate}), evictions {e['evictions']}")
+    if "policy" in p:
+        click.echo(f"policy {p['policy']['name']}: {p['learned_pins']} learned pins, pinned part sized by "
+                   f"{p['pinned_size_by']}, {e.get('repins', 0)} repins")
 
 
 @cache.command("show")
@@ -160,7 +173,8 @@ def cache_show(client, as_json):
 
 @cache.command("set")
 @click.option("--experts", "size", required=True, metavar="SIZE", help="bytes, KiB/MiB/GiB, min or all")
-@click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts (default: unchanged)")
+@click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts; auto: what the policy's hot "
+                                             "set takes (default: unchanged)")
 @with_client
 def cache_set(client, size, pinned):
     """Resize the expert cache now: no restart, no request dropped."""
@@ -190,6 +204,43 @@ def pin_command(kind: str, doc: str):
 
 pin = pin_command("pin", "Keep an expert in RAM until unpinned (it uses the cache's pinned part).")
 unpin = pin_command("unpin", "Let a pinned expert be evicted again.")
+
+
+@cli.group()
+def policy():
+    """Show or change the expert cache policy of the running daemon."""
+
+
+def show_policy(r: dict) -> None:
+    click.echo("policy  " + ", ".join(f"{k}={v}" for k, v in r["policy"].items()))
+    click.echo(f"history {history_line(r['history'])}")
+
+
+@policy.command("show")
+@click.option("--json", "as_json", is_flag=True)
+@with_client
+def policy_show(client, as_json):
+    """The policy in use and its usage history."""
+    r = client.call("policy", action="show")
+    if as_json:
+        click.echo(json.dumps({"policy": r["policy"], "history": r["history"]}))
+    else:
+        show_policy(r)
+
+
+@policy.command("set")
+@click.argument("settings", nargs=-1, required=True, metavar="KEY=VALUE...")
+@with_client
+def policy_set(client, settings):
+    """Change the policy between two steps, e.g. `policy=lru`, `prefetch_reads=8`,
+    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`, `evict_window=0.5`."""
+    fields = {}
+    for s in settings:
+        key, eq, value = s.partition("=")
+        if not eq or not key:
+            fail(f"{s!r} is not KEY=VALUE", exitcodes.USAGE)
+        fields[key.strip()] = value.strip()
+    show_policy(client.call("policy", timeout_ms=None, action="set", settings=fields))
 
 
 @cli.command()

@@ -11,7 +11,7 @@ PROTOCOL_VERSION). Replies carry `status` "ok" or "error"; an error has `error`:
 import json
 import os
 
-PROTOCOL_VERSION = "1.0"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.1"  # major.minor: minors only add fields and messages
 
 # numbered errors: (code, name) -> what the client's user can do about it
 ERRORS = {
@@ -28,8 +28,8 @@ ERRORS = {
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
-REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "pin", "unpin", "reload",
-                 "shutdown")
+REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "pin", "unpin", "policy",
+                 "reload", "shutdown")
 
 DEFAULT_SOCKET_NAME = "colibri.sock"
 

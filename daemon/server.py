@@ -58,6 +58,7 @@ class Server:
             "reload_request": self.on_reload,
             "pin_request": self.on_pin,
             "unpin_request": self.on_pin,
+            "policy_request": self.on_policy,
         }
 
     # ---- start-up --------------------------------------------------------------------------
@@ -91,8 +92,12 @@ class Server:
         from ..storage.container import is_container
 
         budget = parse_size(self.cfg.expert_cache) if is_container(path) else None
+        history = self.cfg.history
         self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
-                                hugetlb=self.cfg.hugepages, prefetch=self.cfg.prefetch_reads)
+                                hugetlb=self.cfg.hugepages, policy=self.cfg.cache_policy(),
+                                history_dir=os.path.join(state_dir(self.cfg), "history") if history else None,
+                                history_read_only=history == "read-only",
+                                history_half_life=self.cfg.history_half_life)
         self.tokenizer = Tokenizer(path)
         self.eos = eos_ids(path, load_config(path), self.tokenizer)
         layers.init(n)
@@ -204,8 +209,9 @@ class Server:
     def _on_hup(self, signum, frame):
         self.hup = True  # handled by the main loop, outside the signal handler
 
+    POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "evict_window", "prefetch_reads")
     RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s",
-                    "prefetch_reads")
+                    "history_save_s", *POLICY_KEYS)
 
     def reload(self, key=None) -> dict:
         """Read the configuration again (flags still override it) and apply what can change
@@ -222,8 +228,8 @@ class Server:
         self.cfg = new
         if "log_level" in applied:
             setup_logging(new.log_level)
-        if "prefetch_reads" in applied:
-            self.model.prefetch_reads = new.prefetch_reads  # read by the engine thread at its next layer
+        if set(applied) & set(self.POLICY_KEYS) and hasattr(self.model.experts, "set_policy"):
+            self.inbox.put(("policy_set", None, new.cache_policy()))
         if "expert_cache" in applied and hasattr(self.model.experts, "resize"):
             from ..storage.cache import parse_size
 
@@ -325,8 +331,32 @@ class Server:
                     config=self.cfg.as_dict())
 
     def on_stats(self, identity, rid, msg):
-        return P.ok("stats", rid, experts=self.model.experts.stats.as_dict(), requests=dict(self.counters),
-                    uptime_s=round(time.time() - self.t_start, 3))
+        experts = self.model.experts
+        extra = {"policy": experts.policy.name, "history": experts.history.describe()} \
+            if hasattr(experts, "policy") else {"policy": None}
+        return P.ok("stats", rid, experts=experts.stats.as_dict(), requests=dict(self.counters),
+                    uptime_s=round(time.time() - self.t_start, 3), **extra)
+
+    def on_policy(self, identity, rid, msg):
+        from ..storage.policy import PolicyInvalid
+
+        experts = self.model.experts
+        if not hasattr(experts, "set_policy"):
+            return P.error("policy", rid, "INVALID_REQUEST", RESIDENT)
+        action = msg.get("action")
+        if action == "show":
+            return P.ok("policy", rid, policy=experts.policy.as_dict(), history=experts.history.describe())
+        if action != "set":
+            return P.error("policy", rid, "BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
+        settings = msg.get("settings")
+        if not isinstance(settings, dict) or not settings:
+            return P.error("policy", rid, "BAD_MESSAGE", "'settings' must be a non-empty object of KEY: VALUE")
+        try:
+            policy = experts.policy.with_settings(settings)
+        except PolicyInvalid as e:
+            return P.error("policy", rid, "INVALID_REQUEST", str(e))
+        self.inbox.put(("policy_set", (identity, rid), policy))  # applied between two steps
+        return None
 
     def on_generate(self, identity, rid, msg):
         if self.stopping.is_set():
@@ -368,7 +398,7 @@ class Server:
         except BudgetInvalid as e:
             return P.error("cache", rid, "INVALID_REQUEST", str(e))
         pinned = msg.get("pinned")
-        if pinned is not None:
+        if pinned is not None and pinned != "auto":
             try:
                 pinned = parse_size(str(pinned)) if not isinstance(pinned, bool) else parse_size("?")
             except BudgetInvalid as e:
@@ -408,6 +438,7 @@ class Server:
         push.setsockopt(zmq.LINGER, 0)
         push.connect(EVENTS)
         batcher = Batcher(self.model)
+        saved_at = time.monotonic()
         waiting: list = []
         state: dict = {}  # key -> (request, token ids, text pieces)
 
@@ -437,6 +468,10 @@ class Server:
                                 out(item[1], reply)
                         elif item[0] in ("pin", "unpin"):
                             out(item[1], self.pin(item[0], item[1][1], item[2], item[3]))
+                        elif item[0] == "policy_set":
+                            reply = self.set_policy(item[1][1] if item[1] else None, item[2])
+                            if item[1]:
+                                out(item[1], reply)
                         else:  # cancel: a running request leaves at the next step, a waiting one now
                             key = item[1]
                             if key in state:
@@ -457,6 +492,9 @@ class Server:
                         continue
                     batcher.add(req)
                     state[key] = (req, [], [])
+                if time.monotonic() - saved_at >= self.cfg.history_save_s:
+                    self.save_history()
+                    saved_at = time.monotonic()
                 if not batcher.active:
                     continue
                 try:
@@ -494,7 +532,31 @@ class Server:
             log.exception("the engine thread failed; stopping")
             self.stopping.set()
         finally:
+            self.save_history()
             push.close()
+
+    def save_history(self) -> None:
+        """Write the usage history (atomically) from the engine thread; a failure is logged."""
+        history = getattr(self.model.experts, "history", None)
+        if history is None:
+            return
+        try:
+            if history.save():
+                log.debug("usage history saved to %s", history.path)
+        except OSError as e:
+            log.warning("could not save the usage history to %s: %s", history.path, e.strerror)
+
+    def set_policy(self, rid, policy) -> dict:
+        """Between two steps, on the engine thread."""
+        from ..storage.cache import BudgetInvalid
+
+        try:
+            desc = self.model.experts.set_policy(policy)
+        except BudgetInvalid as e:
+            return P.error("policy", rid, "INVALID_REQUEST", str(e))
+        self.model.prefetch_reads = policy.prefetch_reads
+        log.info("expert cache policy: %s", policy.as_dict())
+        return P.ok("policy", rid, policy=desc["policy"], history=desc["history"])
 
     def pin(self, kind, rid, il, ie) -> dict:
         """Between two steps, on the engine thread."""

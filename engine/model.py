@@ -230,9 +230,10 @@ class MoEModel:
         step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
         h = to_f32(self.glob["embed"][ids])  # [T, D]
         self.experts.begin_step()
+        lookahead = self.prefetch_reads or getattr(self.experts, "wants_predictions", False)
         for il in range(self.n_layer):
             h = self.block(il, h, step)
-            if self.prefetch_reads and il + 1 < self.n_layer and self.is_moe(il + 1):
+            if lookahead and il + 1 < self.n_layer and self.is_moe(il + 1):
                 self.lookahead(il + 1, h)
         for sg in segments:
             sg.cache.n_pos += sg.n

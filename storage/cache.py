@@ -4,7 +4,12 @@ byte budget.
 - One arena is allocated at start (anonymous mmap, page aligned; transparent hugepages
   asked for with madvise; mlock'ed when asked and the limit allows) and cut into
   record-sized slots. Nothing is allocated per read.
-- Each MoE layer owns an equal share of the slots and keeps them as an LRU.
+- A pinned part (policy.py: the learned hot set, and hand pins) holds experts of any
+  layer that are never evicted; each MoE layer owns an equal share of the other slots
+  and keeps them as an LRU (its victim chosen by the policy).
+- Every step's routing goes into the usage history (history.py); every
+  `repin_every` steps the learned hot set is revised between steps (memory copies of
+  experts already resident, no reads).
 - `stream(il, ids)` serves one layer's step: the union of the experts its tokens chose
   (batch-union: each read once). Misses are read with O_DIRECT preadv from a small
   thread pool, started before the resident experts are handed out, so the engine
@@ -27,6 +32,8 @@ import numpy as np
 from .container import Container, ExpertRecord
 from .errors import ColibriError
 from .experts import ExpertStats
+from .history import UsageHistory
+from .policy import Policy, learned_slots, plan_repin, victim
 
 log = logging.getLogger("colibri.storage")
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; Python 3.11 lacks the name
@@ -104,13 +111,19 @@ class ExpertCache:
     """
 
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
-                 mlock: bool = False, hugetlb: bool = False):
+                 mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
+                 history: UsageHistory | None = None):
         self.c = container
         self.record_bytes = container.record_bytes
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
+        self.top_k = top_k  # experts per token: the LRU part keeps this many slots per layer when pinning
+        self.policy = (policy or Policy(name="lru")).check()
+        self.history = history or UsageHistory(container.moe_layers, container.n_expert)
         self._mm = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
         self.pinned: dict[tuple[int, int], int] = {}  # (il, ie) -> slot, by hand (pin) or by policy
+        self.hand_pins: set[tuple[int, int]] = set()  # pinned by hand: never repinned away
+        self.pinned_set_by_hand = False  # False: the pinned part's size follows the policy
         self.prefetched: dict[int, dict[int, tuple]] = {}  # il -> {ie: (slot, read future)} not yet streamed
         self._place(budget)
         self.stats = ExpertStats()
@@ -136,20 +149,26 @@ class ExpertCache:
             )
         return min(budget // rb // n_moe, n_expert), int(budget)
 
-    def _place(self, budget: int | str, pinned_bytes: int = 0) -> None:
-        """Make the arena for `budget`, of which `pinned_bytes` hold pinned experts (never
-        evicted) and the rest the per-layer LRU shares, and move into it the pins and the most
+    def _place(self, budget: int | str, pinned_bytes: int | None = None) -> None:
+        """Make the arena for `budget`, of which `pinned_bytes` (None: what the policy's
+        hot set takes) hold pinned experts (never evicted) and the rest the per-layer LRU
+        shares, and move into it the hand pins, the hottest learned pins and the most
         recently used experts that fit. Call between steps, never during a stream.
-        Raises BudgetInvalid when the LRU part would fall below one slot per layer."""
+        Raises BudgetInvalid when pins would leave the LRU part fewer than top_k slots per
+        layer (one token's experts), or when the budget is below one slot per layer."""
         rb, layers = self.record_bytes, self.c.moe_layers
         total = self.slots_for(budget)[1]  # raises below the minimum
         self.settle_prefetch()
-        n_pin = min(pinned_bytes // rb, len(layers) * self.c.n_expert)
-        if total - n_pin * rb < len(layers) * rb:
+        if pinned_bytes is None:
+            n_pin = max(learned_slots(self.policy, total // rb, len(layers), self.top_k, self.c.n_expert), len(self.hand_pins))
+        else:
+            n_pin = min(pinned_bytes // rb, len(layers) * self.c.n_expert)
+        if n_pin and total - n_pin * rb < len(layers) * self.top_k * rb:
+            most = max(total - len(layers) * self.top_k * rb, 0)
             raise BudgetInvalid(
-                f"pinning {fmt_bytes(n_pin * rb)} of a {fmt_bytes(total)} budget leaves less than one "
-                f"{fmt_bytes(rb)} slot per MoE layer for the LRU; the pinned part can be at most "
-                f"{fmt_bytes(max(total - len(layers) * rb, 0))}"
+                f"pinning {fmt_bytes(n_pin * rb)} of a {fmt_bytes(total)} budget leaves the LRU fewer than "
+                f"{self.top_k} slot(s) of {fmt_bytes(rb)} per MoE layer (one token's experts); the pinned part "
+                f"can be at most {fmt_bytes(most)} ({most} bytes)"
             )
         per_layer, _ = self.slots_for(total - n_pin * rb)
         budget_bytes = int(total)
@@ -180,7 +199,9 @@ class ExpertCache:
                 lru[il][ie] = slot
             free[il] = slots
         pin_slots, pinned = deque(range(n_lru, n_slots)), {}
-        for key, old_slot in list(self.pinned.items())[:n_pin]:  # pins are kept, first pinned first
+        keep = sorted(self.pinned.items(), key=lambda kv: (kv[0] not in self.hand_pins, -self.history.value(kv[0])))
+        self.hand_pins &= {k for k, _ in keep[:n_pin]}
+        for key, old_slot in keep[:n_pin]:  # hand pins first, then the hottest learned ones
             slot = pin_slots.popleft()
             arena[slot] = self.arena[old_slot]
             pinned[key] = slot
@@ -210,21 +231,110 @@ class ExpertCache:
         self.hugepages = f"reserved ({size // HUGEPAGE} x 2 MiB)"
         return mm
 
-    def resize(self, budget: int | str, pinned_bytes: int | None = None) -> dict:
-        """Change the budget (and its pinned part; None keeps it) at runtime, keeping the pins
+    def resize(self, budget: int | str, pinned_bytes: int | str | None = None) -> dict:
+        """Change the budget and its pinned part (bytes; "auto": what the policy's hot set
+        takes; None: as before) at runtime, keeping the hand pins, the hottest learned pins
         and the most recently used experts that fit. Call between forward steps.
         Raises BudgetInvalid. Returns describe()."""
-        self._place(budget, self.pinned_bytes if pinned_bytes is None else pinned_bytes)
+        by_hand = self.pinned_set_by_hand if pinned_bytes is None else pinned_bytes != "auto"
+        pinned = None if not by_hand else self.pinned_bytes if pinned_bytes is None else int(pinned_bytes)
+        self._place(budget, pinned)
+        self.pinned_set_by_hand = by_hand
         return self.describe()
+
+    def set_policy(self, policy: Policy) -> dict:
+        """Use `policy` from the next step on (between steps). The pinned part follows it
+        unless its size was set by hand. Raises BudgetInvalid. Returns describe()."""
+        old, self.policy = self.policy, policy.check()
+        if not self.pinned_set_by_hand:
+            try:
+                self._place(self.budget_bytes, None)
+            except BudgetInvalid:
+                self.policy = old
+                raise
+        if not policy.learns:  # learned pins go back to being ordinary residents
+            for key in [k for k in self.pinned if k not in self.hand_pins]:
+                self.pin_free.append(self.pinned.pop(key))
+        return self.describe()
+
+    def begin_step(self) -> None:
+        self.stats.steps += 1
+        self.history.step()
+        p = self.policy
+        if p.learns and p.repin_every and self.stats.steps % p.repin_every == 0:
+            self.repin()
+
+    def repin(self) -> int:
+        """Revise the learned hot set from the usage history (policy.plan_repin): experts
+        resident in the LRU part move into the pinned part, displaced learned pins go back
+        to the LRU (the oldest entry of their layer) when there is room, else out. Memory
+        copies only, no reads. Hand pins stay. Call between steps. Returns the moves."""
+        self.settle_prefetch()
+        learned = [k for k in self.pinned if k not in self.hand_pins]
+        challengers = [(il, ie) for il, d in self.lru.items() for ie in d]
+        moves = plan_repin(self.history.value, learned, challengers, len(self.pin_free), self.policy.repin_margin)
+        for (il, ie), drop in moves:
+            src = self.lru[il].pop(ie)
+            if drop is None:
+                slot = self.pin_free.popleft()
+                self.arena[slot] = self.arena[src]
+                self.free[il].append(src)
+            else:
+                slot = self.pinned.pop(drop)
+                if drop[0] == il:  # same layer: the two swap slots
+                    held = self.arena[slot].copy()
+                    self.arena[slot] = self.arena[src]
+                    self.arena[src] = held
+                    self.lru[il][drop[1]] = src
+                    self.lru[il].move_to_end(drop[1], last=False)
+                else:
+                    self.arena[slot] = self.arena[src]
+                    self.free[il].append(src)
+            self.pinned[(il, ie)] = slot
+        self.stats.repins += len(moves)
+        return len(moves)
+
+    def pin_hottest(self) -> int:
+        """Fill the free pinned slots with the hottest experts of the usage history (read
+        now, several at a time): the warm start from what the box learned before. Returns
+        the experts pinned. Raises ExpertReadError."""
+        if not self.policy.learns:
+            return 0
+        want = [k for k in self.history.hottest(len(self.pinned) + len(self.pin_free)) if k not in self.pinned]
+        want = want[: len(self.pin_free)]
+        reads = []
+        for key in want:
+            slot = self.pin_free.popleft()
+            il, ie = key
+            if ie in self.lru[il]:
+                src = self.lru[il].pop(ie)
+                self.arena[slot] = self.arena[src]
+                self.free[il].append(src)
+            else:
+                reads.append((key, slot, self.pool.submit(self._read, self.c.records[key], slot)))
+            self.pinned[key] = slot
+        for key, slot, fut in reads:
+            try:
+                fut.result()
+            except ExpertReadError:
+                del self.pinned[key]
+                self.pin_free.append(slot)
+                raise
+            self.stats.bytes_read += self.record_bytes
+        return len(want)
 
     def pin(self, il: int, ie: int) -> None:
         """Keep expert ie of layer il resident until unpinned (read now if it is not).
         Call between steps. Raises BudgetInvalid (no pinned room), KeyError (no such expert),
         ExpertReadError."""
         key = (il, ie)
-        if key in self.pinned:
-            return
         rec = self.c.records[key]
+        if key in self.pinned:
+            self.hand_pins.add(key)
+            return
+        learned = [k for k in self.pinned if k not in self.hand_pins]
+        if not self.pin_free and learned:  # a hand pin displaces the coldest learned one
+            self.pin_free.append(self.pinned.pop(min(learned, key=self.history.value)))
         if not self.pin_free:
             raise BudgetInvalid(f"no room to pin: {len(self.pinned)} experts fill the pinned part of "
                                 f"{fmt_bytes(self.pinned_bytes)}; grow it with cache set --pinned SIZE")
@@ -241,10 +351,12 @@ class ExpertCache:
                 raise
             self.stats.bytes_read += self.record_bytes
         self.pinned[key] = slot
+        self.hand_pins.add(key)
 
     def unpin(self, il: int, ie: int) -> None:
         """Let the expert be evicted again. Raises KeyError if it is not pinned."""
         self.pin_free.append(self.pinned.pop((il, ie)))
+        self.hand_pins.discard((il, ie))
 
     def _open(self, file: str) -> int:
         if self.direct:
@@ -284,19 +396,15 @@ class ExpertCache:
             done += n
         return time.perf_counter() - t0
 
-    def begin_step(self) -> None:
-        self.stats.steps += 1
-
     def _take_slot(self, il: int, busy: set[int]) -> int | None:
         if self.free[il]:
             return self.free[il].popleft()
         lru = self.lru[il]
-        for ie, slot in lru.items():  # least recently used first
-            if ie not in busy:
-                del lru[ie]
-                self.stats.evictions += 1
-                return slot
-        return None
+        ie = victim(lru, busy, self.history.value, self.policy, il)
+        if ie is None:
+            return None
+        self.stats.evictions += 1
+        return lru.pop(ie)
 
     def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, tuple]]]:
         """Batches of (expert id, (gate, up, down)) covering `ids` (unique) of layer il: the
@@ -304,6 +412,7 @@ class ExpertCache:
         then). A batch's weights are valid until the next batch is asked for.
         Raises ExpertReadError."""
         st, lru = self.stats, self.lru[il]
+        self.history.record(il, ids)
         st.fetches += 1
         st.experts += len(ids)
         ahead = self.prefetched.pop(il, {})  # reads started by prefetch() for this layer
@@ -410,8 +519,10 @@ class ExpertCache:
         return n
 
     def describe(self) -> dict:
-        return {"placement": "expert cache", "pinned_bytes": self.pinned_bytes,
-                "pinned": sorted(f"{il}:{ie}" for il, ie in self.pinned), "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
+        return {"placement": "expert cache", "policy": self.policy.as_dict(), "pinned_bytes": self.pinned_bytes,
+                "pinned": sorted(f"{il}:{ie}" for il, ie in self.hand_pins), "learned_pins": len(self.pinned) - len(
+                    self.hand_pins), "pinned_size_by": "operator" if self.pinned_set_by_hand else "policy",
+                "history": self.history.describe(), "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
                 "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
                 "mlock": self.mlock, "hugepages": self.hugepages}

@@ -14,6 +14,7 @@ O_DIRECT read fetches one expert. Padding is named `__pad__.*` (U8 zeros) becaus
 safetensors requires the tensors to cover the data section without gaps.
 """
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ class Container:
     def __init__(self, path: str):
         self.path = path
         self.manifest = m = read_json(os.path.join(path, MANIFEST), ContainerInvalid)
+        with open(os.path.join(path, MANIFEST), "rb") as f:  # the manifest names every record and its crc
+            self.fingerprint = "sha256:" + hashlib.sha256(f.read()).hexdigest()[:32]
         if m.get("format") != FORMAT:
             raise ContainerInvalid(f"{path}/{MANIFEST}: not a colibri container manifest")
         if m.get("version") != VERSION:

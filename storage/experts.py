@@ -33,6 +33,7 @@ class ExpertStats:
     prefetch_issued: int = 0  # reads started ahead of the router (router lookahead)
     prefetch_used: int = 0  # of those, experts the real router chose
     prefetch_wasted: int = 0  # of those, experts it did not choose (they stay resident)
+    repins: int = 0  # experts moved into the learned hot set
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -96,10 +97,15 @@ class ResidentExperts:
 
 class TracedSource:
     """Wraps a source and writes one JSON line per layer per forward step:
-    {"step": i, "layer": l, "experts": [...]} (a prefill step lists the union)."""
+    {"step": i, "layer": l, "experts": [...]} (a prefill step lists the union), with
+    "predicted": [...] when the router lookahead predicted that layer's experts (the
+    model computes the prediction whenever it is traced, prefetching or not)."""
+
+    wants_predictions = True
 
     def __init__(self, inner, out):
         self.inner, self.out, self.step = inner, out, -1
+        self.predicted: dict[int, list[int]] = {}
 
     @property
     def stats(self) -> ExpertStats:
@@ -107,12 +113,20 @@ class TracedSource:
 
     def begin_step(self) -> None:
         self.step += 1
+        self.predicted.clear()
         self.inner.begin_step()
+
+    def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
+        self.predicted[il] = [int(i) for i in ids]
+        return self.inner.prefetch(il, ids, max_reads) if max_reads and hasattr(self.inner, "prefetch") else 0
 
     def stream(self, il: int, ids: list[int]):
         import json
 
-        self.out.write(json.dumps({"step": self.step, "layer": il, "experts": [int(i) for i in ids]}) + "\n")
+        line = {"step": self.step, "layer": il, "experts": [int(i) for i in ids]}
+        if il in self.predicted:
+            line["predicted"] = self.predicted.pop(il)
+        self.out.write(json.dumps(line) + "\n")
         return self.inner.stream(il, ids)
 
     def __getattr__(self, name):

@@ -341,7 +341,7 @@ def test_pin_and_unpin(tmp_path, container):
     try:
         r = ctl(sock, "pin", "1:3")
         assert r.returncode == exitcodes.BAD_REQUEST and "no room to pin" in r.stderr
-        assert ctl(sock, "cache", "set", "--experts", "4MiB", "--pinned", "1MiB").returncode == 0
+        assert ctl(sock, "cache", "set", "--experts", "8MiB", "--pinned", "1MiB").returncode == 0
         r = ctl(sock, "pin", "1:3")
         assert r.returncode == 0 and "1:3" in r.stdout, r.stderr
         show = json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]

@@ -1,0 +1,171 @@
+"""The benchmarks' synthetic model: shaped like Qwen3-30B-A3B (hidden 2048, 32 query / 4
+KV heads of 128, expert intermediate 768, 128 experts, top-8, vocabulary 32000), experts
+int4 g64, dense bf16, random weights drawn from per-tensor seeds, built once into a
+container and kept on disk.
+
+Random weights alone route uniformly: every expert equally popular and consecutive
+tokens sharing almost nothing, which no cache policy can learn from. Real MoE routers
+are not like that: some experts are hot in every layer, routing follows the token
+(frequent tokens make their experts hot) and the topic of the text (nearby tokens
+reuse experts). The recipe builds that structure into the residual stream and the
+routers, in the open:
+
+- Topics. The vocabulary is split into TOPICS groups (token t is in topic t mod TOPICS).
+  Every embedding row is token noise + A * u + B * T[topic], with u one direction
+  shared by all tokens and T[k] one direction per topic (all of norm sqrt(hidden)).
+  The layers' own outputs are kept small (attention output and expert down scaled by
+  OUT), so the token, its topic and u persist down the residual stream, as the token
+  identity does in real models.
+- Routers. Router row e of layer l = SIGMA_TOKEN * random (the token's own preference)
+  + SIGMA_POP * p[l, e] * u (popularity: p a standard normal per layer and expert, so
+  a few experts of each layer are hot for every token) + SIGMA_TOPIC * sum_k
+  q[l, e, k] * T[k] (topic preference: q standard normal, so each topic has its own
+  hot experts), each scaled to give logits of the stated standard deviation.
+- Text. The LM head prefers tokens of the current token's topic by STAY logits, and
+  inside a topic Zipf-frequent tokens (rank r gets -ZIPF * log(1 + r)), so sampled text
+  stays on a topic for a while and repeats frequent tokens. `prompt()` draws prompts
+  from the same process (stay on the topic with probability P_STAY, Zipf tokens).
+
+`trace_stats()` in cache_policy.py measures what this gives: the share of routings that
+go to each layer's most popular quarter of experts, and the experts consecutive tokens
+share.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+
+import numpy as np
+
+from colibri.engine.demo import _tokenizer_json
+from colibri.engine.registry import build_model
+from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.quant import QuantWeight, quantized_shapes
+from colibri.storage.safetensors import TensorEntry, f32_to_bf16
+
+SHAPE = {
+    "model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
+    "eos_token_id": None,
+}
+GROUP = 64
+RECIPE = {"version": 2, "topics": 64, "A": 1.0, "B": 1.0, "out": 0.3, "sigma_token": 1.0, "sigma_pop": 0.9,
+          "sigma_topic": 1.0, "stay": 6.0, "zipf": 1.0, "p_stay": 0.95}
+
+
+def _unit_rows(seed: int, n: int, d: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+class SyntheticSource:
+    """A checkpoint that exists only as a recipe: each tensor drawn from its own seed when
+    read; experts handed out already int4-quantized (random nibbles, small scales)."""
+
+    def __init__(self, path: str, cfg: dict, recipe: dict = RECIPE):
+        self.path, self.config, self.files, self.r = path, cfg, {}, recipe
+        model = build_model(path, cfg)
+        glob, per_layer, per_expert = model.shapes()
+        self.shapes = {model.NAMES[k]: s for k, s in glob.items()}
+        for il in range(model.n_layer):
+            self.shapes |= {model.NAMES[k].format(il=il): s for k, s in per_layer(il).items()}
+            for ie in range(model.n_expert):
+                self.shapes |= dict(zip(model.expert_names(il, ie), per_expert.values()))
+        self.where = dict.fromkeys(self.shapes, "synthetic")
+        self.seeds = {n: zlib.crc32(n.encode()) for n in self.shapes}
+        self.model = model
+        D = cfg["hidden_size"]
+        self.u = _unit_rows(1, 1, D)[0]  # [D]
+        self.T = _unit_rows(2, recipe["topics"], D)  # [K, D]
+
+    def entry(self, name):
+        return TensorEntry(name, "BF16", self.shapes[name], 0, 0)
+
+    def read(self, name):
+        shape, r = self.shapes[name], self.r
+        rng = np.random.default_rng(self.seeds[name])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if len(shape) == 1:
+            return f32_to_bf16(1 + 0.1 * x)
+        D = self.config["hidden_size"]
+        norm = np.sqrt(1 + r["A"] ** 2 + r["B"] ** 2)  # the embedding's RMS: x = rmsnorm(h) divides by it
+        topic = np.arange(self.config["vocab_size"]) % r["topics"]
+        if name.endswith("embed_tokens.weight"):  # [V, D]: noise + A u + B T[topic]
+            return f32_to_bf16(x + np.sqrt(D) * (r["A"] * self.u + r["B"] * self.T[topic]))
+        if name.endswith("mlp.gate.weight"):  # router [E, D]
+            E = shape[0]
+            p = rng.standard_normal(E).astype(np.float32)  # [E] popularity
+            q = rng.standard_normal((E, r["topics"])).astype(np.float32)  # [E, K] topic preference
+            row = (r["sigma_token"] * x * norm
+                   + r["sigma_pop"] * p[:, None] * self.u * norm / r["A"]
+                   + r["sigma_topic"] * (q @ self.T) * norm / r["B"])
+            return f32_to_bf16(row / np.sqrt(D))
+        if name == "lm_head.weight":  # [V, D]: noise + STAY on the topic + Zipf inside it
+            rank = np.arange(self.config["vocab_size"]) // r["topics"]
+            row = (x + (r["stay"] * self.T[topic] * norm / r["B"]
+                        - r["zipf"] * np.log1p(rank)[:, None] * self.u * norm / r["A"]))
+            return f32_to_bf16(row / np.sqrt(D))
+        scale = shape[-1] ** -0.5
+        if name.endswith("o_proj.weight"):
+            scale *= r["out"]
+        return f32_to_bf16(x * scale)
+
+    def read_quantized(self, name, kind, group):
+        shape = self.shapes[name]
+        qshape, sshape = quantized_shapes(kind, shape, group)
+        rng = np.random.default_rng(self.seeds[name])
+        q = np.frombuffer(rng.bytes(int(np.prod(qshape))), np.uint8).reshape(qshape)
+        scale = shape[-1] ** -0.5 / 4.6  # std of a uniform nibble is ~4.6
+        if "down_proj" in name:
+            scale *= self.r["out"]
+        return QuantWeight(kind, q, np.full(sshape, np.float16(scale), np.float16), group)
+
+
+def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int = SHAPE["vocab_size"]) -> list[int]:
+    """n token ids drawn like the model's own text: a topic kept with probability p_stay,
+    Zipf-frequent tokens inside it."""
+    K = recipe["topics"]
+    per_topic = vocab // K
+    w = np.exp(-recipe["zipf"] * np.log1p(np.arange(per_topic)))
+    w /= w.sum()
+    out, k = [], int(rng.integers(K))
+    for _ in range(n):
+        if rng.random() > recipe["p_stay"]:
+            k = int(rng.integers(K))
+        out.append(int(rng.choice(per_topic, p=w)) * K + k)
+    return out
+
+
+def build(workdir: str, expert_gb: float, n_layer: int | None = None) -> str:
+    """The container's path, built into workdir unless it is there already: as many
+    layers as give `expert_gb` of experts and fit in half the free disk (or n_layer)."""
+    one_layer = SHAPE["num_experts"] * 3 * (768 * 2048 // 2 + 768 * 2048 // GROUP * 2)
+    if n_layer is None:
+        free = shutil.disk_usage(workdir).free
+        n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
+    path = os.path.join(workdir, f"qwen3-30b-a3b-shaped-int4-{n_layer}l")
+    cfg = SHAPE | {"num_hidden_layers": n_layer}
+    stamp = os.path.join(path, "bench-config.json")
+    if os.path.isfile(stamp) and json.load(open(stamp)) == cfg | {"recipe": RECIPE}:
+        return path
+    src = os.path.join(workdir, "synthetic-src")
+    os.makedirs(src, exist_ok=True)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(src, "tokenizer.json"), "w") as f:
+        f.write(_tokenizer_json())
+    synth = SyntheticSource(src, cfg)
+    plan = ExpertPlan(synth.model.moe_layers, synth.model.n_expert, synth.model.expert_names)
+    t0 = time.perf_counter()
+    print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
+    convert(synth, path, plan, expert_dtype="int4", group_size=GROUP, force=True,
+            progress=lambda d, t: print(f"\r{d}/{t}", end="", file=sys.stderr) if d % 512 == 0 else None)
+    with open(stamp, "w") as f:
+        json.dump(cfg | {"recipe": RECIPE}, f)
+    print(f"\nbuilt in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return path

@@ -1,0 +1,90 @@
+"""Routing traces for bench/cache_policy.py, written by the engine running prompts.
+
+- `synthetic`: the decode benchmark's Qwen3-30B-A3B-shaped model (synthetic.py, routers
+  built with structure), several requests one after another, each a prompt drawn from
+  the model's own topic process followed by sampled text (temperature 1, fixed seeds);
+  a second, separate set of requests makes the warm-up trace.
+- `demo` and the tiny test checkpoints (tests/hf_models.py, one per family, built with
+  transformers when it is installed): random prompts of their small vocabularies.
+
+Each trace line carries the router lookahead's prediction too ("predicted").
+"""
+
+import os
+import sys
+
+import numpy as np
+
+from colibri.engine import layers
+from colibri.engine.generate import SamplingParams, generate
+from colibri.engine.registry import load_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(model, prompts, tokens: int, path: str, seed: int) -> None:
+    from colibri.storage.experts import TracedSource
+
+    inner = model.experts
+    with open(path, "w") as f:
+        model.experts = TracedSource(inner, f)
+        for i, p in enumerate(prompts):
+            for _ in generate(model, p, SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed + i)):
+                pass
+    model.experts = inner
+
+
+def synthetic_traces(out: str, tokens: int, workdir: str, n_layer: int | None = None) -> tuple[str, str, int]:
+    sys.path.insert(0, HERE)
+    from synthetic import SHAPE, build, prompt
+
+    path = build(workdir, 16.0, n_layer)
+    model = load_model(path, budget=int(0.25 * 16e9) if n_layer is None else "all")
+    per_request = max(tokens // 4, 1)
+    names = []
+    for kind, seed in (("", 100), ("-warmup", 200)):
+        rng = np.random.default_rng(seed)
+        prompts = [prompt(rng, 32) for _ in range(4)]
+        names.append(os.path.join(out, f"synthetic{kind}.jsonl"))
+        print(f"tracing {names[-1]}", file=sys.stderr)
+        _run(model, prompts, per_request, names[-1], seed)
+    model.experts.close()
+    return names[0], names[1], SHAPE["num_experts_per_tok"]
+
+
+def small_traces(out: str, tokens: int) -> dict:
+    """The demo model and, with transformers installed, each family's basic test checkpoint."""
+    from colibri.engine.demo import write_demo_model
+
+    models = {"demo": write_demo_model(os.path.join(out, "models", "demo"), force=True)}
+    try:
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        import hf_models
+
+        for fam in hf_models.CASES:
+            p = os.path.join(out, "models", fam)
+            if not os.path.isdir(p):
+                hf_models.build(fam, "basic", p)
+            models[fam] = p
+    except ImportError:
+        print("transformers is not installed: tracing the demo model only", file=sys.stderr)
+    res = {}
+    for name, path in models.items():
+        model = load_model(path)
+        vocab, k = model.args.vocab_size, model.args.num_experts_per_tok
+        paths = []
+        for kind, seed in (("", 100), ("-warmup", 200)):
+            rng = np.random.default_rng(seed)
+            paths.append(os.path.join(out, f"{name}{kind}.jsonl"))
+            _run(model, [list(rng.integers(0, vocab, 16)) for _ in range(4)], max(tokens // 4, 1), paths[-1], seed)
+        res[name] = (paths[0], paths[1], k)
+    return res
+
+
+def make_traces(out: str, tokens: int, workdir: str | None = None) -> dict:
+    """{name: (trace, warm-up trace, top_k)}"""
+    os.makedirs(out, exist_ok=True)
+    layers.init()
+    workdir = workdir or os.path.join(os.path.expanduser("~"), ".cache", "colibri", "bench")
+    os.makedirs(workdir, exist_ok=True)
+    return {"synthetic": synthetic_traces(out, tokens, workdir), **small_traces(out, tokens)}

@@ -1,0 +1,141 @@
+"""Usage history: how often each routed expert was needed, decayed, kept across restarts.
+
+A count per (MoE layer, expert): each forward step adds one to every expert a layer
+needed in it (the union over the step's tokens, which is what costs a read), and every
+count halves over `half_life` steps, so the history follows a box's workload as it
+drifts. It picks the pinned hot set at start and repins live (policy.py).
+
+It lives with the daemon's state, not in the container (the model directory may be
+read-only): STATE_DIR/history/<container fingerprint>.json, so two models never mix and
+a re-converted container starts afresh. The file is written atomically
+(statefile.write_atomic): a crash mid-write leaves the previous version. A file of
+another format version, another model or bad contents is moved aside with a warning.
+
+File (JSON): {"format": "colibri-usage-history", "version": 1, "fingerprint": str,
+"moe_layers": [int], "n_expert": int, "half_life": steps, "steps": int, "created": unix
+time, "saved": unix time, "counts": [[float] * n_expert] * n_moe_layers}
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+
+from .statefile import read_json_state, write_atomic
+
+FORMAT = "colibri-usage-history"
+VERSION = 1
+DEFAULT_HALF_LIFE = 4096  # forward steps
+
+
+def history_path(state_dir: str, fingerprint: str) -> str:
+    return os.path.join(state_dir, "history", fingerprint.replace(":", "-")[:80] + ".json")
+
+
+class UsageHistory:
+    """Decayed routing counts of the experts of `moe_layers`. `path` None: kept in memory
+    only; `read_only`: loaded but never written (for benchmarks)."""
+
+    def __init__(self, moe_layers: list[int], n_expert: int, fingerprint: str = "", path: str | None = None,
+                 half_life: float = DEFAULT_HALF_LIFE, read_only: bool = False):
+        self.moe_layers, self.n_expert, self.fingerprint = list(moe_layers), n_expert, fingerprint
+        self.row = {il: i for i, il in enumerate(self.moe_layers)}
+        self.path, self.read_only, self.half_life = path, read_only, float(half_life)
+        self.counts = np.zeros((len(self.moe_layers), n_expert))  # [L, E], in units of self.weight
+        self.weight = 1.0  # what one use adds now: grows by `growth` per step (lazy decay)
+        self.growth = 2.0 ** (1.0 / self.half_life)
+        self.steps, self.created, self.saved, self.loaded_steps = 0, time.time(), None, 0
+        if path:
+            self.load()
+
+    # ---- learning ----
+    def step(self) -> None:
+        """One forward step has begun: older uses weigh a little less."""
+        self.steps += 1
+        self.weight *= self.growth
+        if self.weight > 1e100:
+            self.counts /= self.weight
+            self.weight = 1.0
+
+    def record(self, il: int, ids) -> None:
+        """Layer il needed experts `ids` (unique) in this step."""
+        self.counts[self.row[il], list(ids)] += self.weight
+
+    def values(self) -> np.ndarray:
+        # -> [L, E] decayed counts: uses, each weighted 2^(-age / half_life)
+        return self.counts / self.weight
+
+    def value(self, key: tuple[int, int]) -> float:
+        """The decayed count of key = (layer, expert)."""
+        return float(self.counts[self.row[key[0]], key[1]] / self.weight)
+
+    def hottest(self, n: int) -> list[tuple[int, int]]:
+        """The n experts with the highest counts (used at least once), hottest first."""
+        v = self.values().reshape(-1)
+        n = min(n, int(np.count_nonzero(v)))
+        if n <= 0:
+            return []
+        top = np.argpartition(-v, n - 1)[:n] if n < v.size else np.arange(v.size)
+        top = top[np.argsort(-v[top], kind="stable")]
+        return [(self.moe_layers[i // self.n_expert], int(i % self.n_expert)) for i in top]
+
+    # ---- persistence ----
+    def _why_unusable(self, obj: dict) -> str | None:
+        if obj.get("format") != FORMAT:
+            return "not a usage history"
+        if obj.get("version") != VERSION:
+            return f"usage history version {obj.get('version')!r}, this colibri reads version {VERSION}"
+        if obj.get("fingerprint") != self.fingerprint or obj.get("moe_layers") != self.moe_layers \
+                or obj.get("n_expert") != self.n_expert:
+            return "the usage history of another model"
+        c = obj.get("counts")
+        try:
+            a = np.asarray(c, dtype=np.float64)
+        except (TypeError, ValueError):
+            return "counts are not numbers"
+        if a.shape != self.counts.shape or not np.all(np.isfinite(a)) or np.any(a < 0):
+            return f"counts of shape {a.shape} or with negative or non-finite values"
+        if not all(isinstance(obj.get(k), int | float) for k in ("steps", "created")):
+            return "steps or created missing"
+        return None
+
+    def load(self) -> bool:
+        """Read the file at self.path; True when a usable history was loaded. A damaged
+        file is moved aside (with a warning) and the history starts empty."""
+        obj = read_json_state(self.path, self._why_unusable)
+        if obj is None:
+            return False
+        self.counts = np.asarray(obj["counts"], dtype=np.float64)
+        self.weight = 1.0
+        self.steps = self.loaded_steps = int(obj["steps"])
+        self.created, self.saved = float(obj["created"]), obj.get("saved")
+        return True
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "moe_layers": self.moe_layers,
+            "n_expert": self.n_expert, "half_life": self.half_life, "steps": self.steps, "created": self.created,
+            "saved": time.time(), "counts": [[float(f"{x:.6g}") for x in row] for row in self.values()],
+        }).encode()
+
+    def save(self) -> bool:
+        """Write the history atomically; False (and nothing written) without a path or when
+        read-only. Raises OSError."""
+        if not self.path or self.read_only:
+            return False
+        write_atomic(self.path, self.to_json())
+        self.saved = time.time()
+        return True
+
+    def describe(self) -> dict:
+        size = None
+        if self.path:
+            try:
+                size = os.path.getsize(self.path)
+            except OSError:
+                pass
+        return {"path": self.path, "read_only": self.read_only, "half_life_steps": self.half_life,
+                "steps": self.steps, "steps_loaded": self.loaded_steps, "age_s": round(time.time() - self.created, 1),
+                "saved_age_s": round(time.time() - self.saved, 1) if self.saved else None,
+                "experts_seen": int(np.count_nonzero(self.counts)), "file_bytes": size}

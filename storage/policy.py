@@ -1,0 +1,150 @@
+"""Expert cache policies: what stays resident beyond plain per-layer LRU.
+
+A policy is a name and a few numbers (Policy); the cache (cache.py) does the moving,
+the policy only decides. The same decisions drive the replay in bench/cache_policy.py,
+so what the benchmark measures is what the daemon does.
+
+- `lru`: each MoE layer keeps an equal share of the budget as an LRU. Hand pins
+  (`colictl pin`) still hold.
+- `lru+pinned`: part of the budget (`hot_set`, a fraction of what is left above the LRU
+  minimum of top-k slots per layer) holds the hottest experts of the usage history
+  (history.py), across layers, wherever they are; the rest is the per-layer LRU. At
+  start the hot set is read from the history; every `repin_every` steps it is revised
+  with hysteresis: an expert resident in the LRU part replaces the coldest learned pin
+  only when its count exceeds that pin's by the factor 1 + `repin_margin`, so the set
+  does not churn on noise. Hand pins are never repinned away.
+- `learned` (the default): `lru+pinned`, and the LRU part evicts, among the older
+  half of a layer's entries (`evict_window`), the one the history values least, so a
+  burst of one-off experts does not flush the layer's regulars. In the replay of the
+  synthetic model's trace this closes most of the gap between LRU and the optimum.
+- `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
+  many reads of the next layer's predicted experts in flight.
+
+Placement decides speed, never semantics: a policy moves bytes between disk and RAM;
+the router alone decides which experts compute.
+"""
+
+from dataclasses import asdict, dataclass, replace
+
+POLICIES = ("lru", "lru+pinned", "learned")
+
+
+class PolicyInvalid(ValueError):
+    """A policy name or setting that is not valid (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "learned"
+    hot_set: float = 0.5  # learned pins: this fraction of the slots above the LRU minimum
+    repin_every: int = 32  # forward steps between hot set revisions (0: only at start)
+    repin_margin: float = 0.25  # a challenger's count must exceed the coldest pin's by this factor
+    prefetch_reads: int = 0  # router lookahead reads in flight for the next layer (0: off)
+    evict_window: float = 0.5  # `learned`: the older part of a layer's LRU its victim is chosen from
+
+    @property
+    def learns(self) -> bool:
+        """Whether it keeps a learned hot set."""
+        return self.name in ("lru+pinned", "learned")
+
+    @property
+    def evicts_by_history(self) -> bool:
+        return self.name == "learned"
+
+    def check(self) -> "Policy":
+        """Raise PolicyInvalid naming the first bad setting; return self."""
+        if self.name not in POLICIES:
+            raise PolicyInvalid(f"policy {self.name!r} is not one of {', '.join(POLICIES)}")
+        if not 0.0 <= self.hot_set <= 1.0:
+            raise PolicyInvalid(f"hot_set = {self.hot_set!r} must be a fraction between 0 and 1")
+        if self.repin_every < 0:
+            raise PolicyInvalid(f"repin_every = {self.repin_every!r} must be at least 0")
+        if self.repin_margin < 0:
+            raise PolicyInvalid(f"repin_margin = {self.repin_margin!r} must be at least 0")
+        if not 0.0 < self.evict_window <= 1.0:
+            raise PolicyInvalid(f"evict_window = {self.evict_window!r} must be a fraction above 0, at most 1")
+        if self.prefetch_reads < 0:
+            raise PolicyInvalid(f"prefetch_reads = {self.prefetch_reads!r} must be at least 0")
+        return self
+
+    def with_settings(self, settings: dict) -> "Policy":
+        """A copy with `settings` (key -> value, from the config or `colictl policy set`;
+        strings are parsed). Raises PolicyInvalid for an unknown key or a bad value."""
+        kinds = {"name": str, "policy": str, "hot_set": float, "repin_every": int, "repin_margin": float,
+                 "prefetch_reads": int, "prefetch": int, "evict_window": float}
+        out = {}
+        for key, value in settings.items():
+            if key not in kinds:
+                raise PolicyInvalid(f"unknown policy setting {key!r} (known: policy, hot_set, repin_every, "
+                                    "repin_margin, prefetch_reads, evict_window)")
+            kind = kinds[key]
+            if kind is not str and isinstance(value, str):
+                v = value.strip().lower()
+                if key in ("prefetch", "prefetch_reads") and v in ("off", "on"):
+                    value = 0 if v == "off" else 8
+                else:
+                    try:
+                        value = kind(v)
+                    except ValueError:
+                        raise PolicyInvalid(f"{key} = {value!r} is not a{'n integer' if kind is int else ' number'}") \
+                            from None
+            if kind is str and not isinstance(value, str) or kind is not str and (
+                    isinstance(value, bool) or not isinstance(value, int | float)):
+                raise PolicyInvalid(f"{key} = {value!r} has the wrong type")
+            if kind is int and value != int(value):
+                raise PolicyInvalid(f"{key} = {value!r} is not an integer")
+            out[{"policy": "name", "prefetch": "prefetch_reads"}.get(key, key)] = kind(value)
+        return replace(self, **out).check()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def learned_slots(policy: Policy, total_slots: int, n_moe: int, top_k: int, n_expert: int) -> int:
+    """How many of `total_slots` the learned hot set gets: its fraction of those above
+    the LRU minimum (top_k slots per MoE layer); 0 when the policy does not pin or when
+    every expert fits anyway."""
+    if not policy.learns or total_slots >= n_moe * n_expert:
+        return 0
+    spare = total_slots - n_moe * top_k
+    return max(int(spare * policy.hot_set), 0)
+
+
+def plan_repin(value, learned: list, challengers: list, free: int, margin: float) -> list[tuple]:
+    """Revise the learned hot set. value((il, ie)) -> its usage count; `learned`: the
+    current learned pins; `challengers`: experts that could be pinned now (resident, not
+    pinned); `free`: empty pinned slots. Returns [(add, drop)]: pin `add`, unpinning
+    `drop` (None: into a free slot). Hysteresis: a challenger displaces a pin only when
+    its count is more than (1 + margin) times the pin's."""
+    ranked = sorted((c for c in challengers if value(c) > 0), key=value, reverse=True)
+    weakest = sorted(learned, key=value)
+    moves, i = [], 0
+    for c in ranked[:free]:
+        moves.append((c, None))
+        i += 1
+    j = 0
+    for c in ranked[i:]:
+        if j >= len(weakest) or value(c) <= (1 + margin) * value(weakest[j]):
+            break
+        moves.append((c, weakest[j]))
+        j += 1
+    return moves
+
+
+def victim(entries, busy, value, policy: Policy, layer: int):
+    """The expert a layer's LRU part gives up (`entries` oldest first), or None when every
+    one is busy in this step. `lru` and `lru+pinned`: the oldest; `learned`: of the older
+    `evict_window` of the entries, the one with the lowest usage count (the oldest on ties)."""
+    if not policy.evicts_by_history:
+        return next((ie for ie in entries if ie not in busy), None)
+    n = max(int(len(entries) * policy.evict_window), 1)
+    best, best_v = None, None
+    for i, ie in enumerate(entries):
+        if i >= n and best is not None:
+            break
+        if ie in busy:
+            continue
+        v = value((layer, ie))
+        if best is None or v < best_v:
+            best, best_v = ie, v
+    return best
