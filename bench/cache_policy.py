@@ -66,6 +66,7 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
     the hot set across layers, revised every repin_every steps from the past only."""
     n_learn = learned_slots(policy, capacity, len(layers), top_k, n_expert)
     per_layer = max((capacity - n_learn) // len(layers), 1)
+    pool = OrderedDict()  # `learned`: every resident (layer, expert), one pool
     lru = {il: OrderedDict() for il in layers}
     pinned: set = set()
     hist = UsageHistory(layers, n_expert)
@@ -80,6 +81,11 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
         for key in hist.hottest(n_learn):
             pinned.add(key)
             warm_reads += 1
+        if policy.one_pool:
+            for key in hist.hottest(capacity):
+                pool[key] = True
+                lru[key[0]][key[1]] = True
+                warm_reads += 1
     hits = misses = steps = repins = 0
     last = None
     for step, il, experts, _ in trace:
@@ -106,10 +112,18 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
             elif ie in d:
                 hits += 1
                 d.move_to_end(ie)
+            elif policy.one_pool:
+                misses += 1
+                if len(pool) >= capacity:
+                    out = min((k for k in pool if k[0] != il or k[1] not in now), key=hist.value, default=None)
+                    if out is None:
+                        continue
+                    del pool[out], lru[out[0]][out[1]]
+                pool[(il, ie)] = d[ie] = True
             else:
                 misses += 1
                 if len(d) >= per_layer:
-                    out = victim(d, now, hist.value, policy, il)
+                    out = victim(d, now)
                     if out is None:
                         continue  # the step's own experts fill the share: this one streams through
                     del d[out]
@@ -120,8 +134,9 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
 
 
 def replay_belady(trace, capacity: int) -> dict:
-    """Belady's optimum over one pool: on a miss with the pool full, evict the resident
-    expert (not needed by this line) whose next use is farthest away."""
+    """Belady's optimum over one pool (with bypass): on a miss with the pool full, of the
+    resident experts not needed by this line and the newcomer itself, the one whose next
+    use is farthest away goes (the newcomer then only streams through)."""
     INF = len(trace) + 1
     nxt: list[dict] = [dict() for _ in trace]  # line -> {expert: the next line that uses it}
     seen: dict = {}
@@ -136,30 +151,33 @@ def replay_belady(trace, capacity: int) -> dict:
     for i, (_, il, experts, _) in enumerate(trace):
         now = {(il, ie) for ie in experts}
         for ie in experts:
-            key = (il, ie)
+            key, use = (il, ie), nxt[i][ie]
             if key in resident:
                 hits += 1
-            else:
-                misses += 1
-                if len(resident) >= capacity:
-                    held = []
-                    while heap:
-                        nu, k = heapq.heappop(heap)
-                        if resident.get(k) != -nu:
-                            continue  # stale
-                        if k in now:
-                            held.append((nu, k))
-                            continue
-                        del resident[k]
-                        break
-                    else:
-                        for h in held:
-                            heapq.heappush(heap, h)
-                        continue  # nothing evictable: it streams through
-                    for h in held:
-                        heapq.heappush(heap, h)
-            resident[key] = nxt[i][ie]
-            heapq.heappush(heap, (-nxt[i][ie], key))
+                resident[key] = use
+                heapq.heappush(heap, (-use, key))
+                continue
+            misses += 1
+            if len(resident) >= capacity:
+                held, out = [], None
+                while heap:
+                    nu, k = heapq.heappop(heap)
+                    if resident.get(k) != -nu:
+                        continue  # stale
+                    if k in now:
+                        held.append((nu, k))
+                        continue
+                    out = (nu, k)
+                    break
+                for h in held:
+                    heapq.heappush(heap, h)
+                if out is None or -out[0] <= use:  # nothing to give up, or the newcomer is needed last
+                    if out is not None:
+                        heapq.heappush(heap, out)
+                    continue
+                del resident[out[1]]
+            resident[key] = use
+            heapq.heappush(heap, (-use, key))
     return {"hits": hits, "misses": misses}
 
 

@@ -26,7 +26,7 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import build  # noqa: E402
+from synthetic import build  # noqa: E402
 
 from colibri.ctl.client import Client  # noqa: E402
 

@@ -2,26 +2,33 @@
 budgets of 10 %, 25 %, 50 % and 100 % of its expert bytes.
 
     python bench/decode.py [--workdir DIR] [--tokens 64] [--budgets 0.1,0.25,0.5,1.0]
-                           [--expert-gb 16] [--io-threads 2]
+                           [--expert-gb 16] [--io-threads 2] [--policy learned] [--prefetch N]
+    python bench/decode.py --ab [--budgets 0.1,0.25] [--tokens 32]
 
-The container is built once and kept in --workdir: hidden 2048, 32 query / 4 KV heads
-of 128, expert intermediate 768, 128 experts, top-8, experts int4 g64, dense bf16,
-vocabulary 32000, random weights; as many layers as give --expert-gb of experts and
-fit in half the free disk. Each budget runs cold (page cache dropped where permitted;
+The container is built once and kept in --workdir (bench/synthetic.py: hidden 2048, 32
+query / 4 KV heads of 128, expert intermediate 768, 128 experts, top-8, experts int4
+g64, dense bf16, vocabulary 32000, random weights with a router built to route like a
+real one); as many layers as give --expert-gb of experts and fit in half the free disk.
+Prompts come from the model's own topic process and the text is sampled (temperature 1,
+fixed seeds), so every run of a comparison decodes the same tokens. Each budget runs cold (page cache dropped where permitted;
 expert reads are O_DIRECT regardless) and prints, per run: tok/s, time to first token,
 hit rate, bytes read per token, the disk's O_DIRECT bandwidth measured in the same run,
 and io_floor_ratio = (bytes read / measured bandwidth) / wall time (1.0: the disk is the
 only limit). The 100 % budget also runs warm (no reads) and reports the expert kernels'
 GB/s next to the memory bandwidth measured in the same run.
+
+--ab compares the cache policies end to end: for each budget, each policy (lru,
+lru+pinned, learned) with prefetch off and on, cold (empty usage history) and warm
+(the history of a separate warm-up run over other prompts, read-only so every run
+starts from the same one): tok/s, hit rate, I/O wait, and for prefetch the fraction of
+the miss latency it hid: 1 - (I/O wait with prefetch) / (I/O wait without).
 """
 
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
-import zlib
 
 for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
     os.environ.setdefault(var, val)
@@ -29,85 +36,13 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from synthetic import build, prompt  # noqa: E402
+
 from colibri.engine import kernels, layers  # noqa: E402
-from colibri.engine.demo import _tokenizer_json  # noqa: E402
 from colibri.engine.generate import SamplingParams, generate  # noqa: E402
-from colibri.engine.registry import build_model, load_model  # noqa: E402
-from colibri.storage.convert import ExpertPlan, convert  # noqa: E402
-from colibri.storage.quant import QuantWeight, quantized_shapes  # noqa: E402
-from colibri.storage.safetensors import TensorEntry, f32_to_bf16  # noqa: E402
-
-SHAPE = {
-    "model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
-    "eos_token_id": None,
-}
-GROUP = 64
-
-
-class SyntheticSource:
-    """A checkpoint that exists only as a recipe: each tensor drawn from its own seed when
-    read; experts handed out already int4-quantized (random nibbles, small scales)."""
-
-    def __init__(self, path: str, cfg: dict):
-        self.path, self.config, self.files = path, cfg, {}
-        model = build_model(path, cfg)
-        glob, per_layer, per_expert = model.shapes()
-        self.shapes = {model.NAMES[k]: s for k, s in glob.items()}
-        for il in range(model.n_layer):
-            self.shapes |= {model.NAMES[k].format(il=il): s for k, s in per_layer(il).items()}
-            for ie in range(model.n_expert):
-                self.shapes |= dict(zip(model.expert_names(il, ie), per_expert.values()))
-        self.where = dict.fromkeys(self.shapes, "synthetic")
-        self.seeds = {n: zlib.crc32(n.encode()) for n in self.shapes}
-        self.model = model
-
-    def entry(self, name):
-        return TensorEntry(name, "BF16", self.shapes[name], 0, 0)
-
-    def read(self, name):
-        shape = self.shapes[name]
-        x = np.random.default_rng(self.seeds[name]).standard_normal(shape, dtype=np.float32)
-        if len(shape) == 1:
-            return f32_to_bf16(1 + 0.1 * x)
-        return f32_to_bf16(x * (1.0 if "embed" in name else shape[-1] ** -0.5))
-
-    def read_quantized(self, name, kind, group):
-        shape = self.shapes[name]
-        qshape, sshape = quantized_shapes(kind, shape, group)
-        rng = np.random.default_rng(self.seeds[name])
-        q = np.frombuffer(rng.bytes(int(np.prod(qshape))), np.uint8).reshape(qshape)
-        scale = np.float16(shape[-1] ** -0.5 / 4.6)  # std of a uniform nibble is ~4.6
-        return QuantWeight(kind, q, np.full(sshape, scale, np.float16), group)
-
-
-def build(workdir: str, expert_gb: float) -> str:
-    one_layer = SHAPE["num_experts"] * 3 * (768 * 2048 // 2 + 768 * 2048 // GROUP * 2)
-    free = shutil.disk_usage(workdir).free
-    n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
-    path = os.path.join(workdir, f"qwen3-30b-a3b-shaped-int4-{n_layer}l")
-    cfg = SHAPE | {"num_hidden_layers": n_layer}
-    stamp = os.path.join(path, "bench-config.json")
-    if os.path.isfile(stamp) and json.load(open(stamp)) == cfg:
-        return path
-    src = os.path.join(workdir, "synthetic-src")
-    os.makedirs(src, exist_ok=True)
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with open(os.path.join(src, "tokenizer.json"), "w") as f:
-        f.write(_tokenizer_json())
-    synth = SyntheticSource(src, cfg)
-    plan = ExpertPlan(synth.model.moe_layers, synth.model.n_expert, synth.model.expert_names)
-    t0 = time.perf_counter()
-    print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
-    convert(synth, path, plan, expert_dtype="int4", group_size=GROUP, force=True,
-            progress=lambda d, t: print(f"\r{d}/{t}", end="", file=sys.stderr) if d % 512 == 0 else None)
-    with open(stamp, "w") as f:
-        json.dump(cfg, f)
-    print(f"\nbuilt in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return path
+from colibri.engine.registry import load_model  # noqa: E402
+from colibri.storage.policy import POLICIES, Policy  # noqa: E402
 
 
 def drop_caches() -> bool:
@@ -157,11 +92,11 @@ def memory_gbs() -> float:
     return 2 * buf.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def run(model, prompt, tokens: int) -> dict:
+def run(model, ids, tokens: int, seed: int = 0) -> dict:
     st0 = model.experts.stats.copy()
     t0 = time.perf_counter()
     ttft, n = None, 0
-    for ev in generate(model, prompt, SamplingParams(max_tokens=tokens)):
+    for ev in generate(model, ids, SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed)):
         if ev.kind == "token":
             n += 1
             ttft = ttft or time.perf_counter() - t0
@@ -170,6 +105,55 @@ def run(model, prompt, tokens: int) -> dict:
     wall = time.perf_counter() - t0
     st = model.experts.stats.minus(st0)
     return {"wall_s": wall, "ttft_s": ttft, "n": n, "st": st, "stats": stats}
+
+
+def ab(a, path: str) -> dict:
+    """Each policy, prefetch off and on, cold and warm, at each budget, on the same prompts."""
+    import tempfile
+
+    prompts = [prompt(np.random.default_rng(300 + i), a.prompt_tokens) for i in range(2)]
+    warm_dir = tempfile.mkdtemp(prefix="colibri-ab-history-")
+    probe = load_model(path, budget="min", state_dir=warm_dir)
+    c = probe.container
+    for i in range(2):  # the warm-up: other prompts of the same process, recorded into the history
+        run(probe, prompt(np.random.default_rng(400 + i), a.prompt_tokens), a.tokens, seed=50 + i)
+    probe.experts.history.save()
+    probe.experts.close()
+    del probe
+    rows = []
+    for frac in [float(x) for x in a.budgets.split(",")]:
+        budget = int(c.expert_bytes * frac)
+        for name in POLICIES:
+            for start in ("cold", "warm"):
+                by_prefetch = {}
+                for reads in (0, a.prefetch or 8):
+                    cold = drop_caches()
+                    t0 = time.perf_counter()
+                    model = load_model(path, budget=budget, io_threads=a.io_threads,
+                                       policy=Policy(name=name, prefetch_reads=reads),
+                                       state_dir=warm_dir if start == "warm" else None, history_read_only=True)
+                    load_s = time.perf_counter() - t0
+                    warm_reads = model.experts.stats.bytes_read // c.record_bytes
+                    st0 = model.experts.stats.copy()
+                    runs = [run(model, p, a.tokens, seed=i) for i, p in enumerate(prompts)]
+                    st = model.experts.stats.minus(st0)
+                    tokens = sum(r["n"] - 1 for r in runs)
+                    decode_s = sum(r["stats"]["decode_s"] for r in runs)
+                    row = {"budget_fraction": frac, "policy": name, "start": start, "prefetch_reads": reads,
+                           "page_cache_dropped": cold, "load_s": round(load_s, 2),
+                           "warm_start_reads": warm_reads, "tok_s": round(tokens / decode_s, 3), "hit_rate": round(st.hits / st.experts, 4),
+                           "io_wait_s": round(st.io_wait_s, 3), "bytes_read": st.bytes_read,
+                           "prefetch_precision": round(st.prefetch_used / max(st.prefetch_used + st.prefetch_wasted, 1), 4)
+                           if reads else None}
+                    by_prefetch[reads] = row
+                    model.experts.close()
+                    del model
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+                off, on = by_prefetch[0], by_prefetch[a.prefetch or 8]
+                on["miss_latency_hidden"] = round(1 - on["io_wait_s"] / off["io_wait_s"], 3) if off["io_wait_s"] else None
+    return {"benchmark": "decode-policies", "container": path, "tokens_per_prompt": a.tokens, "prompts": len(prompts),
+            "warm_history": os.path.join(warm_dir, "history"), "results": rows}
 
 
 def main():
@@ -181,12 +165,17 @@ def main():
     ap.add_argument("--expert-gb", type=float, default=16.0)
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=0, help="router lookahead: reads started ahead per layer (0: off)")
+    ap.add_argument("--policy", default="learned", choices=POLICIES)
+    ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     layers.init()
     path = build(a.workdir, a.expert_gb)
+    if a.ab:
+        print(json.dumps(ab(a, path), indent=2))
+        return
     results = []
-    prompt = list(np.random.default_rng(7).integers(300, 30000, a.prompt_tokens))
+    ids = prompt(np.random.default_rng(7), a.prompt_tokens)
     mem = memory_gbs()
     for frac in [float(x) for x in a.budgets.split(",")]:
         cold = drop_caches()
@@ -200,9 +189,10 @@ def main():
         # the shared disk is noisy: its best of a few measurements, at the run's thread count and at 4
         disk = max(disk_gbs(c, a.io_threads), disk_gbs(c, 4), disk_gbs(c, a.io_threads))
         t0 = time.perf_counter()
-        model = load_model(path, budget=budget, io_threads=a.io_threads, prefetch=a.prefetch)
+        model = load_model(path, budget=budget, io_threads=a.io_threads,
+                           policy=Policy(name=a.policy, prefetch_reads=a.prefetch))
         load_s = time.perf_counter() - t0
-        r = run(model, prompt, a.tokens)
+        r = run(model, ids, a.tokens)
         st = r["st"]
         # the disk's limit: the best of the measurements around the run and of what the run
         # itself got (a noisy shared disk makes any one measurement low)
@@ -225,7 +215,7 @@ def main():
             for il in model.moe_layers:
                 for _ in model.experts.stream(il, list(range(model.n_expert))):
                     pass
-            w = run(model, list(np.random.default_rng(8).integers(300, 30000, a.prompt_tokens)), a.tokens)
+            w = run(model, prompt(np.random.default_rng(8), a.prompt_tokens), a.tokens, seed=1)
             wst = w["st"]
             expert_bytes = wst.experts * sum(p.n_bytes for p in c.layout)
             compute = wst.moe_s - wst.io_wait_s

@@ -13,9 +13,9 @@ routers, in the open:
 - Topics. The vocabulary is split into TOPICS groups (token t is in topic t mod TOPICS).
   Every embedding row is token noise + A * u + B * T[topic], with u one direction
   shared by all tokens and T[k] one direction per topic (all of norm sqrt(hidden)).
-  The layers' own outputs are kept small (attention output and expert down scaled by
-  OUT), so the token, its topic and u persist down the residual stream, as the token
-  identity does in real models.
+  The layers' own outputs are scaled (attention output by ATTN_OUT, expert down by
+  EXPERT_OUT) so that the token, its topic and u persist down the residual stream, as
+  the token identity does in real models, while each layer still moves it a little.
 - Routers. Router row e of layer l = SIGMA_TOKEN * random (the token's own preference)
   + SIGMA_POP * p[l, e] * u (popularity: p a standard normal per layer and expert, so
   a few experts of each layer are hot for every token) + SIGMA_TOPIC * sum_k
@@ -54,8 +54,8 @@ SHAPE = {
     "eos_token_id": None,
 }
 GROUP = 64
-RECIPE = {"version": 2, "topics": 64, "A": 1.0, "B": 1.0, "out": 0.3, "sigma_token": 1.0, "sigma_pop": 0.9,
-          "sigma_topic": 1.0, "stay": 6.0, "zipf": 1.0, "p_stay": 0.95}
+RECIPE = {"version": 3, "topics": 64, "A": 0.5, "B": 1.0, "attn_out": 0.6, "expert_out": 0.3, "sigma_token": 1.2,
+          "sigma_pop": 0.6, "sigma_topic": 0.8, "stay": 6.0, "zipf": 1.0, "p_stay": 0.93}
 
 
 def _unit_rows(seed: int, n: int, d: int) -> np.ndarray:
@@ -112,7 +112,7 @@ class SyntheticSource:
             return f32_to_bf16(row / np.sqrt(D))
         scale = shape[-1] ** -0.5
         if name.endswith("o_proj.weight"):
-            scale *= r["out"]
+            scale *= r["attn_out"]
         return f32_to_bf16(x * scale)
 
     def read_quantized(self, name, kind, group):
@@ -122,7 +122,7 @@ class SyntheticSource:
         q = np.frombuffer(rng.bytes(int(np.prod(qshape))), np.uint8).reshape(qshape)
         scale = shape[-1] ** -0.5 / 4.6  # std of a uniform nibble is ~4.6
         if "down_proj" in name:
-            scale *= self.r["out"]
+            scale *= self.r["expert_out"]
         return QuantWeight(kind, q, np.full(sshape, np.float16(scale), np.float16), group)
 
 

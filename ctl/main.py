@@ -233,7 +233,7 @@ def policy_show(client, as_json):
 @with_client
 def policy_set(client, settings):
     """Change the policy between two steps, e.g. `policy=lru`, `prefetch_reads=8`,
-    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`, `evict_window=0.5`."""
+    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`."""
     fields = {}
     for s in settings:
         key, eq, value = s.partition("=")

@@ -100,15 +100,21 @@ def resolve_model(model: str | None) -> str:
               help="write the experts each layer used at each step as JSON lines")
 @click.option("--prefetch", type=click.IntRange(0, 1024), default=0, show_default=True, metavar="N",
               help="router lookahead: start up to N reads for the next layer's predicted experts (0: off)")
+@click.option("--policy", type=click.Choice(["lru", "lru+pinned", "learned"]), default="learned", show_default=True,
+              help="expert cache policy (README: The expert cache policy)")
+@click.option("--history", "history_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="keep the usage history in DIR/history (read at start, written at the end); default: none")
+@click.option("--history-read-only", is_flag=True, help="read the usage history but never write it")
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        mlock, routing_trace, prefetch):
+        mlock, routing_trace, prefetch, policy, history_dir, history_read_only):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
     from ..engine.registry import load_model
     from ..engine.tokenizer import Tokenizer, eos_ids
     from ..storage.cache import parse_size
+    from ..storage.policy import Policy
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop=tuple(stop))
@@ -119,7 +125,9 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     t0 = time.perf_counter()
     tok = Tokenizer(path)
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
-    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace, prefetch=prefetch)
+    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace,
+                       policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
+                       history_read_only=history_read_only)
     layers.init()  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
@@ -143,6 +151,9 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
                 sys.stdout.flush()
         if ev.kind == "done":
             done = ev
+    history = getattr(model.experts, "history", None)
+    if history is not None:
+        history.save()  # when it has a path and is not read-only
     stats = done.stats | {"load_s": round(load_s, 3), "model": info}
     if as_json:
         out = {"prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(pieces),
@@ -179,7 +190,9 @@ def describe_precision(p: dict) -> str:
 def describe_placement(e: dict) -> str:
     if "budget_bytes" not in e:
         return "all experts resident"
-    return (f"expert cache {fmt_bytes(e['arena_bytes'])} ({e['slots_per_layer']} slots per layer, "
+    h = e["history"]
+    learned = f", usage history of {h['steps']} steps" if h["steps"] else ""
+    return (f"expert cache {fmt_bytes(e['arena_bytes'])} ({e['policy']['name']}{learned}, "
             f"{'O_DIRECT' if e['o_direct'] else 'buffered'} reads, {e['io_threads']} I/O threads)")
 
 

@@ -32,7 +32,6 @@ class Config:
     hot_set: float = 0.5  # learned hot set: this fraction of the cache above the LRU minimum
     repin_every: int = 32  # forward steps between revisions of the hot set; 0: only at start
     repin_margin: float = 0.25  # a challenger's usage must exceed the coldest pin's by this factor
-    evict_window: float = 0.5  # learned: the older part of a layer's LRU its victim comes from
     history: bool | str = True  # usage history in state_dir: true, false or read-only (loaded, never written)
     history_half_life: int = 4096  # forward steps over which a usage count halves
     history_save_s: float = 300.0  # seconds between writes of the usage history (and at stop)
@@ -50,15 +49,14 @@ class Config:
         from ..storage.policy import Policy
 
         return Policy(name=self.policy, hot_set=float(self.hot_set), repin_every=self.repin_every,
-                      repin_margin=float(self.repin_margin), prefetch_reads=self.prefetch_reads,
-                      evict_window=float(self.evict_window))
+                      repin_margin=float(self.repin_margin), prefetch_reads=self.prefetch_reads)
 
 
 _KINDS = {  # key -> what a valid value is
     "model": "path", "socket": "path", "state_dir": "path", "expert_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
-    "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds", "evict_window": "window",
+    "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds",
     "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
     "watchdog_s": "seconds", "log_level": "level",
@@ -92,9 +90,9 @@ def _valid(kind: str, v) -> str | None:
         return None if isinstance(v, bool) else "true or false"
     if kind == "seconds":
         return None if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else "seconds, at least 0"
-    if kind in ("fraction", "window"):
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and (0 <= v <= 1 if kind == "fraction" else 0 < v <= 1)
-        return None if ok else ("a fraction from 0 to 1" if kind == "fraction" else "a fraction above 0, at most 1")
+    if kind == "fraction":
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1
+        return None if ok else "a fraction from 0 to 1"
     if kind == "policy":
         from ..storage.policy import POLICIES
 

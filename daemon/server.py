@@ -95,7 +95,7 @@ class Server:
         history = self.cfg.history
         self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
                                 hugetlb=self.cfg.hugepages, policy=self.cfg.cache_policy(),
-                                history_dir=os.path.join(state_dir(self.cfg), "history") if history else None,
+                                state_dir=state_dir(self.cfg) if history else None,
                                 history_read_only=history == "read-only",
                                 history_half_life=self.cfg.history_half_life)
         self.tokenizer = Tokenizer(path)
@@ -209,7 +209,7 @@ class Server:
     def _on_hup(self, signum, frame):
         self.hup = True  # handled by the main loop, outside the signal handler
 
-    POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "evict_window", "prefetch_reads")
+    POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
     RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s",
                     "history_save_s", *POLICY_KEYS)
 

@@ -50,13 +50,13 @@ def default_budget(container) -> int:
 
 def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, direct: bool = True,
                mlock: bool = False, trace=None, hugetlb: bool = False, prefetch: int | None = None,
-               policy=None, history_dir: str | None = None, history_read_only: bool = False,
+               policy=None, state_dir: str | None = None, history_read_only: bool = False,
                history_half_life: float | None = None) -> MoEModel:
     """Open a model directory (a Hugging Face checkpoint or a colibri container), check it
     fully and load it. A checkpoint's experts are all read into RAM; a container's are
     streamed through an expert cache of `budget` bytes ("min", "all", or None for the
     default) run by `policy` (storage/policy.py; None: the default, `learned`). Its usage
-    history is kept in `history_dir` (None: in memory only) under the container's
+    history is kept in `state_dir`/history (None: in memory only) under the container's
     fingerprint, and the learned hot set is read from it now. `trace`, a text file,
     receives the routing trace. `prefetch` (None: the policy's) > 0 turns on the router
     lookahead with at most that many reads started ahead per layer.
@@ -82,14 +82,14 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
         if prefetch is not None:
             policy = replace(policy, prefetch_reads=prefetch)
         history = UsageHistory(c.moe_layers, c.n_expert, c.fingerprint,
-                               history_path(history_dir, c.fingerprint) if history_dir else None,
+                               history_path(state_dir, c.fingerprint) if state_dir else None,
                                history_half_life or DEFAULT_HALF_LIFE, history_read_only)
         experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock, hugetlb,
                               top_k=model.args.num_experts_per_tok, policy=policy, history=history)
         model.container = c
         model.load(c.dense, TracedSource(experts, trace) if trace else experts)
         model.prefetch_reads = policy.prefetch_reads
-        experts.pin_hottest()
+        experts.warm_start()
         return model
     if budget is not None:
         raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "

@@ -125,6 +125,7 @@ class ExpertCache:
         self.hand_pins: set[tuple[int, int]] = set()  # pinned by hand: never repinned away
         self.pinned_set_by_hand = False  # False: the pinned part's size follows the policy
         self.prefetched: dict[int, dict[int, tuple]] = {}  # il -> {ie: (slot, read future)} not yet streamed
+        self.row = {il: i for i, il in enumerate(container.moe_layers)}  # layer -> its row in the history
         self._place(budget)
         self.stats = ExpertStats()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
@@ -189,6 +190,7 @@ class ExpertCache:
             arena.reshape(-1)[:: mmap.PAGESIZE] = 0
         self.mlock = _mlock(mm) if self.mlock_asked else "not asked"
         free, lru = {}, {}
+        slot_row, slot_ie = np.full(n_slots, -1, np.int64), np.zeros(n_slots, np.int64)  # who holds an LRU slot
         for i, il in enumerate(layers):
             slots = deque(range(i * per_layer, (i + 1) * per_layer))
             keep = list(self.lru[il].items())[-per_layer:]  # the most recent that fit
@@ -197,6 +199,7 @@ class ExpertCache:
                 slot = slots.popleft()
                 arena[slot] = self.arena[old_slot]
                 lru[il][ie] = slot
+                slot_row[slot], slot_ie[slot] = i, ie
             free[il] = slots
         pin_slots, pinned = deque(range(n_lru, n_slots)), {}
         keep = sorted(self.pinned.items(), key=lambda kv: (kv[0] not in self.hand_pins, -self.history.value(kv[0])))
@@ -207,6 +210,7 @@ class ExpertCache:
             pinned[key] = slot
         old = self._mm
         self._mm, self.arena, self.free, self.lru, self._views = mm, arena, free, lru, {}
+        self.slot_row, self.slot_ie = slot_row, slot_ie
         self.pinned, self.pin_free, self.pinned_bytes = pinned, pin_slots, n_pin * rb
         self.n_slots, self.slots_per_layer = n_slots, per_layer
         self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
@@ -274,54 +278,73 @@ class ExpertCache:
         challengers = [(il, ie) for il, d in self.lru.items() for ie in d]
         moves = plan_repin(self.history.value, learned, challengers, len(self.pin_free), self.policy.repin_margin)
         for (il, ie), drop in moves:
-            src = self.lru[il].pop(ie)
+            src = self._unkeep(il, ie)
             if drop is None:
                 slot = self.pin_free.popleft()
                 self.arena[slot] = self.arena[src]
-                self.free[il].append(src)
+                self._release(il, src)
             else:
                 slot = self.pinned.pop(drop)
                 if drop[0] == il:  # same layer: the two swap slots
                     held = self.arena[slot].copy()
                     self.arena[slot] = self.arena[src]
                     self.arena[src] = held
-                    self.lru[il][drop[1]] = src
-                    self.lru[il].move_to_end(drop[1], last=False)
+                    self._keep(il, drop[1], src, oldest=True)
                 else:
                     self.arena[slot] = self.arena[src]
-                    self.free[il].append(src)
+                    self._release(il, src)
             self.pinned[(il, ie)] = slot
         self.stats.repins += len(moves)
         return len(moves)
 
-    def pin_hottest(self) -> int:
-        """Fill the free pinned slots with the hottest experts of the usage history (read
-        now, several at a time): the warm start from what the box learned before. Returns
-        the experts pinned. Raises ExpertReadError."""
-        if not self.policy.learns:
-            return 0
-        want = [k for k in self.history.hottest(len(self.pinned) + len(self.pin_free)) if k not in self.pinned]
-        want = want[: len(self.pin_free)]
+    def warm_start(self) -> int:
+        """Read in what the usage history says is hot (several reads at a time): for
+        `lru+pinned` the hot set into the free pinned slots, for `learned` the hottest experts
+        into the free slots of the pool. The start from what the box learned before.
+        Returns the experts read. Raises ExpertReadError."""
         reads = []
-        for key in want:
-            slot = self.pin_free.popleft()
-            il, ie = key
-            if ie in self.lru[il]:
-                src = self.lru[il].pop(ie)
-                self.arena[slot] = self.arena[src]
-                self.free[il].append(src)
-            else:
-                reads.append((key, slot, self.pool.submit(self._read, self.c.records[key], slot)))
-            self.pinned[key] = slot
-        for key, slot, fut in reads:
+        if self.policy.learns:
+            want = [k for k in self.history.hottest(len(self.pinned) + len(self.pin_free)) if k not in self.pinned]
+            for key in want[: len(self.pin_free)]:
+                il, ie = key
+                slot = self.pin_free.popleft()
+                self.pinned[key] = slot
+                if ie in self.lru[il]:
+                    src = self._unkeep(il, ie)
+                    self.arena[slot] = self.arena[src]
+                    self._release(il, src)
+                else:
+                    reads.append((key, slot, True))
+        elif self.policy.one_pool:
+            free = [slot for q in self.free.values() for slot in q]
+            for q in self.free.values():
+                q.clear()
+            want = [k for k in self.history.hottest(len(free) + sum(map(len, self.lru.values())))
+                    if k[1] not in self.lru[k[0]]][: len(free)]
+            for key, slot in zip(want, free):
+                reads.append((key, slot, False))
+            for slot in free[len(want):]:  # what the history does not fill stays free, spread again
+                self.free[self.c.moe_layers[slot % len(self.c.moe_layers)]].append(slot)
+        futures = [(key, slot, pin, self.pool.submit(self._read, self.c.records[key], slot))
+                   for key, slot, pin in reads]
+        failed = None
+        for key, slot, pin, fut in futures:
             try:
                 fut.result()
-            except ExpertReadError:
-                del self.pinned[key]
-                self.pin_free.append(slot)
-                raise
+            except ExpertReadError as e:
+                failed = e
+                if pin:
+                    del self.pinned[key]
+                    self.pin_free.append(slot)
+                else:
+                    self._release(key[0], slot)
+                continue
             self.stats.bytes_read += self.record_bytes
-        return len(want)
+            if not pin:
+                self._keep(*key, slot, oldest=True)
+        if failed:
+            raise failed
+        return len(futures)
 
     def pin(self, il: int, ie: int) -> None:
         """Keep expert ie of layer il resident until unpinned (read now if it is not).
@@ -340,9 +363,9 @@ class ExpertCache:
                                 f"{fmt_bytes(self.pinned_bytes)}; grow it with cache set --pinned SIZE")
         slot = self.pin_free.popleft()
         if ie in self.lru[il]:  # resident already: move it out of the LRU
-            old = self.lru[il].pop(ie)
+            old = self._unkeep(il, ie)
             self.arena[slot] = self.arena[old]
-            self.free[il].append(old)
+            self._release(il, old)
         else:
             try:
                 self._read(rec, slot)
@@ -396,15 +419,46 @@ class ExpertCache:
             done += n
         return time.perf_counter() - t0
 
+    def _keep(self, il: int, ie: int, slot: int, oldest: bool = False) -> None:
+        """Expert ie of layer il is resident in LRU slot `slot` (the most recent, or the oldest)."""
+        self.lru[il][ie] = slot
+        if oldest:
+            self.lru[il].move_to_end(ie, last=False)
+        self.slot_row[slot], self.slot_ie[slot] = self.row[il], ie
+
+    def _unkeep(self, il: int, ie: int) -> int:
+        """Take expert ie of layer il out of the LRU part; returns its slot (now unowned)."""
+        slot = self.lru[il].pop(ie)
+        self.slot_row[slot] = -1
+        return slot
+
+    def _release(self, il: int, slot: int) -> None:
+        self.slot_row[slot] = -1
+        self.free[il].append(slot)
+
     def _take_slot(self, il: int, busy: set[int]) -> int | None:
+        """A slot for a read of layer il: a free one, else the policy's victim (never one of
+        `busy`, this step's experts of il). None when every candidate is busy."""
         if self.free[il]:
             return self.free[il].popleft()
-        lru = self.lru[il]
-        ie = victim(lru, busy, self.history.value, self.policy, il)
+        if self.policy.one_pool:
+            for other in self.free.values():
+                if other:
+                    return other.popleft()
+            vals = np.where(self.slot_row >= 0, self.history.counts[self.slot_row, self.slot_ie], np.inf)
+            for ie in busy:
+                if ie in self.lru[il]:
+                    vals[self.lru[il][ie]] = np.inf
+            slot = int(np.argmin(vals))  # the least used resident expert of any layer
+            if not np.isfinite(vals[slot]):
+                return None
+            self.stats.evictions += 1
+            return self._unkeep(self.c.moe_layers[self.slot_row[slot]], int(self.slot_ie[slot]))
+        ie = victim(self.lru[il], busy)
         if ie is None:
             return None
         self.stats.evictions += 1
-        return lru.pop(ie)
+        return self._unkeep(il, ie)
 
     def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, tuple]]]:
         """Batches of (expert id, (gate, up, down)) covering `ids` (unique) of layer il: the
@@ -420,9 +474,9 @@ class ExpertCache:
             slot, fut = ahead.pop(ie)
             try:
                 fut.result()
-                lru[ie] = slot
+                self._keep(il, ie, slot)
             except ExpertReadError:
-                self.free[il].append(slot)
+                self._release(il, slot)
             st.bytes_read += self.record_bytes
             st.prefetch_wasted += 1
         pinned = [ie for ie in ids if (il, ie) in self.pinned]
@@ -452,12 +506,12 @@ class ExpertCache:
             try:
                 fut.result()
             except ExpertReadError:
-                self.free[il].append(slot)
+                self._release(il, slot)
                 raise
             finally:
                 st.io_wait_s += time.perf_counter() - t0
             st.bytes_read += self.record_bytes
-            lru[ie] = slot
+            self._keep(il, ie, slot)
             return ie, self.views(slot)
 
         try:
@@ -480,9 +534,9 @@ class ExpertCache:
             for ie, slot, fut in inflight:  # abandoned (an error or the consumer stopped): settle the reads
                 try:
                     fut.result()
-                    lru[ie] = slot
+                    self._keep(il, ie, slot)
                 except ExpertReadError:
-                    self.free[il].append(slot)
+                    self._release(il, slot)
             if t_first is not None:
                 st.io_wall_s += time.perf_counter() - t_first
 
@@ -492,9 +546,9 @@ class ExpertCache:
             for ie, (slot, fut) in ahead.items():
                 try:
                     fut.result()
-                    self.lru[il][ie] = slot
+                    self._keep(il, ie, slot)
                 except ExpertReadError:
-                    self.free[il].append(slot)
+                    self._release(il, slot)
         self.prefetched = {}
 
     def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:

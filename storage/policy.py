@@ -13,10 +13,13 @@ so what the benchmark measures is what the daemon does.
   with hysteresis: an expert resident in the LRU part replaces the coldest learned pin
   only when its count exceeds that pin's by the factor 1 + `repin_margin`, so the set
   does not churn on noise. Hand pins are never repinned away.
-- `learned` (the default): `lru+pinned`, and the LRU part evicts, among the older
-  half of a layer's entries (`evict_window`), the one the history values least, so a
-  burst of one-off experts does not flush the layer's regulars. In the replay of the
-  synthetic model's trace this closes most of the gap between LRU and the optimum.
+- `learned` (the default): the whole budget is one pool for all layers, and a miss
+  evicts the resident expert with the lowest decayed usage count (history.py) of any
+  layer: frequent experts stay, a layer that routes widely gets more room than one that
+  routes narrowly, and the decay (half-life in steps) lets the pool follow a workload
+  that drifts; recency is in the count itself, since a use now weighs more than one
+  then. At start the pool is filled from the history. In the replay of the synthetic
+  model's traces this is the policy closest to Belady's optimum (bench/cache_policy.py).
 - `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
   many reads of the next layer's predicted experts in flight.
 
@@ -40,15 +43,15 @@ class Policy:
     repin_every: int = 32  # forward steps between hot set revisions (0: only at start)
     repin_margin: float = 0.25  # a challenger's count must exceed the coldest pin's by this factor
     prefetch_reads: int = 0  # router lookahead reads in flight for the next layer (0: off)
-    evict_window: float = 0.5  # `learned`: the older part of a layer's LRU its victim is chosen from
 
     @property
     def learns(self) -> bool:
-        """Whether it keeps a learned hot set."""
-        return self.name in ("lru+pinned", "learned")
+        """Whether it keeps a learned (pinned) hot set."""
+        return self.name == "lru+pinned"
 
     @property
-    def evicts_by_history(self) -> bool:
+    def one_pool(self) -> bool:
+        """Whether the budget is one pool evicting by usage (else per-layer LRU shares)."""
         return self.name == "learned"
 
     def check(self) -> "Policy":
@@ -61,8 +64,6 @@ class Policy:
             raise PolicyInvalid(f"repin_every = {self.repin_every!r} must be at least 0")
         if self.repin_margin < 0:
             raise PolicyInvalid(f"repin_margin = {self.repin_margin!r} must be at least 0")
-        if not 0.0 < self.evict_window <= 1.0:
-            raise PolicyInvalid(f"evict_window = {self.evict_window!r} must be a fraction above 0, at most 1")
         if self.prefetch_reads < 0:
             raise PolicyInvalid(f"prefetch_reads = {self.prefetch_reads!r} must be at least 0")
         return self
@@ -71,12 +72,12 @@ class Policy:
         """A copy with `settings` (key -> value, from the config or `colictl policy set`;
         strings are parsed). Raises PolicyInvalid for an unknown key or a bad value."""
         kinds = {"name": str, "policy": str, "hot_set": float, "repin_every": int, "repin_margin": float,
-                 "prefetch_reads": int, "prefetch": int, "evict_window": float}
+                 "prefetch_reads": int, "prefetch": int}
         out = {}
         for key, value in settings.items():
             if key not in kinds:
                 raise PolicyInvalid(f"unknown policy setting {key!r} (known: policy, hot_set, repin_every, "
-                                    "repin_margin, prefetch_reads, evict_window)")
+                                    "repin_margin, prefetch_reads)")
             kind = kinds[key]
             if kind is not str and isinstance(value, str):
                 v = value.strip().lower()
@@ -131,20 +132,7 @@ def plan_repin(value, learned: list, challengers: list, free: int, margin: float
     return moves
 
 
-def victim(entries, busy, value, policy: Policy, layer: int):
-    """The expert a layer's LRU part gives up (`entries` oldest first), or None when every
-    one is busy in this step. `lru` and `lru+pinned`: the oldest; `learned`: of the older
-    `evict_window` of the entries, the one with the lowest usage count (the oldest on ties)."""
-    if not policy.evicts_by_history:
-        return next((ie for ie in entries if ie not in busy), None)
-    n = max(int(len(entries) * policy.evict_window), 1)
-    best, best_v = None, None
-    for i, ie in enumerate(entries):
-        if i >= n and best is not None:
-            break
-        if ie in busy:
-            continue
-        v = value((layer, ie))
-        if best is None or v < best_v:
-            best, best_v = ie, v
-    return best
+def victim(entries, busy):
+    """The per-layer LRU's victim (`entries` oldest first): the oldest not `busy` in this
+    step, or None when every one is."""
+    return next((ie for ie in entries if ie not in busy), None)

@@ -41,6 +41,20 @@ def write_atomic(path: str, data: bytes) -> None:
         os.close(dfd)
 
 
+def remove_temporaries(path: str) -> int:
+    """Delete what a write of `path` killed before its rename left behind; returns how many."""
+    folder, name = os.path.split(os.path.abspath(path))
+    n = 0
+    try:
+        for entry in os.listdir(folder):
+            if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+                os.unlink(os.path.join(folder, entry))
+                n += 1
+    except OSError:
+        pass
+    return n
+
+
 def quarantine(path: str, why: str) -> str:
     """Move a damaged state file aside (PATH.corrupt-TIMESTAMP) and warn; returns the new name."""
     aside = f"{path}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -56,7 +70,9 @@ def quarantine(path: str, why: str) -> str:
 def read_json_state(path: str, check) -> dict | None:
     """The JSON object in `path`, or None when there is none. `check(obj)` returns why the
     object is unusable (or None when it is fine); an unreadable, malformed or unusable file
-    is quarantined and None returned. Never raises for the file's contents."""
+    is quarantined and None returned; leftovers of an interrupted write are removed.
+    Never raises for the file's contents."""
+    remove_temporaries(path)
     try:
         with open(path, "rb") as f:
             raw = f.read()

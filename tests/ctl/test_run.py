@@ -207,3 +207,20 @@ def test_demo_weights_are_bf16(demo):
     f = SafetensorsFile(os.path.join(demo, "model.safetensors"))
     assert {e.dtype for e in f.entries.values()} == {"BF16"}
     assert np.isfinite(bf16_to_f32(f.read("lm_head.weight"))).all()
+
+
+def test_run_learns_into_a_history_and_policies_keep_the_tokens(demo, tmp_path):
+    c = tmp_path / "c"
+    assert colictl("convert", demo, c).returncode == 0
+    hist = tmp_path / "state"
+    want = run_json(demo, "--max-tokens", 12, "policies")["token_ids"]
+    for policy in ("lru", "lru+pinned", "learned"):
+        out = run_json(c, "--max-tokens", 12, "--expert-cache", "min", "--policy", policy, "--history", hist,
+                       "--prefetch", 2, "policies")
+        assert out["token_ids"] == want, policy
+        assert out["stats"]["model"]["experts"]["policy"]["name"] == policy
+    saved = json.load(open(next((hist / "history").iterdir())))
+    assert saved["steps"] == 3 * 12  # three runs of 12 steps, each loading the last one's history
+    ro = run_json(c, "--max-tokens", 4, "--history", hist, "--history-read-only", "policies")
+    assert ro["stats"]["model"]["experts"]["history"]["steps_loaded"] == 36
+    assert json.load(open(next((hist / "history").iterdir())))["steps"] == 36  # read-only: not written

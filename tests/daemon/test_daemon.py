@@ -55,7 +55,8 @@ def demo(tmp_path_factory):
 def start(tmp_path, model, *extra, env=None):
     notify = Notify(tmp_path / "notify")
     sock = str(tmp_path / "colibri.sock")
-    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000", **(env or {})}
+    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000",
+           "STATE_DIRECTORY": str(tmp_path / "state"), **(env or {})}
     env.pop("COLIBRI_SOCKET", None)
     log = open(tmp_path / "colibrid.log", "w")  # a file, not a pipe nobody reads
     proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", str(model), "--socket", sock, *extra],
@@ -353,6 +354,44 @@ def test_pin_and_unpin(tmp_path, container):
         r = ctl(sock, "pin", "99:0")
         assert r.returncode == exitcodes.BAD_REQUEST and "no expert 99:0" in r.stderr
         assert ctl(sock, "pin", "nonsense").returncode == exitcodes.USAGE
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_usage_history_survives_a_restart_and_policy_changes_live(tmp_path, container):
+    conf = tmp_path / "colibri.yaml"
+    conf.write_text("repin_every: 2\nhot_set: 1.0\n")
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
+    try:
+        want = ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout
+        st = json.loads(ctl(sock, "stats", "--json").stdout)
+        assert st["policy"] == "learned" and st["history"]["steps"] == 16 and st["history"]["experts_seen"] > 0
+        assert "history: 16 steps" in ctl(sock, "stats").stdout
+        r = ctl(sock, "policy", "set", "policy=lru", "prefetch_reads=4")
+        assert r.returncode == 0 and "name=lru" in r.stdout and "prefetch_reads=4" in r.stdout, r.stderr
+        assert json.loads(ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout)["token_ids"] \
+            == json.loads(want)["token_ids"]  # another policy: the same tokens
+        assert json.loads(ctl(sock, "stats", "--json").stdout)["experts"]["prefetch_issued"] > 0
+        for bad in (["policy=fifo"], ["hot_set=2"], ["colour=red"]):
+            r = ctl(sock, "policy", "set", *bad)
+            assert r.returncode == exitcodes.BAD_REQUEST and r.stderr.count("\n") == 1, r.stderr
+        assert ctl(sock, "policy", "set", "nonsense").returncode == exitcodes.USAGE
+        assert json.loads(ctl(sock, "policy", "show", "--json").stdout)["policy"]["name"] == "lru"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    files = os.listdir(tmp_path / "state" / "history")
+    assert len(files) == 1 and files[0].endswith(".json")  # written at stop, named by the container
+    os.unlink(tmp_path / "notify")
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
+    try:
+        st = json.loads(ctl(sock, "stats", "--json").stdout)
+        assert st["history"]["steps_loaded"] == 32  # what the box learned before the restart
+        show = json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]
+        assert show["learned_pins"] > 0  # the hot set read back at start
+        assert json.loads(ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout)["token_ids"] \
+            == json.loads(want)["token_ids"]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -14,6 +14,7 @@ from colibri.engine.registry import build_model, load_model
 from colibri.storage.cache import BudgetInvalid, parse_size
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.policy import POLICIES, Policy
 
 from hf_models import ALL_CASES, build
 
@@ -133,3 +134,31 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
         st = model.experts.stats
         assert st.prefetch_issued > 0 and st.prefetch_used + st.prefetch_wasted <= st.prefetch_issued
         assert st.prefetch_used > 0  # the lookahead guesses some right even on random weights
+
+
+@pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
+                                         ("mixtral", "odd_tied_window"), ("olmoe", "basic")])
+def test_tokens_identical_with_every_policy(tmp_path, family, case):
+    ref = build(family, case, tmp_path / "hf", seed=41)
+    path = to_container(tmp_path / "hf", tmp_path / "c")
+    probe = load_model(path, budget="min")
+    ids = np.random.default_rng(5).integers(0, probe.args.vocab_size, 11)
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor(ids)[None], max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    top_k, n_moe = probe.args.num_experts_per_tok, len(probe.moe_layers)
+    budget = probe.container.record_bytes * n_moe * (top_k + 1)  # the LRU minimum and room for a hot set
+    for name in POLICIES:
+        for prefetch in (0, 4):
+            policy = Policy(name=name, hot_set=1.0, repin_every=2, prefetch_reads=prefetch)
+            hist = tmp_path / f"history-{name}-{prefetch}"
+            for run in ("cold", "warm"):  # warm: the cold run's history picks the pins at start
+                model = load_model(path, budget=budget, policy=policy, state_dir=str(hist))
+                st = model.experts.stats
+                if run == "warm" and policy.name != "lru":  # read in from the history at start
+                    assert len(model.experts.pinned) > 0 or st.bytes_read > 0, name
+                assert greedy(model, ids) == hf, (name, prefetch, run)
+                assert st.evictions > 0 and (st.prefetch_issued > 0) == (prefetch > 0)
+                if policy.learns and run == "cold":
+                    assert st.repins > 0, name
+                assert model.experts.history.save()
