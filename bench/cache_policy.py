@@ -66,7 +66,12 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
     the hot set across layers, revised every repin_every steps from the past only."""
     n_learn = learned_slots(policy, capacity, len(layers), top_k, n_expert)
     per_layer = max((capacity - n_learn) // len(layers), 1)
-    pool = OrderedDict()  # `learned`: every resident (layer, expert), one pool
+    main: dict = {}  # `learned`: the main region, (layer, expert) kept by usage
+    n_main = 0
+    if policy.windowed:  # as ExpertCache._place: a recency window per layer, the rest the main region
+        window = max(1, min(top_k, per_layer, per_layer // 4))
+        n_main, per_layer = (per_layer - window) * len(layers), window
+    heap: list = []  # `learned`: (usage, key) of the main region, stale entries skipped
     lru = {il: OrderedDict() for il in layers}
     pinned: set = set()
     hist = UsageHistory(layers, n_expert)
@@ -81,11 +86,10 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
         for key in hist.hottest(n_learn):
             pinned.add(key)
             warm_reads += 1
-        if policy.one_pool:
-            for key in hist.hottest(capacity):
-                pool[key] = True
-                lru[key[0]][key[1]] = True
-                warm_reads += 1
+        for key in hist.hottest(n_main):
+            main[key] = True
+            heapq.heappush(heap, (raw(hist, key), key))
+            warm_reads += 1
     hits = misses = steps = repins = 0
     last = None
     for step, il, experts, _ in trace:
@@ -107,19 +111,11 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                     repins += 1
         d, now = lru[il], set(experts)
         for ie in experts:
-            if (il, ie) in pinned:
+            if (il, ie) in pinned or (il, ie) in main:
                 hits += 1
             elif ie in d:
                 hits += 1
                 d.move_to_end(ie)
-            elif policy.one_pool:
-                misses += 1
-                if len(pool) >= capacity:
-                    out = min((k for k in pool if k[0] != il or k[1] not in now), key=hist.value, default=None)
-                    if out is None:
-                        continue
-                    del pool[out], lru[out[0]][out[1]]
-                pool[(il, ie)] = d[ie] = True
             else:
                 misses += 1
                 if len(d) >= per_layer:
@@ -127,10 +123,48 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                     if out is None:
                         continue  # the step's own experts fill the share: this one streams through
                     del d[out]
+                    if n_main:  # as ExpertCache._take_slot: into the main region if room or used more
+                        key = (il, out)
+                        low = None if len(main) < n_main else least_used(heap, main, hist, il, now)
+                        if len(main) < n_main or (low is not None and raw(hist, key) > raw(hist, low)):
+                            main.pop(low, None)
+                            main[key] = True
+                            heapq.heappush(heap, (raw(hist, key), key))
+                        elif low is not None:
+                            heapq.heappush(heap, (raw(hist, low), low))  # it stays
                 d[ie] = True
         hist.record(il, experts)
+        for ie in experts:
+            if (il, ie) in main:
+                heapq.heappush(heap, (raw(hist, (il, ie)), (il, ie)))
     return {"hits": hits, "misses": misses, "pinned_slots": n_learn, "lru_slots_per_layer": per_layer,
+            "main_slots": n_main,
             "repins": repins, "warm_reads": warm_reads}
+
+
+def raw(hist, key) -> float:
+    """An expert's count in the history's own units (comparable across a replay, since
+    the lazy decay scales every count alike)."""
+    return float(hist.counts[hist.row[key[0]], key[1]])
+
+
+def least_used(heap: list, pool: dict, hist, il: int, now: set):
+    """The pool's expert with the lowest usage count that this line (layer il) does not
+    need, taken off the heap (decay scales every count alike, so a count only changes
+    when its expert is used, and a heap with stale entries skipped stays ordered)."""
+    held, out = [], None
+    while heap:
+        v, key = heapq.heappop(heap)
+        if key not in pool or v != raw(hist, key):
+            continue  # evicted or used since: a newer entry is in the heap
+        if key[0] == il and key[1] in now:
+            held.append((v, key))
+            continue
+        out = key
+        break
+    for h in held:
+        heapq.heappush(heap, h)
+    return out
 
 
 def replay_belady(trace, capacity: int) -> dict:

@@ -126,6 +126,7 @@ class ExpertCache:
         self.pinned_set_by_hand = False  # False: the pinned part's size follows the policy
         self.prefetched: dict[int, dict[int, tuple]] = {}  # il -> {ie: (slot, read future)} not yet streamed
         self.row = {il: i for i, il in enumerate(container.moe_layers)}  # layer -> its row in the history
+        self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
         self.stats = ExpertStats()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
@@ -189,11 +190,19 @@ class ExpertCache:
         except OSError:
             arena.reshape(-1)[:: mmap.PAGESIZE] = 0
         self.mlock = _mlock(mm) if self.mlock_asked else "not asked"
-        free, lru = {}, {}
-        slot_row, slot_ie = np.full(n_slots, -1, np.int64), np.zeros(n_slots, np.int64)  # who holds an LRU slot
+        n_main = 0
+        if self.policy.windowed:  # a recency window per layer, the rest one region kept by usage
+            window = max(1, min(self.top_k, per_layer, per_layer // 4))
+            n_main, per_layer = n_lru - window * len(layers), window
+        free, lru, main = {}, {}, {}
+        slot_row, slot_ie = np.full(n_slots, -1, np.int64), np.zeros(n_slots, np.int64)  # who holds a slot
+        slot_main = np.zeros(n_slots, bool)
+        spill = []  # residents that do not fit their window: candidates for the main region
         for i, il in enumerate(layers):
             slots = deque(range(i * per_layer, (i + 1) * per_layer))
-            keep = list(self.lru[il].items())[-per_layer:]  # the most recent that fit
+            old = list(self.lru[il].items())
+            keep = old[-per_layer:]  # the most recent that fit
+            spill += [((il, ie), s) for ie, s in old[: len(old) - len(keep)]]
             lru[il] = OrderedDict()
             for ie, old_slot in keep:
                 slot = slots.popleft()
@@ -201,6 +210,13 @@ class ExpertCache:
                 lru[il][ie] = slot
                 slot_row[slot], slot_ie[slot] = i, ie
             free[il] = slots
+        main_free = deque(range(per_layer * len(layers), per_layer * len(layers) + n_main))
+        spill += list(self.main.items())
+        for key, old_slot in sorted(spill, key=lambda kv: -self.history.value(kv[0]))[:n_main]:  # the most used
+            slot = main_free.popleft()
+            arena[slot] = self.arena[old_slot]
+            main[key] = slot
+            slot_row[slot], slot_ie[slot], slot_main[slot] = self.row[key[0]], key[1], True
         pin_slots, pinned = deque(range(n_lru, n_slots)), {}
         keep = sorted(self.pinned.items(), key=lambda kv: (kv[0] not in self.hand_pins, -self.history.value(kv[0])))
         self.hand_pins &= {k for k, _ in keep[:n_pin]}
@@ -210,7 +226,8 @@ class ExpertCache:
             pinned[key] = slot
         old = self._mm
         self._mm, self.arena, self.free, self.lru, self._views = mm, arena, free, lru, {}
-        self.slot_row, self.slot_ie = slot_row, slot_ie
+        self.slot_row, self.slot_ie, self.slot_main = slot_row, slot_ie, slot_main
+        self.main, self.main_free, self.main_slots = main, main_free, n_main
         self.pinned, self.pin_free, self.pinned_bytes = pinned, pin_slots, n_pin * rb
         self.n_slots, self.slots_per_layer = n_slots, per_layer
         self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
@@ -300,7 +317,7 @@ class ExpertCache:
     def warm_start(self) -> int:
         """Read in what the usage history says is hot (several reads at a time): for
         `lru+pinned` the hot set into the free pinned slots, for `learned` the hottest experts
-        into the free slots of the pool. The start from what the box learned before.
+        into the free slots of the main region. The start from what the box learned before.
         Returns the experts read. Raises ExpertReadError."""
         reads = []
         if self.policy.learns:
@@ -315,16 +332,12 @@ class ExpertCache:
                     self._release(il, src)
                 else:
                     reads.append((key, slot, True))
-        elif self.policy.one_pool:
-            free = [slot for q in self.free.values() for slot in q]
-            for q in self.free.values():
-                q.clear()
-            want = [k for k in self.history.hottest(len(free) + sum(map(len, self.lru.values())))
-                    if k[1] not in self.lru[k[0]]][: len(free)]
-            for key, slot in zip(want, free):
-                reads.append((key, slot, False))
-            for slot in free[len(want):]:  # what the history does not fill stays free, spread again
-                self.free[self.c.moe_layers[slot % len(self.c.moe_layers)]].append(slot)
+        elif self.main_free:
+            resident = sum(map(len, self.lru.values())) + len(self.main)
+            want = [k for k in self.history.hottest(len(self.main_free) + resident)
+                    if k not in self.main and k[1] not in self.lru[k[0]]][: len(self.main_free)]
+            for key in want:
+                reads.append((key, self.main_free.popleft(), False))
         futures = [(key, slot, pin, self.pool.submit(self._read, self.c.records[key], slot))
                    for key, slot, pin in reads]
         failed = None
@@ -337,11 +350,11 @@ class ExpertCache:
                     del self.pinned[key]
                     self.pin_free.append(slot)
                 else:
-                    self._release(key[0], slot)
+                    self.main_free.append(slot)
                 continue
             self.stats.bytes_read += self.record_bytes
             if not pin:
-                self._keep(*key, slot, oldest=True)
+                self._admit(key, slot)
         if failed:
             raise failed
         return len(futures)
@@ -366,6 +379,11 @@ class ExpertCache:
             old = self._unkeep(il, ie)
             self.arena[slot] = self.arena[old]
             self._release(il, old)
+        elif key in self.main:  # or out of the main region
+            old = self.main.pop(key)
+            self.arena[slot] = self.arena[old]
+            self.slot_row[old], self.slot_main[old] = -1, False
+            self.main_free.append(old)
         else:
             try:
                 self._read(rec, slot)
@@ -437,28 +455,45 @@ class ExpertCache:
         self.free[il].append(slot)
 
     def _take_slot(self, il: int, busy: set[int]) -> int | None:
-        """A slot for a read of layer il: a free one, else the policy's victim (never one of
-        `busy`, this step's experts of il). None when every candidate is busy."""
+        """A slot for a read of layer il: a free one of its share, else its LRU victim's
+        (never one of `busy`, this step's experts of il). None when every one is busy.
+        `learned`: the victim leaves the layer's window for the main region when the main
+        region has room or when it is used more than the main region's least used expert,
+        which then gives up its slot instead (no bytes move: slots change owner)."""
         if self.free[il]:
             return self.free[il].popleft()
-        if self.policy.one_pool:
-            for other in self.free.values():
-                if other:
-                    return other.popleft()
-            vals = np.where(self.slot_row >= 0, self.history.counts[self.slot_row, self.slot_ie], np.inf)
-            for ie in busy:
-                if ie in self.lru[il]:
-                    vals[self.lru[il][ie]] = np.inf
-            slot = int(np.argmin(vals))  # the least used resident expert of any layer
-            if not np.isfinite(vals[slot]):
-                return None
-            self.stats.evictions += 1
-            return self._unkeep(self.c.moe_layers[self.slot_row[slot]], int(self.slot_ie[slot]))
         ie = victim(self.lru[il], busy)
         if ie is None:
             return None
+        slot = self._unkeep(il, ie)
+        if self.main_slots:
+            key = (il, ie)
+            if self.main_free:
+                self._admit(key, slot)
+                return self.main_free.popleft()
+            low = self._least_used_main(il, busy)
+            if low is not None and self.history.value(key) > self.history.value(low):
+                out = self.main.pop(low)
+                self.slot_row[out], self.slot_main[out] = -1, False
+                self._admit(key, slot)
+                slot = out
         self.stats.evictions += 1
-        return self._unkeep(il, ie)
+        return slot
+
+    def _admit(self, key: tuple[int, int], slot: int) -> None:
+        self.main[key] = slot
+        self.slot_row[slot], self.slot_ie[slot], self.slot_main[slot] = self.row[key[0]], key[1], True
+
+    def _least_used_main(self, il: int, busy: set[int]) -> tuple[int, int] | None:
+        """The main region's expert with the lowest usage count, not one of layer il's `busy`."""
+        vals = np.where(self.slot_main, self.history.counts[self.slot_row, self.slot_ie], np.inf)
+        for ie in busy:
+            if (il, ie) in self.main:
+                vals[self.main[(il, ie)]] = np.inf
+        slot = int(np.argmin(vals))
+        if not np.isfinite(vals[slot]):
+            return None
+        return self.c.moe_layers[self.slot_row[slot]], int(self.slot_ie[slot])
 
     def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, tuple]]]:
         """Batches of (expert id, (gate, up, down)) covering `ids` (unique) of layer il: the
@@ -479,13 +514,14 @@ class ExpertCache:
                 self._release(il, slot)
             st.bytes_read += self.record_bytes
             st.prefetch_wasted += 1
-        pinned = [ie for ie in ids if (il, ie) in self.pinned]
+        pinned = [ie for ie in ids if (il, ie) in self.pinned or (il, ie) in self.main]  # slots that stay put
         hits = [ie for ie in ids if ie in lru]
-        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned and ie not in ahead)
+        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned and (il, ie) not in self.main
+                        and ie not in ahead)
         st.hits += len(hits) + len(pinned)
         st.misses += len(pending) + len(ahead)
         st.prefetch_used += len(ahead)
-        busy = set(hits) | set(ahead)  # experts of this step whose slots must not be reused yet
+        busy = set(hits) | set(ahead) | set(pinned)  # experts of this step whose slots must not be reused yet
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
         t_first = time.perf_counter() if ahead else None
 
@@ -520,8 +556,9 @@ class ExpertCache:
                 for ie in hits:
                     lru.move_to_end(ie)
                 yield ([(ie, self.views(lru[ie])) for ie in hits]
-                       + [(ie, self.views(self.pinned[(il, ie)])) for ie in pinned])
+                       + [(ie, self.views(self.pinned.get((il, ie), self.main.get((il, ie))))) for ie in pinned])
                 busy.difference_update(hits)
+                busy.difference_update(pinned)
                 submit()
             while inflight:
                 batch = [landed(*inflight.popleft())]  # the oldest read, waited for
@@ -562,7 +599,7 @@ class ExpertCache:
         for ie in ids:
             if n >= max_reads:
                 break
-            if ie in lru or (il, ie) in self.pinned or ie in ahead:
+            if ie in lru or (il, ie) in self.pinned or (il, ie) in self.main or ie in ahead:
                 continue
             slot = self._take_slot(il, protect)
             if slot is None:
@@ -573,7 +610,8 @@ class ExpertCache:
         return n
 
     def describe(self) -> dict:
-        return {"placement": "expert cache", "policy": self.policy.as_dict(), "pinned_bytes": self.pinned_bytes,
+        return {"placement": "expert cache", "policy": self.policy.as_dict(), "main_slots": self.main_slots,
+                "window_slots_per_layer": self.slots_per_layer if self.main_slots else None, "pinned_bytes": self.pinned_bytes,
                 "pinned": sorted(f"{il}:{ie}" for il, ie in self.hand_pins), "learned_pins": len(self.pinned) - len(
                     self.hand_pins), "pinned_size_by": "operator" if self.pinned_set_by_hand else "policy",
                 "history": self.history.describe(), "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,

@@ -13,13 +13,16 @@ so what the benchmark measures is what the daemon does.
   with hysteresis: an expert resident in the LRU part replaces the coldest learned pin
   only when its count exceeds that pin's by the factor 1 + `repin_margin`, so the set
   does not churn on noise. Hand pins are never repinned away.
-- `learned` (the default): the whole budget is one pool for all layers, and a miss
-  evicts the resident expert with the lowest decayed usage count (history.py) of any
-  layer: frequent experts stay, a layer that routes widely gets more room than one that
-  routes narrowly, and the decay (half-life in steps) lets the pool follow a workload
-  that drifts; recency is in the count itself, since a use now weighs more than one
-  then. At start the pool is filled from the history. In the replay of the synthetic
-  model's traces this is the policy closest to Belady's optimum (bench/cache_policy.py).
+- `learned` (the default), after W-TinyLFU: each layer keeps a small LRU window (top-k
+  slots, at most a quarter of its share) for what it just used, and the rest of the
+  budget is one main region for all layers, kept by usage. An expert leaving a window
+  enters the main region if there is room or if its decayed usage count (history.py)
+  beats that of the main region's least used expert, which then leaves instead. So
+  frequent experts stay, a layer that routes widely gets more room than one that routes
+  narrowly, one-off experts pass through the windows without flushing anything, and the
+  decay (half-life in steps) lets the region follow a workload that drifts. At start the
+  main region is filled from the history. In the replay of the synthetic model's traces
+  this is the policy closest to Belady's optimum (bench/cache_policy.py).
 - `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
   many reads of the next layer's predicted experts in flight.
 
@@ -50,8 +53,9 @@ class Policy:
         return self.name == "lru+pinned"
 
     @property
-    def one_pool(self) -> bool:
-        """Whether the budget is one pool evicting by usage (else per-layer LRU shares)."""
+    def windowed(self) -> bool:
+        """Whether each layer keeps a small recency window and the rest of the budget is one
+        main region kept by usage (else per-layer LRU shares)."""
         return self.name == "learned"
 
     def check(self) -> "Policy":

@@ -56,3 +56,12 @@ def test_trace_structure_and_prediction_quality():
     st = trace_stats(trace, [0], 8)
     assert st["reuse_from_previous_step"] == pytest.approx(0.5)  # 2 of 4 experts after the first line
     assert st["prefetch_precision"] == pytest.approx(3 / 4) and st["prefetch_recall"] == pytest.approx(3 / 4)
+
+
+def test_learned_keeps_the_regulars_through_a_scan():
+    seq = [0, 1, 2] * 3 + [3, 4, 5, 6, 7] + [0, 1, 2]  # regulars, a scan of one-offs, the regulars again
+    lru = replay_lru(one_layer(seq), 4, [0], 8, 1, Policy(name="lru"))
+    learned = replay_lru(one_layer(seq), 4, [0], 8, 1, Policy(name="learned"))
+    assert learned["main_slots"] == 3 and learned["lru_slots_per_layer"] == 1
+    assert (lru["hits"], learned["hits"]) == (6, 9)  # LRU loses them to the scan; the main region keeps them
+    assert replay_belady(one_layer(seq), 4)["hits"] >= learned["hits"]

@@ -126,7 +126,7 @@ def test_warm_start_reads_what_the_history_says_is_hot(container):
     c.set_policy(Policy(name="lru"))  # a policy without a hot set lets them go
     assert not c.pinned and c.policy.name == "lru"
     pool = ExpertCache(container, (len(layers) * 2 + 2) * rb, top_k=2, history=hist, policy=Policy(name="learned"))
-    assert pool.warm_start() == 3 and set(pool.lru[layers[-1]]) == {5, 2, 7}  # into the pool, not pinned
+    assert pool.warm_start() == 3 and set(pool.main) == {(layers[-1], e) for e in (5, 2, 7)}  # the main region
     ref = ExpertCache(container, "all")
     for ie in (5, 2, 7):
         for a, b in zip(served(pool, layers[-1], [ie])[ie], served(ref, layers[-1], [ie])[ie]):
@@ -134,9 +134,10 @@ def test_warm_start_reads_what_the_history_says_is_hot(container):
     assert pool.stats.misses == 0
 
 
-def test_one_pool_gives_a_busy_layer_more_room_and_keeps_the_frequent(container):
+def test_learned_gives_a_busy_layer_more_room_and_keeps_the_frequent(container):
     layers, n_exp, rb = container.moe_layers, container.n_expert, container.record_bytes
-    c = ExpertCache(container, len(layers) * 2 * rb, top_k=2, policy=Policy(name="learned"))
+    c = ExpertCache(container, len(layers) * 4 * rb, top_k=2, policy=Policy(name="learned"))
+    assert c.slots_per_layer == 1 and c.main_slots == len(layers) * 3  # a window of 1, the rest main
     ref = ExpertCache(container, "all")
     il = layers[0]
     for step in range(10):  # layer il alone, 4 experts in turn, expert 0 every step
@@ -144,8 +145,9 @@ def test_one_pool_gives_a_busy_layer_more_room_and_keeps_the_frequent(container)
         for ie, w in served(c, il, [0, 1 + step % 3]).items():
             for a, b in zip(w, served(ref, il, [ie])[ie]):
                 np.testing.assert_array_equal(a, b)
-    assert len(c.lru[il]) > c.slots_per_layer  # it took the idle layers' slots
-    for step in range(5):  # a burst of one-off experts elsewhere does not push out expert 0
+    resident = set(c.lru[il]) | {ie for jl, ie in c.main if jl == il}
+    assert resident == {0, 1, 2, 3} and c.stats.misses == 4  # it took the idle layers' room; read once each
+    for step in range(12):  # a burst of one-off experts elsewhere does not push out expert 0
         c.begin_step()
         served(c, layers[1], [step % n_exp])
-    assert 0 in c.lru[il]
+    assert (il, 0) in c.main
