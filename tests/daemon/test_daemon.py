@@ -248,11 +248,11 @@ def test_cache_resize_under_load(tmp_path, container):
         for size in ("min", "3MiB", "all", "min"):
             r = ctl(sock, "cache", "set", "--experts", size)
             assert r.returncode == 0, r.stderr
-            sizes.append(json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots_per_layer"])
+            sizes.append(json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots"])
         for t in threads:
             t.join(120)
         assert together == alone  # nothing failed, nothing changed but speed
-        assert sizes == [1, 2, 16, 1]
+        assert sizes == [4, 8, 64, 4]  # slots, over the 4 MoE layers
         stats = Client(sock).connect().call("stats")["requests"]
         assert stats["failed"] == 0 and stats["served"] == 8
         bad = ctl(sock, "cache", "set", "--experts", "1KiB")
