@@ -120,6 +120,13 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                 misses += 1
                 if len(d) >= per_layer:
                     out = victim(d, now)
+                    if out is None and n_main:  # as ExpertCache._borrow: a slot of the main region
+                        low = None if len(main) + len(d) - per_layer < n_main else least_used(heap, main, hist, il,
+                                                                                              now)
+                        if low is not None or len(main) + len(d) - per_layer < n_main:
+                            main.pop(low, None)
+                            d[ie] = True
+                            continue
                     if out is None:
                         continue  # the step's own experts fill the share: this one streams through
                     del d[out]
@@ -133,10 +140,20 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                         elif low is not None:
                             heapq.heappush(heap, (raw(hist, low), low))  # it stays
                 d[ie] = True
+        while n_main and len(d) > per_layer:  # as ExpertCache._trim_window
+            out = next(iter(d))
+            del d[out]
+            low = least_used(heap, main, hist, il, set())
+            if low is not None:
+                heapq.heappush(heap, (raw(hist, low), low))  # only looked at
+            if low is None or raw(hist, (il, out)) >= raw(hist, low):
+                main[(il, out)] = True
+                heapq.heappush(heap, (raw(hist, (il, out)), (il, out)))
         hist.record(il, experts)
         for ie in experts:
             if (il, ie) in main:
                 heapq.heappush(heap, (raw(hist, (il, ie)), (il, ie)))
+
     return {"hits": hits, "misses": misses, "pinned_slots": n_learn, "lru_slots_per_layer": per_layer,
             "main_slots": n_main,
             "repins": repins, "warm_reads": warm_reads}

@@ -4,9 +4,12 @@ byte budget.
 - One arena is allocated at start (anonymous mmap, page aligned; transparent hugepages
   asked for with madvise; mlock'ed when asked and the limit allows) and cut into
   record-sized slots. Nothing is allocated per read.
-- A pinned part (policy.py: the learned hot set, and hand pins) holds experts of any
-  layer that are never evicted; each MoE layer owns an equal share of the other slots
-  and keeps them as an LRU (its victim chosen by the policy).
+- The slots are split as the policy says (policy.py): a pinned part (hand pins, and
+  `lru+pinned`'s learned hot set) holds experts of any layer that are never evicted;
+  for `lru` and `lru+pinned` each MoE layer owns an equal share of the rest and keeps
+  it as an LRU; for `learned` each layer keeps a small LRU window and the rest is one
+  main region for all layers, kept by usage (an admission moves no bytes: slots change
+  owner).
 - Every step's routing goes into the usage history (history.py); every
   `repin_every` steps the learned hot set is revised between steps (memory copies of
   experts already resident, no reads).
@@ -464,7 +467,7 @@ class ExpertCache:
             return self.free[il].popleft()
         ie = victim(self.lru[il], busy)
         if ie is None:
-            return None
+            return self._borrow(il, busy) if self.main_slots else None
         slot = self._unkeep(il, ie)
         if self.main_slots:
             key = (il, ie)
@@ -479,6 +482,34 @@ class ExpertCache:
                 slot = out
         self.stats.evictions += 1
         return slot
+
+    def _borrow(self, il: int, busy: set[int]) -> int | None:
+        """`learned`, when this step's experts fill the layer's window: a slot of the main
+        region (free, or its least used expert's) so that the step's reads still go on in
+        parallel; the window gives it back when the step ends (_trim_window)."""
+        if self.main_free:
+            return self.main_free.popleft()
+        low = self._least_used_main(il, busy)
+        if low is None:
+            return None
+        slot = self.main.pop(low)
+        self.slot_row[slot], self.slot_main[slot] = -1, False
+        self.stats.evictions += 1
+        return slot
+
+    def _trim_window(self, il: int) -> None:
+        """Back to the window's size after a step that borrowed: the slots go back to the
+        main region, each with the window's oldest expert if that is used at least as much
+        as the main region's least used one, else empty."""
+        lru = self.lru[il]
+        while len(lru) > self.slots_per_layer:
+            ie = next(iter(lru))
+            slot = self._unkeep(il, ie)
+            low = self._least_used_main(il, set())
+            if low is None or self.history.value((il, ie)) >= self.history.value(low):
+                self._admit((il, ie), slot)
+            else:
+                self.main_free.append(slot)
 
     def _admit(self, key: tuple[int, int], slot: int) -> None:
         self.main[key] = slot
@@ -576,6 +607,8 @@ class ExpertCache:
                     self._release(il, slot)
             if t_first is not None:
                 st.io_wall_s += time.perf_counter() - t_first
+            if self.main_slots:
+                self._trim_window(il)
 
     def settle_prefetch(self) -> None:
         """Wait for reads started ahead and keep what they read as resident."""
