@@ -110,6 +110,7 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                             lru[il2].move_to_end(drop[1], last=False)
                     repins += 1
         d, now = lru[il], set(experts)
+        hist.record(il, experts)  # as ExpertCache.stream: the step's routing is known when it is served
         for ie in experts:
             if (il, ie) in pinned or (il, ie) in main:
                 hits += 1
@@ -121,9 +122,11 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
                 if len(d) >= per_layer:
                     out = victim(d, now)
                     if out is None and n_main:  # as ExpertCache._borrow: a slot of the main region
-                        low = None if len(main) + len(d) - per_layer < n_main else least_used(heap, main, hist, il,
-                                                                                              now)
-                        if low is not None or len(main) + len(d) - per_layer < n_main:
+                        room = len(main) + len(d) - per_layer < n_main
+                        low = None if room else least_used(heap, main, hist, il, now)
+                        if low is not None:
+                            heapq.heappush(heap, (raw(hist, low), low))  # looked at; taken below or kept
+                        if room or (low is not None and raw(hist, low) < raw(hist, (il, ie))):
                             main.pop(low, None)
                             d[ie] = True
                             continue
@@ -149,7 +152,6 @@ def replay_lru(trace, capacity: int, layers: list[int], n_expert: int, top_k: in
             if low is None or raw(hist, (il, out)) >= raw(hist, low):
                 main[(il, out)] = True
                 heapq.heappush(heap, (raw(hist, (il, out)), (il, out)))
-        hist.record(il, experts)
         for ie in experts:
             if (il, ie) in main:
                 heapq.heappush(heap, (raw(hist, (il, ie)), (il, ie)))
