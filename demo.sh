@@ -2,7 +2,7 @@
 # The main job on the built-in demo model: start colibrid, pipe a prompt through
 # `colictl generate`, show `colictl stats`, stop the daemon.
 set -eu
-SOCK="${COLIBRI_SOCKET:-/tmp/colibri-demo-$(id -u).sock}"
+SOCK="${COLIBRI_SOCKET:-/tmp/colibri-demo-$(id -u)/colibri.sock}"   # the operator socket goes next to it
 export COLIBRI_SOCKET="$SOCK"
 colibrid --socket "$SOCK" &
 pid=$!

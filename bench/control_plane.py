@@ -120,7 +120,7 @@ def main():
             unique = st1["experts"]["experts"] - st0["experts"]["experts"]
             runs.append({"clients": n, "aggregate_tok_s": round(tokens / wall, 3), "wall_s": round(wall, 3),
                          "expert_bytes_per_token": int(read / tokens), "unique_experts_served": unique})
-        c.call("shutdown")
+        Client(sock, operator=True).connect().call("shutdown")
         proc.wait(60)
     finally:
         if proc.poll() is None:

@@ -13,6 +13,10 @@ class DaemonDown(Exception):
     """No colibrid answers on the socket."""
 
 
+class PermissionDenied(Exception):
+    """The socket exists but this user may not use it."""
+
+
 class ReplyError(Exception):
     """The daemon answered with an error; `name`, `code`, and the reply itself."""
 
@@ -23,8 +27,14 @@ class ReplyError(Exception):
 
 
 class Client:
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 5.0):
+    """A connection to the user socket, or with `operator` to the operator socket
+    (`operator_path`, else COLIBRI_OPERATOR_SOCKET, else next to the user socket)."""
+
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 5.0, operator: bool = False,
+                 operator_path: str | None = None):
         self.path = socket_path or os.environ.get("COLIBRI_SOCKET") or P.default_socket()
+        if operator:
+            self.path = operator_path or P.operator_socket(self.path)
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -32,9 +42,25 @@ class Client:
         self.ids = (f"{os.getpid()}-{i}" for i in itertools.count(1))
 
     def connect(self) -> "Client":
-        """Raises DaemonDown when there is no socket file to connect to."""
-        if not self.path.startswith(("tcp://", "ipc://")) and not os.path.exists(self.path):
-            raise DaemonDown(f"colibrid is not running (no socket at {self.path})")
+        """Raises DaemonDown when there is no socket file to connect to, PermissionDenied
+        when this user may not use it."""
+        if not self.path.startswith(("tcp://", "ipc://")):
+            try:
+                st = os.stat(self.path)
+            except PermissionError:
+                raise PermissionDenied(f"permission denied: cannot reach {self.path} (its directory is closed to "
+                                       "this user)") from None
+            except FileNotFoundError:
+                raise DaemonDown(f"colibrid is not running (no socket at {self.path})") from None
+            if not os.access(self.path, os.R_OK | os.W_OK):
+                import grp
+
+                try:
+                    group = grp.getgrgid(st.st_gid).gr_name
+                except KeyError:
+                    group = str(st.st_gid)
+                raise PermissionDenied(f"permission denied on {self.path}: it is for group {group!r}; ask an "
+                                       f"administrator to add you to it")
         self.sock.connect(P.endpoint(self.path))
         return self
 

@@ -1,7 +1,8 @@
 """colictl: the command line. Client commands talk to colibrid through ctl/client.py and
-import nothing heavy; the commands that need no daemon (run, convert, demo-model) live in
-ctl/offline.py and are imported only when called, so the client path never loads numpy
-or numba."""
+import nothing heavy: generate, chat, status, stats, ping on the user socket; cache, pin,
+unpin, policy, reload, shutdown on the operator socket. The commands that need no daemon
+(run, convert, demo-model in ctl/offline.py, doctor in ctl/doctor.py) are imported only
+when called, so the client path never loads numpy or numba."""
 
 import functools
 import json
@@ -17,27 +18,32 @@ from .options import sampling_fields, sampling_options
 class LazyGroup(click.Group):
     """A group whose offline commands are imported when used, not at start."""
 
-    LAZY = {"run": "run", "demo-model": "demo_model", "convert": "convert"}
+    LAZY = {"run": ("offline", "run"), "demo-model": ("offline", "demo_model"), "convert": ("offline", "convert"),
+            "doctor": ("doctor", "doctor")}
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
 
     def get_command(self, ctx, name):
         if name in self.LAZY:
-            from . import offline
+            import importlib
 
-            return getattr(offline, self.LAZY[name])
+            module, attr = self.LAZY[name]
+            return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
         return super().get_command(ctx, name)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--socket", "socket_path", metavar="PATH", envvar="COLIBRI_SOCKET",
-              help="colibrid's socket (default: COLIBRI_SOCKET, else the runtime directory's)")
+              help="colibrid's user socket (default: COLIBRI_SOCKET, else the runtime directory's)")
+@click.option("--operator-socket", "operator_path", metavar="PATH", envvar="COLIBRI_OPERATOR_SOCKET",
+              help="the operator socket, for cache, pin, policy, reload, shutdown (default: "
+                   "COLIBRI_OPERATOR_SOCKET, else colibri-operator.sock next to the user socket)")
 @click.version_option(package_name="colibri", prog_name="colictl")
 @click.pass_context
-def cli(ctx, socket_path):
+def cli(ctx, socket_path, operator_path):
     """colibri: run Mixture-of-Experts models far larger than RAM."""
-    ctx.obj = {"socket": socket_path}
+    ctx.obj = {"socket": socket_path, "operator": operator_path}
 
 
 def fail(message: str, code: int):
@@ -45,20 +51,24 @@ def fail(message: str, code: int):
     raise SystemExit(code)
 
 
-def with_client(fn):
-    """Give the command a connected Client; daemon down and error replies become one line
-    and an exit code."""
+def with_client(fn=None, operator: bool = False):
+    """Give the command a connected Client (to the operator socket with `operator`);
+    daemon down, permission denied and error replies become one line and an exit code."""
+    if fn is None:
+        return functools.partial(with_client, operator=operator)
 
     @functools.wraps(fn)
     @click.pass_context
     def wrapper(ctx, *args, **kwargs):
-        from .client import Client, DaemonDown, ReplyError
+        from .client import Client, DaemonDown, PermissionDenied, ReplyError
 
-        client = Client(ctx.obj["socket"])
+        client = Client(ctx.obj["socket"], operator=operator, operator_path=ctx.obj["operator"])
         try:
             return fn(client.connect(), *args, **kwargs)
         except DaemonDown as e:
             fail(str(e), exitcodes.DAEMON_DOWN)
+        except PermissionDenied as e:
+            fail(str(e), exitcodes.PERMISSION)
         except ReplyError as e:
             fail(f"{e.name}: {e}", exitcodes.FROM_ERROR.get(e.name, exitcodes.INTERNAL))
         except BrokenPipeError:
@@ -96,6 +106,8 @@ def status(client, as_json):
     pl = m["placement"]
     click.echo(f"experts   {pl.get('placement')}" + (f", {pl['slots_per_layer']} slots per layer, "
                                                       f"O_DIRECT {pl['o_direct']}" if "slots" in pl else ""))
+    for bad in pl.get("bad_experts") or []:
+        click.echo(f"BAD       expert {bad}")
     for step, got in r["boot"].items():
         click.echo(f"boot      {step}: {json.dumps(got)}")
     click.echo(f"requests  {r['requests']['active']} running or queued")
@@ -161,7 +173,7 @@ def show_placement(r: dict) -> None:
 
 @cache.command("show")
 @click.option("--json", "as_json", is_flag=True)
-@with_client
+@with_client(operator=True)
 def cache_show(client, as_json):
     """The budget, the arena and the counters."""
     r = client.call("cache", action="show")
@@ -175,7 +187,7 @@ def cache_show(client, as_json):
 @click.option("--experts", "size", required=True, metavar="SIZE", help="bytes, KiB/MiB/GiB, min or all")
 @click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts; auto: what the policy's hot "
                                              "set takes (default: unchanged)")
-@with_client
+@with_client(operator=True)
 def cache_set(client, size, pinned):
     """Resize the expert cache now: no restart, no request dropped."""
     fields = {"pinned": pinned} if pinned is not None else {}
@@ -193,7 +205,7 @@ def expert_ref(value: str) -> tuple[int, int]:
 def pin_command(kind: str, doc: str):
     @cli.command(kind, help=doc)
     @click.argument("ref", metavar="LAYER:EXPERT")
-    @with_client
+    @with_client(operator=True)
     def command(client, ref):
         il, ie = expert_ref(ref)
         r = client.call(kind, timeout_ms=None, layer=il, expert=ie)
@@ -218,7 +230,7 @@ def show_policy(r: dict) -> None:
 
 @policy.command("show")
 @click.option("--json", "as_json", is_flag=True)
-@with_client
+@with_client(operator=True)
 def policy_show(client, as_json):
     """The policy in use and its usage history."""
     r = client.call("policy", action="show")
@@ -230,7 +242,7 @@ def policy_show(client, as_json):
 
 @policy.command("set")
 @click.argument("settings", nargs=-1, required=True, metavar="KEY=VALUE...")
-@with_client
+@with_client(operator=True)
 def policy_set(client, settings):
     """Change the policy between two steps, e.g. `policy=lru`, `prefetch_reads=8`,
     `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`."""
@@ -244,7 +256,7 @@ def policy_set(client, settings):
 
 
 @cli.command()
-@with_client
+@with_client(operator=True)
 def reload(client):
     """Re-read the daemon's configuration and apply what can change while it runs."""
     r = client.call("reload")
@@ -301,7 +313,7 @@ def stream_reply(client, rid: str, show: bool) -> dict:
 
 
 @cli.command()
-@with_client
+@with_client(operator=True)
 def shutdown(client):
     """Stop the daemon (it cancels running requests and exits)."""
     client.call("shutdown")

@@ -25,13 +25,14 @@ def fail(message: str, code: int):
 
 def error_code(e: Exception) -> int:
     """The exit code for a named error (the first matching class, most specific first)."""
+    from ..daemon.config import ConfigError
     from ..engine.errors import InvalidRequest
     from ..storage.cache import BudgetInvalid, ExpertReadError
     from ..storage.convert import ConvertError
     from ..storage.errors import CheckpointError
 
     table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
-             (ConvertError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
+             (ConvertError, exitcodes.USAGE), (ConfigError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
     return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
 
 

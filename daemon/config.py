@@ -18,7 +18,10 @@ class ConfigError(ColibriError):
 @dataclass(frozen=True)
 class Config:
     model: str | None = None  # model directory; None: the demo model, written into state_dir
-    socket: str | None = None  # socket path; None: the runtime directory's (docs/protocol.md)
+    socket: str | None = None  # user socket path; None: the runtime directory's (docs/protocol.md)
+    operator_socket: str | None = None  # operator socket path; None: colibri-operator.sock next to the user one
+    socket_group: str | None = None  # group of the user socket (mode 0660); None: the daemon's own group
+    operator_group: str | None = None  # group of the operator socket; None: the daemon's own group
     state_dir: str | None = None  # None: $STATE_DIRECTORY, else ~/.local/state/colibri
     expert_cache: str = "all"  # RAM for routed experts of a container: SIZE, min or all
     io_threads: int = 2  # threads reading experts
@@ -35,9 +38,13 @@ class Config:
     history: bool | str = True  # usage history in state_dir: true, false or read-only (loaded, never written)
     history_half_life: int = 4096  # forward steps over which a usage count halves
     history_save_s: float = 300.0  # seconds between writes of the usage history (and at stop)
+    verify: str = "first"  # check expert reads against the manifest's crc32: first (per start), always, off
+    mirror: str | None = None  # a directory with copies of the expert files, read when the primary fails
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
+    max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
     watchdog_s: float = 0.0  # 0: use WATCHDOG_USEC from systemd when set
     log_level: str = "info"  # debug, info, warning, error
 
@@ -53,12 +60,15 @@ class Config:
 
 
 _KINDS = {  # key -> what a valid value is
-    "model": "path", "socket": "path", "state_dir": "path", "expert_cache": "size",
+    "model": "path", "socket": "path", "operator_socket": "path", "socket_group": "group",
+    "operator_group": "group", "state_dir": "path", "expert_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
-    "history": "history", "history_half_life": "positive", "history_save_s": "seconds",
+    "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
+    "mirror": "path",
     "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
+    "max_streams_per_client": "positive", "max_message_bytes": "positive",
     "watchdog_s": "seconds", "log_level": "level",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -97,6 +107,10 @@ def _valid(kind: str, v) -> str | None:
         from ..storage.policy import POLICIES
 
         return None if v in POLICIES else f"one of {', '.join(POLICIES)}"
+    if kind == "group":
+        return None if v is None or (isinstance(v, str) and v) else "a group name or null"
+    if kind == "verify":
+        return None if v in ("first", "always", "off", False) else "first, always or off"  # YAML reads off as false
     if kind == "history":
         return None if isinstance(v, bool) or v == "read-only" else "true, false or read-only"
     if kind == "level":
@@ -136,6 +150,8 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _check(key, value, "command line")
+    if values.get("verify") is False:
+        values["verify"] = "off"
     if "expert_cache" in values:
         values["expert_cache"] = str(values["expert_cache"])
     return Config(**values)

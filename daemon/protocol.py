@@ -25,13 +25,18 @@ ERRORS = {
     "SHUTTING_DOWN": 8,  # the daemon is stopping and takes no new work
     "MODEL_ERROR": 9,  # the model failed (e.g. an expert could not be read)
     "INTERNAL": 10,  # a bug in colibrid: the message says what, the log says more
+    "TOO_LARGE": 11,  # (1.1) the request is larger than the daemon's max_message_bytes
+    "FORBIDDEN": 12,  # (1.1) an operator request on the user socket
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
 REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "pin", "unpin", "policy",
                  "reload", "shutdown")
+USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel")  # the user socket takes only these;
+# the operator socket takes every type
 
 DEFAULT_SOCKET_NAME = "colibri.sock"
+OPERATOR_SOCKET_NAME = "colibri-operator.sock"
 
 
 class ProtocolError(Exception):
@@ -104,6 +109,12 @@ def default_socket() -> str:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     base = os.path.join(xdg, "colibri") if xdg else f"/tmp/colibri-{os.getuid()}"
     return os.path.join(base, DEFAULT_SOCKET_NAME)
+
+
+def operator_socket(user_socket: str) -> str:
+    """The operator socket: COLIBRI_OPERATOR_SOCKET, else next to the user socket."""
+    return os.environ.get("COLIBRI_OPERATOR_SOCKET") or os.path.join(os.path.dirname(user_socket),
+                                                                      OPERATOR_SOCKET_NAME)
 
 
 def endpoint(socket_path: str) -> str:

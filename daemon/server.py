@@ -1,7 +1,13 @@
 """colibrid: the model placed once, served to many clients.
 
+Sockets: a user socket (generate, chat, status, stats, ping, cancel) and an operator
+socket (everything, including cache, pins, policy, reload and shutdown), each a socket
+file of mode 0660 whose group the configuration names; access is by file permissions.
+Inside the daemon a client's identity is prefixed with the socket it came on (b"U" or
+b"O"), so replies and stream events go back the way the request came.
+
 Threads:
-- the I/O thread (the main thread) owns the ROUTER socket and never runs model code, so
+- the I/O thread (the main thread) owns the ROUTER sockets and never runs model code, so
   ping, status, stats and cancel answer at once, even during heavy generation;
 - the engine thread runs the Batcher: every active request advances one token per step;
   it hands the I/O thread (identity, frame) pairs over an inproc PUSH/PULL pair.
@@ -46,6 +52,8 @@ class Server:
         self.counters = {"served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self.boot: dict = {}
         self.socket_path = cfg.socket or P.default_socket()
+        self.operator_path = cfg.operator_socket or P.operator_socket(self.socket_path)
+        self.routers: dict[bytes, zmq.Socket] = {}  # b"U": user socket, b"O": operator socket
         self.handlers = {  # request type -> handler (explicit: never getattr on a wire string)
             "hello_request": self.on_hello,
             "ping_request": self.on_ping,
@@ -97,7 +105,8 @@ class Server:
                                 hugetlb=self.cfg.hugepages, policy=self.cfg.cache_policy(),
                                 state_dir=state_dir(self.cfg) if history else None,
                                 history_read_only=history == "read-only",
-                                history_half_life=self.cfg.history_half_life)
+                                history_half_life=self.cfg.history_half_life, verify=self.cfg.verify,
+                                mirror=self.cfg.mirror)
         self.tokenizer = Tokenizer(path)
         self.eos = eos_ids(path, load_config(path), self.tokenizer)
         layers.init(n)
@@ -116,8 +125,9 @@ class Server:
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
 
-    def bind(self, ctx: zmq.Context) -> zmq.Socket:
-        path = self.socket_path
+    def bind(self, ctx: zmq.Context, path: str, group: str | None) -> zmq.Socket:
+        """A ROUTER on `path`, mode 0660, of `group` (None: the daemon's). Raises
+        ColibriError when another daemon serves the path or the group cannot be set."""
         os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
         if os.path.exists(path):  # a stale file from a killed daemon, unless one still answers
             if self._answers(ctx, path):
@@ -126,8 +136,19 @@ class Server:
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
+        # a hard bound on what a peer can make us buffer; up to it, an oversized request gets TOO_LARGE
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_message_bytes + 4096)
         router.bind(P.endpoint(path))
         os.chmod(path, 0o660)
+        if group:
+            import grp
+
+            try:
+                os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            except (KeyError, PermissionError) as e:
+                router.close(0)
+                why = "no such group" if isinstance(e, KeyError) else "colibrid is not a member of it"
+                raise ColibriError(f"cannot give {path} to group {group!r}: {why}") from None
         return router
 
     @staticmethod
@@ -152,26 +173,34 @@ class Server:
         self.place()
         self.load()
         ctx = zmq.Context()
-        router = self.bind(ctx)
+        self.routers = {b"U": self.bind(ctx, self.socket_path, self.cfg.socket_group)}
+        try:
+            self.routers[b"O"] = self.bind(ctx, self.operator_path, self.cfg.operator_group)
+        except Exception:
+            self.routers[b"U"].close(0)
+            os.unlink(self.socket_path)
+            raise
         events = ctx.socket(zmq.PULL)
         events.bind(EVENTS)
         engine = threading.Thread(target=self.engine_loop, args=(ctx,), name="colibri-engine", daemon=True)
         engine.start()
         notify("READY=1", f"STATUS=serving {self.model_path} on {self.socket_path}")
-        log.info("serving on %s", self.socket_path)
+        log.info("serving on %s (operators: %s)", self.socket_path, self.operator_path)
         watchdog = watchdog_interval_s(self.cfg.watchdog_s)
         last_ping = 0.0
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        by_socket = {}
+        for tag, router in self.routers.items():
+            poller.register(router, zmq.POLLIN)
+            by_socket[router] = tag
         poller.register(events, zmq.POLLIN)
-        self.router = router
         try:
             while not self.stopping.is_set() or self.inflight:
                 if self.stopping.is_set() and not engine.is_alive():
                     break
                 for sock, _ in poller.poll(100):
-                    if sock is router:
-                        self.on_frames(router.recv_multipart())
+                    if sock is not events:
+                        self.on_frames(by_socket[sock], sock.recv_multipart())
                     else:
                         identity, frame = events.recv_multipart()
                         self.deliver(identity, frame)
@@ -189,13 +218,15 @@ class Server:
             notify("STOPPING=1", "STATUS=stopping")
             self.stopping.set()
             engine.join(timeout=10)
-            router.close(0)
+            for router in self.routers.values():
+                router.close(0)
             events.close(0)
             ctx.term()
-            try:
-                os.unlink(self.socket_path)
-            except OSError:
-                pass
+            for path in (self.socket_path, self.operator_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             log.info("stopped")
         return 0
 
@@ -249,17 +280,23 @@ class Server:
     # ---- I/O thread: frames in, replies out ------------------------------------------------
 
     def send(self, identity: bytes, msg: dict) -> bool:
-        """Send to one client; False if it is gone (ROUTER_MANDATORY makes that an error)."""
+        """Send to one client (identity: socket tag + ZMQ identity); False if it is gone
+        (ROUTER_MANDATORY makes that an error)."""
         try:
-            self.router.send_multipart([identity, P.encode(msg)])
+            self.routers[identity[:1]].send_multipart([identity[1:], P.encode(msg)])
             return True
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 return False
             raise
 
-    def on_frames(self, frames: list[bytes]) -> None:
-        identity, payload = frames[0], frames[-1]
+    def on_frames(self, tag: bytes, frames: list[bytes]) -> None:
+        identity, payload = tag + frames[0], frames[-1]
+        if len(payload) > self.cfg.max_message_bytes:
+            self.send(identity, P.error("unknown", None, "TOO_LARGE", f"a request of {len(payload)} bytes is above "
+                                                                      f"this daemon's max_message_bytes of "
+                                                                      f"{self.cfg.max_message_bytes}"))
+            return
         try:
             msg = P.decode(payload)
         except P.ProtocolError as e:
@@ -271,6 +308,10 @@ class Server:
         if handler is None:
             self.send(identity, P.error(kind, rid, "UNKNOWN_TYPE",
                                         f"colibrid does not handle {msg['type']!r} (protocol {P.PROTOCOL_VERSION})"))
+            return
+        if tag == b"U" and kind not in P.USER_TYPES:
+            self.send(identity, P.error(kind, rid, "FORBIDDEN", f"{kind} is an operator request: send it on the "
+                                                                f"operator socket {self.operator_path}"))
             return
         if "v" in msg and not P.compatible(msg["v"]):
             self.send(identity, P.error(kind, rid, "VERSION_MISMATCH",
@@ -296,7 +337,7 @@ class Server:
             self.inflight.pop(key, None)
             self.gone.discard(key)
         try:
-            self.router.send_multipart([identity, frame])
+            self.routers[identity[:1]].send_multipart([identity[1:], frame])
             return
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
@@ -326,7 +367,8 @@ class Server:
 
     def on_status(self, identity, rid, msg):
         return P.ok("status", rid, pid=os.getpid(), uptime_s=round(time.time() - self.t_start, 3),
-                    socket=self.socket_path, model=self.model_summary(), boot=self.boot,
+                    socket=self.socket_path, operator_socket=self.operator_path, model=self.model_summary(),
+                    boot=self.boot,
                     requests={"active": len(self.inflight), "queued": self.inbox.qsize()},
                     config=self.cfg.as_dict())
 
@@ -370,6 +412,10 @@ class Server:
         if len(self.inflight) >= self.cfg.max_active + self.cfg.max_queue:
             return P.error("generate", rid, "BUSY", f"{len(self.inflight)} requests are running or queued; "
                                                     "retry later")
+        mine = sum(1 for ident, _ in self.inflight if ident == identity)
+        if mine >= self.cfg.max_streams_per_client:
+            return P.error("generate", rid, "BUSY", f"this client has {mine} requests running or queued, the most "
+                                                    "one client may have (max_streams_per_client); retry later")
         self.inflight[key] = time.time()
         self.inbox.put(("generate", key, msg))
         return None  # the engine thread streams and replies
@@ -490,6 +536,11 @@ class Server:
                         out(key, P.error("generate", key[1], "INVALID_REQUEST", str(e)))
                         self.counters["failed"] += 1
                         continue
+                    except Exception as e:  # a bug must cost this request, never the engine thread
+                        log.exception("starting request %s", key[1])
+                        out(key, P.error("generate", key[1], "INTERNAL", f"{type(e).__name__}: {e}"))
+                        self.counters["failed"] += 1
+                        continue
                     batcher.add(req)
                     state[key] = (req, [], [])
                 if time.monotonic() - saved_at >= self.cfg.history_save_s:
@@ -499,11 +550,16 @@ class Server:
                     continue
                 try:
                     events = batcher.step()
-                except ColibriError as e:  # e.g. an expert read failed: fail this step's requests
-                    log.error("step failed: %s", e)
+                except Exception as e:  # e.g. an expert read failed: fail this step's requests, serve on
+                    model_error = isinstance(e, ColibriError)
+                    if model_error:
+                        log.error("step failed: %s", e)
+                    else:
+                        log.exception("step failed")
                     for r in batcher.active:
                         key = r.id
-                        out(key, P.error("generate", key[1], "MODEL_ERROR", str(e)))
+                        out(key, P.error("generate", key[1], "MODEL_ERROR" if model_error else "INTERNAL",
+                                         str(e) if model_error else f"{type(e).__name__}: {e}"))
                         state.pop(key, None)
                         self.counters["failed"] += 1
                     batcher.active.clear()
@@ -538,8 +594,9 @@ class Server:
     def save_history(self) -> None:
         """Write the usage history (atomically) from the engine thread; a failure is logged."""
         history = getattr(self.model.experts, "history", None)
-        if history is None:
-            return
+        if history is None or history.steps == getattr(self, "_saved_steps", None):
+            return  # nothing new since the last write
+        self._saved_steps = history.steps
         try:
             if history.save():
                 log.debug("usage history saved to %s", history.path)

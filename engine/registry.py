@@ -2,6 +2,8 @@
 `model_type` of config.json, plus a small alias dict for names that share a file."""
 
 import importlib
+import logging
+import os
 import pkgutil
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from ..storage.container import ContainerInvalid
 from ..storage.errors import ConfigInvalid, UnsupportedModelType
 from .model import MoEModel, parse_args
 
+log = logging.getLogger("colibri.engine")
 MODEL_REMAPPING: dict[str, str] = {}  # model_type -> family file, where a name shares another's code
 _NOT_FAMILIES = {"kernels", "layers", "model", "registry", "generate", "tokenizer", "demo", "errors", "sampling"}
 
@@ -51,7 +54,7 @@ def default_budget(container) -> int:
 def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, direct: bool = True,
                mlock: bool = False, trace=None, hugetlb: bool = False, prefetch: int | None = None,
                policy=None, state_dir: str | None = None, history_read_only: bool = False,
-               history_half_life: float | None = None) -> MoEModel:
+               history_half_life: float | None = None, verify: str = "first", mirror: str | None = None) -> MoEModel:
     """Open a model directory (a Hugging Face checkpoint or a colibri container), check it
     fully and load it. A checkpoint's experts are all read into RAM; a container's are
     streamed through an expert cache of `budget` bytes ("min", "all", or None for the
@@ -59,7 +62,10 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
     history is kept in `state_dir`/history (None: in memory only) under the container's
     fingerprint, and the learned hot set is read from it now. `trace`, a text file,
     receives the routing trace. `prefetch` (None: the policy's) > 0 turns on the router
-    lookahead with at most that many reads started ahead per layer.
+    lookahead with at most that many reads started ahead per layer. `verify` (first,
+    always, off) checks expert reads against the manifest's checksums; `mirror`, a
+    directory with copies of the expert files, is read when the primary fails. The
+    debug setting COLIBRI_FAULTS (storage/faults.py) injects read faults.
 
     Raises the storage errors (ModelNotFound, ConfigMissing, ConfigInvalid, header and
     tensor errors, ContainerInvalid), UnsupportedModelType, BudgetInvalid.
@@ -69,6 +75,7 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
     from ..storage.cache import BudgetInvalid, ExpertCache
     from ..storage.container import is_container, open_container
     from ..storage.experts import TracedSource
+    from ..storage.faults import FaultPlan
     from ..storage.history import DEFAULT_HALF_LIFE, UsageHistory, history_path
     from ..storage.policy import Policy
 
@@ -84,8 +91,12 @@ def load_model(path: str, budget: int | str | None = None, io_threads: int = 2, 
         history = UsageHistory(c.moe_layers, c.n_expert, c.fingerprint,
                                history_path(state_dir, c.fingerprint) if state_dir else None,
                                history_half_life or DEFAULT_HALF_LIFE, history_read_only)
+        faults = FaultPlan.parse(os.environ.get("COLIBRI_FAULTS"))
+        if faults:
+            log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", os.environ["COLIBRI_FAULTS"])
         experts = ExpertCache(c, default_budget(c) if budget is None else budget, io_threads, direct, mlock, hugetlb,
-                              top_k=model.args.num_experts_per_tok, policy=policy, history=history)
+                              top_k=model.args.num_experts_per_tok, policy=policy, history=history, verify=verify,
+                              mirror=mirror, faults=faults)
         model.container = c
         model.load(c.dense, TracedSource(experts, trace) if trace else experts)
         model.prefetch_reads = policy.prefetch_reads

@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import time
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,7 @@ import numpy as np
 from .container import Container, ExpertRecord
 from .errors import ColibriError
 from .experts import ExpertStats
+from .faults import FaultPlan, inject
 from .history import UsageHistory
 from .policy import Policy, learned_slots, plan_repin, victim
 
@@ -63,7 +65,11 @@ class BudgetInvalid(ColibriError):
 
 
 class ExpertReadError(ColibriError):
-    """Reading an expert record from disk failed."""
+    """Reading an expert record from disk failed (after the retry and the mirror): the
+    message names the layer, the expert, the file and the offset."""
+
+
+VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
 
 
 def parse_size(text: str) -> int | str:
@@ -115,7 +121,8 @@ class ExpertCache:
 
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
                  mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
-                 history: UsageHistory | None = None):
+                 history: UsageHistory | None = None, verify: str = "first", mirror: str | None = None,
+                 faults: FaultPlan | None = None):
         self.c = container
         self.record_bytes = container.record_bytes
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
@@ -138,6 +145,19 @@ class ExpertCache:
         self.direct, self.fallback_reason = direct, None
         for file in sorted({r.file for r in container.records.values()}):
             self.fds[file] = self._open(file)
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}")
+        self.verify, self.faults = verify, faults
+        self.verified: set[tuple[int, int]] = set()  # experts whose bytes matched the manifest this start
+        self.bad: dict[tuple[int, int], str] = {}  # experts whose last read failed, and why
+        self.mirror, self.mirror_fds = mirror, {}
+        if mirror:
+            for file in self.fds:
+                copy = os.path.join(mirror, os.path.basename(file))
+                try:
+                    self.mirror_fds[file] = self._open(copy)
+                except OSError as e:
+                    log.warning("mirror %s: %s; reads of %s have no fallback", copy, e.strerror, file)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
         """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""
@@ -414,9 +434,10 @@ class ExpertCache:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
+        for fd in [*self.fds.values(), *self.mirror_fds.values()]:
             os.close(fd)
         self.fds.clear()
+        self.mirror_fds.clear()
 
     def views(self, slot: int) -> tuple:
         v = self._views.get(slot)
@@ -425,20 +446,58 @@ class ExpertCache:
         return v
 
     def _read(self, rec: ExpertRecord, slot: int) -> float:
+        """Read one record into `slot`, verified against the manifest's checksum (as
+        `verify` says); a failed or corrupted read is tried once more, then on the mirror.
+        Raises ExpertReadError naming the layer, expert, file and offset: the slot's bytes
+        are then not to be used. Returns the seconds it took."""
         t0 = time.perf_counter()
-        buf = memoryview(self.arena[slot])
+        key = (rec.layer, rec.expert)
+        tries = [("primary", self.fds[rec.file], rec.file)] * 2
+        if rec.file in self.mirror_fds:
+            tries.append(("mirror", self.mirror_fds[rec.file], os.path.join(self.mirror, os.path.basename(rec.file))))
+        failed = []
+        for where, fd, path in tries:
+            why = self._read_once(rec, slot, where, fd)
+            if why is None:
+                if failed:
+                    log.warning("layer %d expert %d: read from the %s after %s", rec.layer, rec.expert, where,
+                                "; ".join(failed))
+                self.bad.pop(key, None)
+                return time.perf_counter() - t0
+            self.stats.read_errors += 1
+            failed.append(f"{where} {path}: {why}")
+        msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
+               + "; ".join(failed))
+        self.bad[key] = msg
+        log.error("%s", msg)
+        raise ExpertReadError(msg)
+
+    def _read_once(self, rec: ExpertRecord, slot: int, where: str, fd: int) -> str | None:
+        """One attempt; why it failed, or None."""
+        buf, row = memoryview(self.arena[slot]), self.arena[slot]
+        fault = self.faults.take(where, rec.layer, rec.expert) if self.faults else None
         done = 0
         while done < rec.length:
             try:
-                n = os.preadv(self.fds[rec.file], [buf[done:]], rec.offset + done)
+                n = os.preadv(fd, [buf[done:]], rec.offset + done)
+                if fault:  # a drill (faults.py): this read fails as told
+                    forced, fault = inject(fault, row, done), None
+                    n = n if forced is None else forced
             except OSError as e:
-                raise ExpertReadError(f"reading layer {rec.layer} expert {rec.expert} from {rec.file} at offset "
-                                      f"{rec.offset}: {e.strerror}") from None
+                return e.strerror or str(e)
             if n <= 0:
-                raise ExpertReadError(f"short read of layer {rec.layer} expert {rec.expert} from {rec.file} at "
-                                      f"offset {rec.offset}: {done} of {rec.length} bytes")
+                return f"short read, {done} of {rec.length} bytes"
             done += n
-        return time.perf_counter() - t0
+        key = (rec.layer, rec.expert)
+        if self.verify == "always" or (self.verify == "first" and key not in self.verified):
+            t = time.perf_counter()
+            crc = zlib.crc32(row)
+            self.stats.verify_s += time.perf_counter() - t
+            self.stats.verified += 1
+            if crc != rec.crc32:
+                return f"checksum mismatch (crc32 {crc:08x}, the manifest says {rec.crc32:08x})"
+            self.verified.add(key)
+        return None
 
     def _keep(self, il: int, ie: int, slot: int, oldest: bool = False) -> None:
         """Expert ie of layer il is resident in LRU slot `slot` (the most recent, or the oldest)."""
@@ -649,7 +708,8 @@ class ExpertCache:
                 "window_slots_per_layer": self.slots_per_layer if self.main_slots else None, "pinned_bytes": self.pinned_bytes,
                 "pinned": sorted(f"{il}:{ie}" for il, ie in self.hand_pins), "learned_pins": len(self.pinned) - len(
                     self.hand_pins), "pinned_size_by": "operator" if self.pinned_set_by_hand else "policy",
-                "history": self.history.describe(), "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
+                "history": self.history.describe(), "verify": self.verify, "mirror": self.mirror,
+                "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())], "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
                 "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
                 "mlock": self.mlock, "hugepages": self.hugepages}

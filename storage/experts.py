@@ -34,6 +34,9 @@ class ExpertStats:
     prefetch_used: int = 0  # of those, experts the real router chose
     prefetch_wasted: int = 0  # of those, experts it did not choose (they stay resident)
     repins: int = 0  # experts moved into the learned hot set
+    verified: int = 0  # reads checked against the manifest's checksum
+    verify_s: float = 0.0  # time spent checking (on the I/O threads)
+    read_errors: int = 0  # failed or corrupted read attempts (each retried, then the mirror)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -41,7 +44,7 @@ class ExpertStats:
         d["read_gbs"] = round(self.bytes_read / self.io_wall_s / 1e9, 3) if self.io_wall_s else None
         used, settled = self.prefetch_used, self.prefetch_used + self.prefetch_wasted
         d["prefetch_precision"] = round(used / settled, 4) if settled else None
-        for k in ("io_wait_s", "io_wall_s", "moe_s"):
+        for k in ("io_wait_s", "io_wall_s", "moe_s", "verify_s"):
             d[k] = round(d[k], 6)
         return d
 

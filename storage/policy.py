@@ -20,8 +20,11 @@ so what the benchmark measures is what the daemon does.
   beats that of the main region's least used expert, which then leaves instead. So
   frequent experts stay, a layer that routes widely gets more room than one that routes
   narrowly, one-off experts pass through the windows without flushing anything, and the
-  decay (half-life in steps) lets the region follow a workload that drifts. At start the
-  main region is filled from the history. In the replay of the synthetic model's traces
+  decay (half-life in steps) lets the region follow a workload that drifts. A step
+  whose misses outnumber its layer's window borrows main-region slots (free ones, or
+  those of experts used less than the one to read) so its reads still run in parallel,
+  and gives them back after the step. At start the main region is filled from the
+  history. In the replay of the synthetic model's traces
   this is the policy closest to Belady's optimum (bench/cache_policy.py).
 - `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
   many reads of the next layer's predicted experts in flight.

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {"storage": set(), "engine": {"storage"}, "daemon": {"engine", "storage"}, "ctl": {"daemon"}}
 # ctl's offline commands (run, convert, doctor, demo-model) run the engine in-process, lazily
-OFFLINE = {"ctl/offline.py": {"engine", "storage"}}
+OFFLINE = {"ctl/offline.py": {"engine", "storage"}, "ctl/doctor.py": {"engine", "storage"}}
 
 
 def our_imports(path: Path, package: str) -> set[str]:

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,9 +53,9 @@ def demo(tmp_path_factory):
     return write_demo_model(tmp_path_factory.mktemp("model") / "demo")
 
 
-def start(tmp_path, model, *extra, env=None):
+def start(tmp_path, model, *extra, env=None, sock=None):
     notify = Notify(tmp_path / "notify")
-    sock = str(tmp_path / "colibri.sock")
+    sock = sock or str(tmp_path / "colibri.sock")
     env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000",
            "STATE_DIRECTORY": str(tmp_path / "state"), **(env or {})}
     env.pop("COLIBRI_SOCKET", None)
@@ -391,6 +392,230 @@ def test_usage_history_survives_a_restart_and_policy_changes_live(tmp_path, cont
         assert st["experts"]["bytes_read"] > 0 and st["experts"]["misses"] == 0  # read in at start, from it
         assert json.loads(ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout)["token_ids"] \
             == json.loads(want)["token_ids"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("kind,why", [("eio", "Input/output error"), ("short", "short read"),
+                                      ("corrupt", "checksum mismatch")])
+def test_a_failing_expert_fails_the_request_not_the_daemon(tmp_path, container, kind, why):
+    faults = ",".join(f"{kind}@1:{e}" for e in range(16))  # every expert of layer 1: any prompt needs one
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "min", env={"COLIBRI_FAULTS": faults})
+    try:
+        r = ctl(sock, "generate", "--max-tokens", 4, "doomed")
+        assert r.returncode == exitcodes.MODEL and "cannot read layer 1 expert" in r.stderr and why in r.stderr
+        assert "experts-0001.safetensors at offset" in r.stderr and r.stderr.count("\n") == 1
+        status = ctl(sock, "status")
+        assert status.returncode == 0 and "BAD       expert 1:" in status.stdout
+        assert ctl(sock, "ping").returncode == 0 and proc.poll() is None
+        st = json.loads(ctl(sock, "stats", "--json").stdout)
+        assert st["experts"]["read_errors"] >= 2 and st["requests"]["failed"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_limits_answer_with_named_errors(tmp_path, demo):
+    import zmq
+
+    conf = tmp_path / "limits.yaml"
+    conf.write_text("max_message_bytes: 4096\nmax_streams_per_client: 2\n")
+    proc, sock, _ = start(tmp_path, demo, "--config", conf)
+    try:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(P.endpoint(sock))
+        raw.send(P.encode(P.request("generate", "big", prompt="x" * 5000)))
+        assert raw.poll(5000)
+        reply = P.decode(raw.recv())
+        assert reply["error"]["name"] == "TOO_LARGE" and "4096" in reply["error"]["message"]
+        raw.send(b"\x00" * 100_000)  # far above: the daemon drops the connection instead of buffering it
+        time.sleep(0.3)
+        assert proc.poll() is None and ctl(sock, "ping").returncode == 0
+        for i in range(3):  # one client, three long requests: the third is one too many
+            raw.send(P.encode(P.request("generate", f"r{i}", prompt="hello", max_tokens=200)))
+        replies = {}
+        end = time.time() + 60
+        while time.time() < end and "r2" not in replies:
+            if raw.poll(1000):
+                m = P.decode(raw.recv())
+                if m["type"] == "generate_reply":
+                    replies[m["id"]] = m
+        assert replies["r2"]["error"]["name"] == "BUSY" and "max_streams_per_client" in replies["r2"]["error"]["message"]
+        for i in range(2):
+            raw.send(P.encode(P.request("cancel", f"c{i}", target=f"r{i}")))
+        raw.close()
+        ctx.term()
+        assert ctl(sock, "generate", "--max-tokens", 4, "still here").returncode == 0  # another client is fine
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def as_user(uid: int, groups: list[int], argv: list[str]) -> tuple[int, str]:
+    """Run colictl's own command code as another uid; its exit code and output. Python
+    lives under /root on this box, closed to other users, so the child is forked with
+    colictl already imported and drops to the uid, rather than exec'd through setpriv."""
+    import colibri.ctl.client  # noqa: F401 (imported before the fork)
+    from colibri.ctl.main import cli
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.close(r)
+            sys.stdout = sys.stderr = os.fdopen(w, "w", buffering=1)  # pytest's capture is not inherited
+            os.setgroups(groups)
+            os.setgid(groups[0])
+            os.setuid(uid)
+            try:
+                cli.main(argv, standalone_mode=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch uids")
+def test_access_is_by_socket_file_permissions(tmp_path, demo):
+    import grp
+    import tempfile
+
+    users = grp.getgrnam("users").gr_gid
+    nobody, nogroup = 65534, grp.getgrnam("nogroup").gr_gid
+    run_dir = tempfile.mkdtemp(prefix="colibri-acl-")
+    os.chmod(run_dir, 0o755)  # the runtime directory: reachable, the sockets' modes decide
+    conf = tmp_path / "acl.yaml"
+    conf.write_text("socket_group: users\n")
+    sock = f"{run_dir}/colibri.sock"
+    proc, _, _ = start(tmp_path, demo, "--config", conf, sock=sock)
+    try:
+        st_user, st_op = os.stat(sock), os.stat(f"{run_dir}/colibri-operator.sock")
+        assert st_user.st_mode & 0o777 == 0o660 and st_op.st_mode & 0o777 == 0o660
+        assert st_user.st_gid == users and st_op.st_gid == os.getgid()
+        code, out = as_user(nobody, [users], ["--socket", sock, "ping"])
+        assert code == 0 and "pong" in out, out  # a member of the socket's group
+        code, out = as_user(nobody, [users], ["--socket", sock, "shutdown"])
+        assert code == exitcodes.PERMISSION and "permission denied on" in out and "colibri-operator.sock" in out
+        assert out.count("\n") == 1, out
+        code, out = as_user(nobody, [nogroup], ["--socket", sock, "ping"])
+        assert code == exitcodes.PERMISSION and "group 'users'" in out, out
+        raw = Client(sock).connect()  # an operator request on the user socket is refused by the daemon too
+        with pytest.raises(ReplyError) as e:
+            raw.call("shutdown")
+        assert e.value.name == "FORBIDDEN"
+        raw.close()
+        assert proc.poll() is None and ctl(sock, "cache", "show").returncode == 0  # root: the operator socket
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
+    """10,000 generated messages (raw bytes, arbitrary JSON, requests of every type with
+    fields of any type) on the user socket: every one gets exactly one reply, and after
+    them the daemon still answers, generates the same tokens, and has not grown."""
+    import psutil
+    import zmq
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    conf = tmp_path / "fuzz.yaml"
+    conf.write_text("max_tokens_limit: 2\nmax_queue: 4\n")
+    proc, sock, _ = start(tmp_path, demo, "--config", conf)
+    try:
+        want = json.loads(ctl(sock, "generate", "--json", "--max-tokens", 2, "fuzz").stdout)["token_ids"]
+        rss0 = psutil.Process(proc.pid).memory_info().rss
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(P.endpoint(sock))
+        counts = {"sent": 0, "replies": 0}
+
+        def drain(timeout_ms=0):
+            while dealer.poll(timeout_ms):
+                if P.decode(dealer.recv())["type"].endswith("_reply"):
+                    counts["replies"] += 1
+                timeout_ms = 0
+
+        scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True) | st.text(
+            max_size=40)
+        values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+            st.text(max_size=8), inner, max_size=4), max_leaves=12)
+        fields = st.sampled_from(["id", "v", "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p",
+                                  "seed", "stop", "target", "protocol", "action", "experts", "layer", "expert"])
+        request = st.builds(
+            lambda kind, extra, rid, version: {"type": kind, "id": rid, "v": version, **extra},
+            st.sampled_from([f"{k}_request" for k in P.REQUEST_TYPES] + ["nonsense", "generate_reply", ""]),
+            st.dictionaries(fields, values, max_size=6),
+            st.text(max_size=6) | values, st.sampled_from([P.PROTOCOL_VERSION, "1.0", "2.0", "x", None]))
+        frames = (st.binary(max_size=300) | values.map(lambda v: json.dumps(v).encode())
+                  | request.map(lambda m: json.dumps(m).encode()))
+
+        @settings(max_examples=1_000, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(frames, min_size=10, max_size=10))
+        def send(batch):  # ten messages an example: 10,000 in all
+            for frame in batch:
+                dealer.send(frame)
+                counts["sent"] += 1
+            drain()
+
+        t0 = time.time()
+        send()
+        end = time.time() + 60
+        while counts["replies"] < counts["sent"] and time.time() < end:
+            drain(200)
+        assert counts["sent"] >= 10_000 and counts["replies"] == counts["sent"]  # one reply each, none lost
+        assert time.time() - t0 < 300
+        dealer.close()
+        ctx.term()
+        assert proc.poll() is None and ctl(sock, "ping").returncode == 0
+        assert json.loads(ctl(sock, "generate", "--json", "--max-tokens", 2, "fuzz").stdout)["token_ids"] == want
+        assert psutil.Process(proc.pid).memory_info().rss - rss0 < 64 * 2**20  # bounded: nothing piles up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_kill_9_keeps_the_last_saved_history_and_a_damaged_one_is_moved_aside(tmp_path, container):
+    conf = tmp_path / "save.yaml"
+    conf.write_text("history_save_s: 0.2\n")
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
+    assert ctl(sock, "generate", "--max-tokens", 8, "remember this").returncode == 0
+    time.sleep(1.0)  # a periodic save happens between steps
+    assert ctl(sock, "ping").returncode == 0
+    proc.kill()  # no goodbye: only what was saved survives
+    proc.wait(30)
+    folder = tmp_path / "state" / "history"
+    (saved,) = list(folder.iterdir())
+    os.unlink(tmp_path / "notify")
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
+    try:
+        assert json.loads(ctl(sock, "stats", "--json").stdout)["history"]["steps_loaded"] == 8
+    finally:
+        proc.kill()
+        proc.wait(30)
+    saved.write_bytes(b"\x00garbage")  # a damaged state file: moved aside, the daemon starts anyway
+    os.unlink(tmp_path / "notify")
+    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
+    try:
+        assert json.loads(ctl(sock, "stats", "--json").stdout)["history"]["steps_loaded"] == 0
+        assert any(".corrupt-" in f.name for f in folder.iterdir())
+        assert "moved aside" in (tmp_path / "colibrid.log").read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -1,0 +1,237 @@
+"""`colictl doctor`: read-only checks of a model and of the box it runs on, one line per
+check, a non-zero exit when any fails, `--json` for scripts.
+
+It changes nothing: it opens files read-only, moves no state aside and starts nothing.
+The model is --model, else the configuration's (--config), else the demo model in the
+state directory. `--deep` also reads every expert record and checks it against the
+manifest's crc32 (with a progress bar on a terminal).
+"""
+
+import json
+import os
+import resource
+import sys
+import zlib
+
+import click
+
+from . import exitcodes
+from .offline import guarded
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+class Report:
+    def __init__(self):
+        self.checks: list[dict] = []
+
+    def add(self, status: str, name: str, detail: str) -> None:
+        self.checks.append({"status": status, "check": name, "detail": detail})
+
+    @property
+    def failed(self) -> bool:
+        return any(c["status"] == FAIL for c in self.checks)
+
+
+def _meminfo_kib(key: str) -> int:
+    from ..storage.cache import _meminfo
+
+    return _meminfo(key)  # kB, as /proc/meminfo counts (HugePages_* are page counts)
+
+
+def check_model(r: Report, path: str, deep: bool) -> dict:
+    """The model directory; returns facts for the box checks (dense and expert bytes, a
+    file to probe O_DIRECT on)."""
+    from ..engine.registry import build_model
+    from ..storage.checkpoint import load_config, open_checkpoint
+    from ..storage.container import is_container, open_container
+    from ..storage.errors import ColibriError
+
+    facts: dict = {}
+    try:
+        cfg = load_config(path)
+        model = build_model(path, cfg)
+    except ColibriError as e:
+        r.add(FAIL, "model", str(e))
+        return facts
+    r.add(OK, "model", f"{path}: {model.MODEL_TYPE}, {model.n_layer} layers, {model.n_expert} experts per MoE layer")
+    if not is_container(path):
+        try:
+            ckpt = open_checkpoint(path)
+            model.check(ckpt)
+        except ColibriError as e:
+            r.add(FAIL, "checkpoint", str(e))
+            return facts
+        size = sum(sf.file_bytes for sf in ckpt.files.values())
+        r.add(OK, "checkpoint", f"{len(ckpt.files)} safetensors file(s), {size / 2**30:.2f} GiB, every tensor "
+                                "present with the shape its config implies (experts all resident: no budget)")
+        facts.update(dense=size, experts=0)
+        return facts
+    try:
+        c = open_container(path)
+    except ColibriError as e:
+        r.add(FAIL, "container", str(e))
+        return facts
+    p = c.precision()
+    r.add(OK, "container", f"format v{c.manifest['version']}, {len(c.records)} expert records of "
+                           f"{c.record_bytes / 2**20:.2f} MiB in {len({x.file for x in c.records.values()})} files, "
+                           f"dense {p['dense']}, experts {p['experts']}{' (lossy)' if p['lossy'] else ''}")
+    want = {(il, ie) for il in model.moe_layers for ie in range(model.n_expert)}
+    missing, extra = sorted(want - set(c.records)), sorted(set(c.records) - want)
+    spans: dict = {}
+    overlaps = 0
+    for rec in c.records.values():
+        spans.setdefault(rec.file, []).append((rec.offset, rec.offset + rec.length))
+    for s in spans.values():
+        s.sort()
+        overlaps += sum(1 for a, b in zip(s, s[1:]) if b[0] < a[1])
+    if missing or extra or overlaps:
+        r.add(FAIL, "index", f"{len(missing)} experts missing (first: {missing[:3]}), {len(extra)} not in the model, "
+                             f"{overlaps} overlapping records")
+    else:
+        r.add(OK, "index", f"every expert of {len(model.moe_layers)} MoE layers indexed once, records aligned to "
+                           "4 KiB and inside their files")
+    try:
+        model.check(c.dense, with_experts=False)
+        r.add(OK, "dense", "dense.safetensors has every dense tensor, with the shapes config.json implies")
+    except ColibriError as e:
+        r.add(FAIL, "dense", str(e))
+    facts.update(dense=sum(sf.file_bytes for sf in c.dense.files.values()), experts=c.expert_bytes,
+                 record_bytes=c.record_bytes, probe=next(iter(c.records.values())).file)
+    if deep:
+        check_checksums(r, c)
+    return facts
+
+
+def check_checksums(r: Report, c) -> None:
+    import mmap
+
+    recs = sorted(c.records.values(), key=lambda x: (x.file, x.offset))
+    buf = mmap.mmap(-1, c.record_bytes)
+    bad, fds = [], {}
+    show = sys.stderr.isatty()
+    try:
+        for i, rec in enumerate(recs):
+            fd = fds.get(rec.file)
+            if fd is None:
+                fd = fds[rec.file] = os.open(rec.file, os.O_RDONLY)
+            try:
+                n = os.preadv(fd, [buf], rec.offset)
+                ok = n == rec.length and zlib.crc32(buf) == rec.crc32
+            except OSError as e:
+                ok, n = False, e.strerror
+            if not ok:
+                bad.append(f"{rec.layer}:{rec.expert} ({os.path.basename(rec.file)} at {rec.offset})")
+            if show and (i % 64 == 0 or i + 1 == len(recs)):
+                click.echo(f"\rchecking expert records: {i + 1}/{len(recs)}", nl=False, err=True)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        if show:
+            click.echo("", err=True)
+    if bad:
+        r.add(FAIL, "checksums", f"{len(bad)} of {len(recs)} expert records do not match the manifest: "
+                                 f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+    else:
+        r.add(OK, "checksums", f"all {len(recs)} expert records match the manifest's crc32")
+
+
+def check_box(r: Report, cfg, facts: dict) -> None:
+    import psutil
+
+    from ..daemon import protocol as P
+    from ..daemon.config import state_dir
+    from ..storage.cache import fmt_bytes, parse_size
+
+    if facts.get("probe"):
+        try:
+            fd = os.open(facts["probe"], os.O_RDONLY | os.O_DIRECT)
+            import mmap
+
+            buf = mmap.mmap(-1, 4096)
+            try:
+                os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+            r.add(OK, "o_direct", f"aligned O_DIRECT reads work on {os.path.dirname(facts['probe'])}")
+        except OSError as e:
+            r.add(WARN, "o_direct", f"O_DIRECT refused on {facts['probe']} ({e.strerror}): expert reads fall back to "
+                                    "buffered reads through the page cache")
+    avail = psutil.virtual_memory().available
+    budget = facts.get("experts", 0)
+    if facts.get("experts"):
+        b = parse_size(cfg.expert_cache)
+        budget = facts["experts"] if b == "all" else (facts["record_bytes"] if b == "min" else min(b, facts["experts"]))
+    need = facts.get("dense", 0) + budget
+    if need:
+        line = (f"{fmt_bytes(need)} needed (dense {fmt_bytes(facts.get('dense', 0))} + expert cache "
+                f"{fmt_bytes(budget)}, expert_cache: {cfg.expert_cache}), {fmt_bytes(avail)} available")
+        r.add(OK if need < 0.9 * avail else WARN if need < avail else FAIL, "memory", line)
+    free_huge = _meminfo_kib("HugePages_Free") * 2 * 2**20  # free 2 MiB pages, in bytes
+    if cfg.hugepages:
+        r.add(OK if free_huge >= budget else WARN, "hugepages",
+              f"{free_huge / 2**30:.2f} GiB of reserved 2 MiB pages free for a {budget / 2**30:.2f} GiB arena"
+              + ("" if free_huge >= budget else ": the arena falls back to transparent hugepages (vm.nr_hugepages)"))
+    else:
+        try:
+            thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        except OSError:
+            thp = "unknown"
+        r.add(OK, "hugepages", f"not asked (hugepages: false); transparent hugepages: {thp}")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    lim = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+    if cfg.mlock:
+        enough = soft == resource.RLIM_INFINITY or soft >= need
+        r.add(OK if enough else WARN, "memlock", f"RLIMIT_MEMLOCK {lim} for {need / 2**30:.2f} GiB to lock"
+              + ("" if enough else ": raise it (LimitMEMLOCK= in the unit) or the lock falls back"))
+    else:
+        r.add(OK, "memlock", f"not asked (mlock: false); RLIMIT_MEMLOCK {lim}")
+    sock = cfg.socket or P.default_socket()
+    folder = os.path.dirname(sock) or "."
+    if os.path.isdir(folder):
+        st = os.stat(folder)
+        writable = os.access(folder, os.W_OK)
+        r.add(OK if writable else FAIL, "socket", f"{folder} mode {st.st_mode & 0o777:o}, owner uid {st.st_uid}, "
+                                                  f"{'writable' if writable else 'not writable'} by uid {os.getuid()}"
+                                                  + (f"; {sock} exists" if os.path.exists(sock) else ""))
+    else:
+        parent = os.path.dirname(folder) or "."
+        ok = os.access(parent, os.W_OK)
+        r.add(OK if ok else FAIL, "socket", f"{folder} does not exist yet; colibrid {'can' if ok else 'cannot'} "
+                                            f"create it in {parent}")
+    state = state_dir(cfg)
+    if os.path.isdir(state):
+        r.add(OK if os.access(state, os.W_OK) else FAIL, "state", f"{state} is "
+              f"{'' if os.access(state, os.W_OK) else 'not '}writable (usage history, demo model)")
+    else:
+        r.add(OK, "state", f"{state} does not exist yet; it is made at first start")
+
+
+@click.command()
+@click.option("--model", "model_path", metavar="DIR", help="model directory (default: the configuration's, else "
+                                                           "the demo model)")
+@click.option("--config", "config_path", metavar="PATH", help="colibrid's YAML configuration (budgets, socket, ...)")
+@click.option("--deep", is_flag=True, help="also read every expert record and check its crc32")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@guarded
+def doctor(model_path, config_path, deep, as_json):
+    """Check a model and this box, read-only: one line per check, exit 7 if any fails."""
+    from ..daemon.config import load, state_dir
+
+    cfg = load(config_path)
+    path = model_path or cfg.model or os.path.join(state_dir(cfg), "demo-model")
+    r = Report()
+    if not os.path.isdir(path):
+        r.add(FAIL, "model", f"{path}: no such directory" + ("" if model_path or cfg.model else
+                                                             " (the demo model is written at colibrid's first start)"))
+        facts = {}
+    else:
+        facts = check_model(r, path, deep)
+    check_box(r, cfg, facts)
+    if as_json:
+        click.echo(json.dumps({"model": path, "ok": not r.failed, "checks": r.checks}))
+    else:
+        for c in r.checks:
+            click.echo(f"{c['status']:<4} {c['check']:<10} {c['detail']}")
+    if r.failed:
+        raise SystemExit(exitcodes.CHECK_FAILED)

@@ -1,0 +1,78 @@
+"""`colictl doctor`: read-only checks, one line each, exit 7 on any failure."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from colibri.ctl import exitcodes
+from colibri.engine.demo import write_demo_model
+from colibri.storage.container import open_container
+
+
+def colictl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "colibri.ctl", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    root = tmp_path_factory.mktemp("doctor")
+    demo = write_demo_model(root / "demo")
+    assert colictl("convert", demo, root / "c").returncode == 0
+    return root / "c"
+
+
+def snapshot(path):
+    return {p: (os.stat(os.path.join(path, p)).st_mtime_ns, os.path.getsize(os.path.join(path, p)))
+            for p in sorted(os.listdir(path))}
+
+
+def test_a_healthy_container_passes_and_nothing_changes(container, tmp_path):
+    env = {"STATE_DIRECTORY": str(tmp_path / "state")}
+    before = snapshot(container)
+    r = colictl("doctor", "--model", container, "--deep", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    names = [ln.split()[1] for ln in lines]
+    for check in ("model", "container", "index", "dense", "checksums", "o_direct", "memory", "hugepages", "memlock",
+                  "socket", "state"):
+        assert check in names, check
+    assert all(ln.startswith(("ok ", "warn ")) for ln in lines)
+    assert "all 64 expert records match" in r.stdout
+    out = json.loads(colictl("doctor", "--model", container, "--json", env=env).stdout)
+    assert out["ok"] and {c["check"] for c in out["checks"]} >= {"container", "index", "o_direct"}
+    assert snapshot(container) == before and not os.path.exists(tmp_path / "state")  # read-only
+
+
+def test_a_corrupted_record_is_found_by_the_deep_check(container, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(container, bad)
+    rec = open_container(str(bad)).records[(2, 9)]
+    with open(rec.file, "r+b") as f:
+        f.seek(rec.offset + 100)
+        byte = f.read(1)
+        f.seek(rec.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert colictl("doctor", "--model", bad).returncode == 0  # the index alone is fine
+    r = colictl("doctor", "--model", bad, "--deep")
+    assert r.returncode == exitcodes.CHECK_FAILED
+    line = next(ln for ln in r.stdout.splitlines() if "checksums" in ln)
+    assert line.startswith("FAIL") and "1 of 64" in line and "2:9 (experts-0002.safetensors" in line
+
+
+def test_missing_files_and_models_fail(container, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(container, broken)
+    os.unlink(broken / "experts-0001.safetensors")
+    r = colictl("doctor", "--model", broken)
+    assert r.returncode == exitcodes.CHECK_FAILED and "FAIL container" in r.stdout and "missing" in r.stdout
+    r = colictl("doctor", "--model", tmp_path / "nothing")
+    assert r.returncode == exitcodes.CHECK_FAILED and "no such directory" in r.stdout
+    conf = tmp_path / "bad.yaml"
+    conf.write_text("expert_cache: lots\n")
+    r = colictl("doctor", "--config", conf, "--model", container)
+    assert r.returncode == exitcodes.USAGE and r.stderr.count("\n") == 1 and "expert_cache" in r.stderr
