@@ -123,7 +123,7 @@ def ab(a, path: str) -> dict:
     rows = []
     for frac in [float(x) for x in a.budgets.split(",")]:
         budget = int(c.expert_bytes * frac)
-        for name in POLICIES:
+        for name in a.policies.split(","):
             for start in ("cold", "warm"):
                 by_prefetch = {}
                 for reads in (0, a.prefetch or 8):
@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--prefetch", type=int, default=0, help="router lookahead: reads started ahead per layer (0: off)")
     ap.add_argument("--policy", default="learned", choices=POLICIES)
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     layers.init()

@@ -516,7 +516,7 @@ class ExpertCache:
         self.slot_row[slot] = -1
         self.free[il].append(slot)
 
-    def _take_slot(self, il: int, busy: set[int], want: int) -> int | None:
+    def _take_slot(self, il: int, busy: set[int], want: int, ahead: bool = False) -> int | None:
         """A slot for a read of expert `want` of layer il: a free one of its share, else its
         LRU victim's (never one of `busy`, this step's experts of il). None when every one
         is busy.
@@ -527,7 +527,7 @@ class ExpertCache:
             return self.free[il].popleft()
         ie = victim(self.lru[il], busy)
         if ie is None:
-            return self._borrow(il, busy, want) if self.main_slots else None
+            return self._borrow(il, busy, want, ahead) if self.main_slots else None
         slot = self._unkeep(il, ie)
         if self.main_slots:
             key = (il, ie)
@@ -543,15 +543,17 @@ class ExpertCache:
         self.stats.evictions += 1
         return slot
 
-    def _borrow(self, il: int, busy: set[int], want: int) -> int | None:
+    def _borrow(self, il: int, busy: set[int], want: int, ahead: bool = False) -> int | None:
         """`learned`, when this step's experts fill the layer's window: a slot of the main
         region (a free one, or its least used expert's if `want` is used more) so that the
         step's reads still go on in parallel; the window gives it back when the step ends
-        (_trim_window). None: the read waits for a window slot."""
+        (_trim_window). A read `ahead` (prefetch) borrows whatever the counts say: its
+        expert is predicted for this step, whose use the history has not seen yet.
+        None: the read waits for a window slot."""
         if self.main_free:
             return self.main_free.popleft()
         low = self._least_used_main(il, busy)
-        if low is None or self.history.value(low) >= self.history.value((il, want)):
+        if low is None or (not ahead and self.history.value(low) >= self.history.value((il, want))):
             return None
         slot = self.main.pop(low)
         self.slot_row[slot], self.slot_main[slot] = -1, False
@@ -695,7 +697,7 @@ class ExpertCache:
                 break
             if ie in lru or (il, ie) in self.pinned or (il, ie) in self.main or ie in ahead:
                 continue
-            slot = self._take_slot(il, protect, ie)
+            slot = self._take_slot(il, protect, ie, ahead=True)
             if slot is None:
                 break
             ahead[ie] = (slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot))
