@@ -13,7 +13,9 @@ socket and reconnects as a new client). It prints one JSON object:
   `duplicated` (a second final reply): both must be 0;
 - the daemon's own count of requests ended (served + failed + cancelled) against the
   requests it accepted, which must agree (a disconnected client's request is cancelled
-  by the daemon, so every request ends exactly once there too);
+  by the daemon, so every request ends exactly once there too); `never_arrived`, the
+  requests a client sent right before closing its socket that never left it (at most
+  the disconnects);
 - latency to the final reply, p50 and p99, of completed requests; RSS of the daemon at
   start and end.
 """
@@ -127,17 +129,18 @@ def main(argv=None) -> dict:
         for t in threads:
             t.join()
         wall = time.time() - t0
-        accepted = tally["sent"] - tally["busy"]
         end = time.time() + 30  # the daemon ends the disconnected clients' requests when it next writes to them
         while True:
             stats = Client(sock).connect().call("stats")["requests"]
-            ended = stats["served"] + stats["failed"] + stats["cancelled"]
+            accepted, ended = stats["accepted"], stats["served"] + stats["failed"] + stats["cancelled"]
             if ended >= accepted or time.time() > end:
                 break
             time.sleep(0.2)
         lat = sorted(tally.pop("latencies", []))
         out = {"benchmark": "soak", "clients": a.clients, "minutes": round(wall / 60, 2), **tally,
                "daemon_accepted": accepted, "daemon_ended": ended, "daemon_alive": proc.poll() is None,
+               # a request sent just before its client closed the socket may never have left it
+               "never_arrived": tally["sent"] - tally["busy"] - accepted,
                "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
                "latency_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else None,
                "rss_start_mib": round(rss0 / 2**20, 1), "rss_end_mib": round(rss(proc.pid) / 2**20, 1)}

@@ -49,7 +49,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()  # I/O thread -> engine thread
         self.inflight: dict[tuple[bytes, str], float] = {}  # generate requests not yet replied to
         self.gone: set[tuple[bytes, str]] = set()  # of those, the ones whose client vanished
-        self.counters = {"served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.counters = {"accepted": 0, "served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self.boot: dict = {}
         self.socket_path = cfg.socket or P.default_socket()
         self.operator_path = cfg.operator_socket or P.operator_socket(self.socket_path)
@@ -417,6 +417,7 @@ class Server:
             return P.error("generate", rid, "BUSY", f"this client has {mine} requests running or queued, the most "
                                                     "one client may have (max_streams_per_client); retry later")
         self.inflight[key] = time.time()
+        self.counters["accepted"] += 1  # each ends as exactly one of served, failed, cancelled
         self.inbox.put(("generate", key, msg))
         return None  # the engine thread streams and replies
 

@@ -14,4 +14,5 @@ def test_a_minute_of_random_clients():
     assert out["daemon_alive"] and out["lost"] == 0 and out["duplicated"] == 0
     assert out["completed"] > 20 and out["cancelled"] > 0 and out["disconnected"] > 0
     assert out["daemon_ended"] == out["daemon_accepted"]  # every accepted request ended once in the daemon too
+    assert 0 <= out["never_arrived"] <= out["disconnected"]  # only a disconnect can lose a request in flight
     assert out["rss_end_mib"] - out["rss_start_mib"] < 200
