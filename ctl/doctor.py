@@ -33,12 +33,6 @@ class Report:
         return any(c["status"] == FAIL for c in self.checks)
 
 
-def _meminfo_kib(key: str) -> int:
-    from ..storage.cache import _meminfo
-
-    return _meminfo(key)  # kB, as /proc/meminfo counts (HugePages_* are page counts)
-
-
 def check_model(r: Report, path: str, deep: bool) -> dict:
     """The model directory; returns facts for the box checks (dense and expert bytes, a
     file to probe O_DIRECT on)."""
@@ -141,7 +135,7 @@ def check_box(r: Report, cfg, facts: dict) -> None:
 
     from ..daemon import protocol as P
     from ..daemon.config import state_dir
-    from ..storage.cache import fmt_bytes, parse_size
+    from ..storage.cache import fmt_bytes, meminfo, parse_size
 
     if facts.get("probe"):
         try:
@@ -167,7 +161,7 @@ def check_box(r: Report, cfg, facts: dict) -> None:
         line = (f"{fmt_bytes(need)} needed (dense {fmt_bytes(facts.get('dense', 0))} + expert cache "
                 f"{fmt_bytes(budget)}, expert_cache: {cfg.expert_cache}), {fmt_bytes(avail)} available")
         r.add(OK if need < 0.9 * avail else WARN if need < avail else FAIL, "memory", line)
-    free_huge = _meminfo_kib("HugePages_Free") * 2 * 2**20  # free 2 MiB pages, in bytes
+    free_huge = meminfo("HugePages_Free") * 2 * 2**20  # free 2 MiB pages, in bytes
     if cfg.hugepages:
         r.add(OK if free_huge >= budget else WARN, "hugepages",
               f"{free_huge / 2**30:.2f} GiB of reserved 2 MiB pages free for a {budget / 2**30:.2f} GiB arena"

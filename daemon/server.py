@@ -49,6 +49,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()  # I/O thread -> engine thread
         self.inflight: dict[tuple[bytes, str], float] = {}  # generate requests not yet replied to
         self.gone: set[tuple[bytes, str]] = set()  # of those, the ones whose client vanished
+        self._saved_steps = None  # the usage history's step count at its last write
         self.counters = {"accepted": 0, "served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self.boot: dict = {}
         self.socket_path = cfg.socket or P.default_socket()
@@ -595,7 +596,7 @@ class Server:
     def save_history(self) -> None:
         """Write the usage history (atomically) from the engine thread; a failure is logged."""
         history = getattr(self.model.experts, "history", None)
-        if history is None or history.steps == getattr(self, "_saved_steps", None):
+        if history is None or history.steps == self._saved_steps:
             return  # nothing new since the last write
         self._saved_steps = history.steps
         try:

@@ -46,7 +46,8 @@ MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # likewise
 HUGEPAGE = 2 * 2**20
 
 
-def _meminfo(key: str) -> int:
+def meminfo(key: str) -> int:
+    """A /proc/meminfo field (kB; HugePages_* are page counts), 0 when absent."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -267,7 +268,7 @@ class ExpertCache:
         try:
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
         except OSError as e:
-            free = _meminfo("HugePages_Free")
+            free = meminfo("HugePages_Free")
             self.hugepages = (f"fallback from reserved hugepages: {e.strerror}; {free} free of 2 MiB, "
                               f"{size // HUGEPAGE} needed (sysctl vm.nr_hugepages)")
             log.warning("expert arena: %s", self.hugepages)

@@ -8,6 +8,7 @@ asks for the next batch, so the engine may compute a batch's experts in parallel
 cache (cache.py) streams them from a container under a byte budget.
 """
 
+import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -124,8 +125,6 @@ class TracedSource:
         return self.inner.prefetch(il, ids, max_reads) if max_reads and hasattr(self.inner, "prefetch") else 0
 
     def stream(self, il: int, ids: list[int]):
-        import json
-
         line = {"step": self.step, "layer": il, "experts": [int(i) for i in ids]}
         if il in self.predicted:
             line["predicted"] = self.predicted.pop(il)

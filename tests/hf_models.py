@@ -124,3 +124,25 @@ def hub_spelling(cfg: dict) -> dict:
             cfg[b] = cfg.pop(a)
             break
     return cfg
+
+
+def build_container(root, family: str, case: str, seed: int, **overrides):
+    """A tiny checkpoint built in root/hf and converted into the container root/c; returns
+    it opened."""
+    from colibri.engine.registry import build_model
+    from colibri.storage.checkpoint import load_config, open_checkpoint
+    from colibri.storage.container import open_container
+    from colibri.storage.convert import ExpertPlan, convert
+
+    build(family, case, root / "hf", seed=seed, **overrides)
+    model = build_model(str(root / "hf"), load_config(str(root / "hf")))
+    convert(open_checkpoint(str(root / "hf")), root / "c",
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
+    return open_container(str(root / "c"))
+
+
+def served(cache, il, ids):
+    """What an expert source hands out for experts `ids` of layer il, copied: {id: [arrays]}."""
+    import numpy as np
+
+    return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}

@@ -7,28 +7,16 @@ import os
 import numpy as np
 import pytest
 
-from colibri.engine.registry import build_model
 from colibri.storage import cache as cache_mod
 from colibri.storage.cache import ExpertCache, ExpertReadError
-from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.container import open_container
-from colibri.storage.convert import ExpertPlan, convert
 
-from hf_models import build
+from hf_models import build_container, served
 
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache")
-    build("qwen3_moe", "basic", root / "hf", seed=9)
-    model = build_model(str(root / "hf"), load_config(str(root / "hf")))
-    convert(open_checkpoint(str(root / "hf")), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
-    return open_container(str(root / "c"))
+    return build_container(tmp_path_factory.mktemp("cache"), "qwen3_moe", "basic", seed=9)
 
-
-def served(cache, il, ids):
-    return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}
 
 
 def test_o_direct_by_default(container):

@@ -7,24 +7,15 @@ import shutil
 import numpy as np
 import pytest
 
-from colibri.engine.registry import build_model
 from colibri.storage.cache import ExpertCache, ExpertReadError
-from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.container import open_container
-from colibri.storage.convert import ExpertPlan, convert
 from colibri.storage.faults import FaultPlan, FaultSpecInvalid
 
-from hf_models import build
+from hf_models import build_container, served
 
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    build("qwen3_moe", "basic", root / "hf", seed=12)
-    model = build_model(str(root / "hf"), load_config(str(root / "hf")))
-    convert(open_checkpoint(str(root / "hf")), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
-    return open_container(str(root / "c"))
+    return build_container(tmp_path_factory.mktemp("faults"), "qwen3_moe", "basic", seed=12)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +25,6 @@ def mirror(container, tmp_path_factory):
         shutil.copy(r, d)
     return str(d)
 
-
-def served(cache, il, ids):
-    return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}
 
 
 def same(a, b):

@@ -4,29 +4,17 @@ a repinned expert's bytes are still its own."""
 import numpy as np
 import pytest
 
-from colibri.engine.registry import build_model
 from colibri.storage.cache import BudgetInvalid, ExpertCache
-from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.container import open_container
-from colibri.storage.convert import ExpertPlan, convert
 from colibri.storage.history import UsageHistory
 from colibri.storage.policy import Policy, PolicyInvalid, learned_slots, plan_repin, victim
 
-from hf_models import build
+from hf_models import build_container, served
 
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policy")
-    build("qwen3_moe", "basic", root / "hf", seed=9, num_hidden_layers=3)
-    model = build_model(str(root / "hf"), load_config(str(root / "hf")))
-    convert(open_checkpoint(str(root / "hf")), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
-    return open_container(str(root / "c"))
+    return build_container(tmp_path_factory.mktemp("policy"), "qwen3_moe", "basic", seed=9, num_hidden_layers=3)
 
-
-def served(cache, il, ids):
-    return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}
 
 
 def counts(table):
