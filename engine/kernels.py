@@ -23,6 +23,9 @@ def f16_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
+ROWS_PER_TASK = 64  # rows a parallel kernel's thread takes at a time
+
+
 def _make_matmul_u16(parallel: bool):
     @nb.njit(parallel=parallel, **JIT_FAST)
     def matmul_u16(x, w, is_bf16, f16_lut, out):
@@ -32,20 +35,21 @@ def _make_matmul_u16(parallel: bool):
         # `parallel` is read here so that it is part of the closure numba's cache keys on: the
         # serial and the parallel build of this function must not share a cache entry
         assert parallel or not parallel
-        for n in nb.prange(N):
-            bits = np.empty(D, np.uint32)
+        for c in nb.prange((N + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            bits = np.empty(D, np.uint32)  # one buffer per task of rows, not per row
             row = bits.view(np.float32)  # [D] one widened row
-            if is_bf16:
-                for d in range(D):
-                    bits[d] = np.uint32(w[n, d]) << 16
-            else:
-                for d in range(D):
-                    row[d] = f16_lut[w[n, d]]
-            for t in range(T):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += x[t, d] * row[d]
-                out[t, n] = acc
+            for n in range(c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK)):
+                if is_bf16:
+                    for d in range(D):
+                        bits[d] = np.uint32(w[n, d]) << 16
+                else:
+                    for d in range(D):
+                        row[d] = f16_lut[w[n, d]]
+                for t in range(T):
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += x[t, d] * row[d]
+                    out[t, n] = acc
 
     return matmul_u16
 
@@ -188,13 +192,14 @@ def matmul_q8(x, q, scales, g, f16_lut, out):
 
 
 @nb.njit(**JIT_FAST)
-def q4_split(x, g, xe, xo, xsum8):
-    # x [T, D] -> xe, xo [T, D/2] (even and odd columns), xsum8 [T, D/g] = 8 * each group's sum
+def q4_split(x, g, xe, xd, xsum8):
+    # x [T, D] -> xe [T, D/2] (even columns), xd [T, D/2] (odd columns - 16 * even ones),
+    # xsum8 [T, D/g] = 8 * each group's sum: what matmul_q4 takes instead of x
     T, D = x.shape
     for t in range(T):
         for j in range(D // 2):
             xe[t, j] = x[t, 2 * j]
-            xo[t, j] = x[t, 2 * j + 1]
+            xd[t, j] = x[t, 2 * j + 1] - np.float32(16.0) * x[t, 2 * j]
         for gi in range(D // g):
             s = np.float32(0.0)
             for j in range(gi * g, gi * g + g):
@@ -202,12 +207,15 @@ def q4_split(x, g, xe, xo, xsum8):
             xsum8[t, gi] = np.float32(8.0) * s
 
 
-def _make_q4(half: int):
+def _make_q4(g: int):
     # one kernel per group size: LLVM vectorises the group loop only when its length is a constant
+    half = g // 2
+
     @nb.njit(**JIT_FAST)
-    def matmul_q4_g(xe, xo, xsum8, q, scales, f16_lut, out):
-        # xe, xo [T, D/2]; xsum8 [T, G]; q [N, D/2] uint8 (even column in the low nibble, value + 8);
-        # scales [N, G] f16 bits; out [T, N]. Per group: sum(xe*lo + xo*hi) - 8*sum(x), times the scale.
+    def matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out):
+        # xe, xd, xsum8 from q4_split; q [N, D/2] uint8 (even column in the low nibble, value + 8);
+        # scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so per group
+        # sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the group's scale.
         T, H = xe.shape
         N = q.shape[0]
         for n in range(N):
@@ -216,15 +224,39 @@ def _make_q4(half: int):
                 for gi in range(H // half):
                     part = np.float32(0.0)
                     for j in range(gi * half, gi * half + half):
-                        # nibbles in float arithmetic (exact for 0..255): integer ops would widen
-                        # to int64, whose conversion to float does not vectorise on AVX2
+                        # the high nibble in float arithmetic (exact for 0..255): integer ops would
+                        # widen to int64, whose conversion to float does not vectorise on AVX2
                         b = np.float32(q[n, j])
-                        hi = np.floor(b * np.float32(0.0625))
-                        part += xe[t, j] * (b - np.float32(16.0) * hi) + xo[t, j] * hi
+                        part += xe[t, j] * b + xd[t, j] * np.floor(b * np.float32(0.0625))
                     acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
                 out[t, n] = acc
 
-    return matmul_q4_g
+    @nb.njit(**JIT_FAST)
+    def linear_q4_g(x, q, scales, f16_lut, out):
+        # x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits, out [T, N]: out = x @ dequant(q).T
+        T, D = x.shape
+        xe, xd = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
+        xsum8 = np.empty((T, D // g), np.float32)
+        q4_split(x, g, xe, xd, xsum8)
+        matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out)
+
+    @nb.njit(**JIT_FAST)
+    def swiglu_q4_g(x, gate_q, gate_s, up_q, up_s, down_q, down_s, f16_lut, out):
+        # one int4 expert in one call: x [T, D]; gate, up [I, D/2] with scales [I, D/g];
+        # down [D, I/2] with scales [D, I/g]; out [T, D] = down(silu(gate x) * up x)
+        T = x.shape[0]
+        I = gate_q.shape[0]
+        h = np.empty((T, I), np.float32)
+        u = np.empty((T, I), np.float32)
+        linear_q4_g(x, gate_q, gate_s, f16_lut, h)
+        linear_q4_g(x, up_q, up_s, f16_lut, u)
+        silu_mul(h, u, h)
+        linear_q4_g(h, down_q, down_s, f16_lut, out)
+
+    return linear_q4_g, swiglu_q4_g
 
 
-MATMUL_Q4 = {g: _make_q4(g // 2) for g in (32, 64, 128)}  # group size -> kernel (storage/quant.py INT4_GROUPS)
+# group size -> kernel (storage/quant.py INT4_GROUPS)
+LINEAR_Q4, SWIGLU_Q4 = {}, {}
+for _g in (32, 64, 128):
+    LINEAR_Q4[_g], SWIGLU_Q4[_g] = _make_q4(_g)

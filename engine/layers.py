@@ -36,8 +36,9 @@ def init(n_threads: int | None = None) -> None:
               QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     x64 = np.ones((1, 128), np.float32)
-    for g in kernels.MATMUL_Q4:
-        linear(x64, QuantWeight("int4", np.ones((2, 64), np.uint8), np.ones((2, 128 // g), np.float16), g))
+    for g in kernels.LINEAR_Q4:
+        q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
+        swiglu(x64, q4, q4, q4)
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
     kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
@@ -60,11 +61,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
         if w.kind == "int8":
             kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
         else:
-            T, D = x.shape
-            xe, xo = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
-            xsum8 = np.empty((T, D // w.group_size), np.float32)
-            kernels.q4_split(x, w.group_size, xe, xo, xsum8)
-            kernels.MATMUL_Q4[w.group_size](xe, xo, xsum8, w.q, scales, _F16_LUT, y)
+            kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
@@ -89,8 +86,14 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(shape)
 
 
-def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+def swiglu(x: np.ndarray, gate, up, down) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]
+    if all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down)):
+        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)  # int4 experts: one kernel call
+        kernels.SWIGLU_Q4[gate.group_size](np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16),
+                                          up.q, up.scales.view(np.uint16), down.q, down.scales.view(np.uint16),
+                                          _F16_LUT, out)
+        return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
     kernels.silu_mul(g, u, g)
@@ -277,7 +280,7 @@ _N_HELPERS = 0
 def set_threads(n: int) -> None:
     """Use n threads for the experts of a batch (the caller's thread is one of them) and for
     the parallel dense kernels."""
-    global _COMPUTE_POOL
+    global _COMPUTE_POOL, _N_HELPERS
     from concurrent.futures import ThreadPoolExecutor
 
     import numba

@@ -163,3 +163,41 @@ def test_int4_packing_layout():
     qw = quantize(w, "int4", 32)
     assert qw.q[0, :2].tolist() == [(7 + 8) | ((-7 + 8) << 4), (1 + 8) | ((0 + 8) << 4)]
     np.testing.assert_array_equal(dequantize(qw), w)
+
+
+@pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128)])
+def test_int4_swiglu_in_one_call(T, D, I, g):
+    """The fused int4 expert (gate, up, silu, down in one kernel call) against numpy on the
+    dequantized matrices, and against the three separate int4 matmuls."""
+    from colibri.storage.quant import dequantize, quantize
+
+    layers.init()
+    gate, up, down = quantize(rand(I, D), "int4", g), quantize(rand(I, D), "int4", g), quantize(rand(D, I), "int4", g)
+    x = rand(T, D)
+    hg, hu = (x.astype(np.float64) @ dequantize(w).T.astype(np.float64) for w in (gate, up))
+    ref = (hg / (1 + np.exp(-hg)) * hu) @ dequantize(down).T.astype(np.float64)
+    out = layers.swiglu(x, gate, up, down)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()  # float32 sums of float64 products
+    h = layers.linear(x, gate)
+    kernels.silu_mul(h, layers.linear(x, up), h)
+    np.testing.assert_array_equal(out, layers.linear(h, down))
+
+
+def test_experts_of_a_batch_use_every_compute_thread():
+    """run_shared hands items to the helper threads too: two items that each wait for the
+    other can only finish if two threads run them at once."""
+    import threading
+
+    layers.set_threads(2)
+    try:
+        meet = threading.Barrier(2, timeout=10)
+        seen = set()
+
+        def item(_):
+            seen.add(threading.get_ident())
+            meet.wait()
+
+        layers.run_shared([0, 1], item)
+        assert len(seen) == 2
+    finally:
+        layers.init()
