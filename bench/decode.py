@@ -166,6 +166,8 @@ def main():
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=0, help="router lookahead: reads started ahead per layer (0: off)")
     ap.add_argument("--policy", default="learned", choices=POLICIES)
+    ap.add_argument("--verify", default="first", choices=("first", "always", "off"),
+                    help="checksums of expert reads (colibri's default: each expert's first read)")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
@@ -191,7 +193,7 @@ def main():
         disk = max(disk_gbs(c, a.io_threads), disk_gbs(c, 4), disk_gbs(c, a.io_threads))
         t0 = time.perf_counter()
         model = load_model(path, budget=budget, io_threads=a.io_threads,
-                           policy=Policy(name=a.policy, prefetch_reads=a.prefetch))
+                           policy=Policy(name=a.policy, prefetch_reads=a.prefetch), verify=a.verify)
         load_s = time.perf_counter() - t0
         r = run(model, ids, a.tokens)
         st = r["st"]
@@ -208,6 +210,7 @@ def main():
             "disk_odirect_gbs": round(disk, 3), "read_gbs": round(st.bytes_read / st.io_wall_s / 1e9, 3)
             if st.io_wall_s else None,
             "io_wait_s": round(st.io_wait_s, 3), "wall_s": round(r["wall_s"], 3),
+            "verify": a.verify, "verified": st.verified, "verify_s": round(st.verify_s, 3),
             "io_floor_ratio": round(st.bytes_read / (disk * 1e9) / r["wall_s"], 3) if st.bytes_read else None,
             "prefetch": {"reads_per_layer": a.prefetch, "issued": st.prefetch_issued, "used": st.prefetch_used,
                          "wasted": st.prefetch_wasted},

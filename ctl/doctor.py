@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import sys
-import zlib
 
 import click
 
@@ -100,6 +99,8 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
 def check_checksums(r: Report, c) -> None:
     import mmap
 
+    from ..storage.container import crc32
+
     recs = sorted(c.records.values(), key=lambda x: (x.file, x.offset))
     buf = mmap.mmap(-1, c.record_bytes)
     bad, fds = [], {}
@@ -111,7 +112,7 @@ def check_checksums(r: Report, c) -> None:
                 fd = fds[rec.file] = os.open(rec.file, os.O_RDONLY)
             try:
                 n = os.preadv(fd, [buf], rec.offset)
-                ok = n == rec.length and zlib.crc32(buf) == rec.crc32
+                ok = n == rec.length and crc32(buf) == rec.crc32
             except OSError as e:
                 ok, n = False, e.strerror
             if not ok:

@@ -129,7 +129,7 @@ def stats(client, as_json, watch):
             rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
             click.echo(f"experts: {e['hits']} hits, {e['misses']} misses (hit rate {rate}), "
                        f"{e['bytes_read'] / 2**20:.1f} MiB read, {e['evictions']} evictions, "
-                       f"waiting on I/O {e['io_wait_s']:.2f} s, policy {r.get('policy') or '-'} | requests: "
+                       f"batch-union saving x{e.get('union_saving') or 1:.2f}, waiting on I/O {e['io_wait_s']:.2f} s, policy {r.get('policy') or '-'} | requests: "
                        f"{q['served']} served, {q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
             if r.get("history"):
                 click.echo(f"history: {history_line(r['history'])}")

@@ -313,7 +313,7 @@ def run_shared(items: list, fn) -> None:
         f.result()
 
 
-def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -> np.ndarray:
+def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, step: Step | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
     T, A = ids.shape
@@ -325,6 +325,10 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int) -
         ys[t_idx, slot] = swiglu(x[t_idx], gate, up, down) * weights[t_idx, slot][:, None]
 
     union = np.unique(ids)  # each expert of the step once, however many tokens chose it
+    if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
+        experts.stats.routed += sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
+    else:
+        experts.stats.routed += len(union)
     for batch in experts.stream(il, union.tolist()):  # in any order
         if _COMPUTE_POOL is None or len(batch) == 1:
             for item in batch:

@@ -65,4 +65,4 @@ class Model(MoEModel):
         h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il)
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
-        return h + moe(x, ids, w, self.experts, il)
+        return h + moe(x, ids, w, self.experts, il, step)

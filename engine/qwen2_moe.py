@@ -103,4 +103,4 @@ class Model(MoEModel):
         ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
         shared = swiglu(x, L["shared_gate_proj"], L["shared_up"], L["shared_down"])  # [T, D]
         gate = 1.0 / (1.0 + np.exp(-linear(x, L["shared_gate"])))  # [T, 1]
-        return h + moe(x, ids, w, self.experts, il) + gate * shared
+        return h + moe(x, ids, w, self.experts, il, step) + gate * shared

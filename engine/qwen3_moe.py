@@ -84,4 +84,4 @@ class Model(MoEModel):
         if not self.is_moe(il):
             return h + swiglu(x, L["gate"], L["up"], L["down"])
         ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
-        return h + moe(x, ids, w, self.experts, il)
+        return h + moe(x, ids, w, self.experts, il, step)

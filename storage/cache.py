@@ -25,15 +25,15 @@ import logging
 import mmap
 import os
 import re
+import threading
 import time
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .container import Container, ExpertRecord
+from .container import Container, ExpertRecord, crc32
 from .errors import ColibriError
 from .experts import ExpertStats
 from .faults import FaultPlan, inject
@@ -142,6 +142,8 @@ class ExpertCache:
         self.stats = ExpertStats()
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
         self.io_threads = io_threads
+        self._io_lock = threading.Lock()  # guards the two below (engine and I/O threads)
+        self._io_busy, self._io_since = 0, 0.0  # reads submitted and not finished; since when some are
         self.fds: dict[str, int] = {}
         self.direct, self.fallback_reason = direct, None
         for file in sorted({r.file for r in container.records.values()}):
@@ -362,8 +364,7 @@ class ExpertCache:
                     if k not in self.main and k[1] not in self.lru[k[0]]][: len(self.main_free)]
             for key in want:
                 reads.append((key, self.main_free.popleft(), False))
-        futures = [(key, slot, pin, self.pool.submit(self._read, self.c.records[key], slot))
-                   for key, slot, pin in reads]
+        futures = [(key, slot, pin, self._submit(key, slot)) for key, slot, pin in reads]
         failed = None
         for key, slot, pin, fut in futures:
             try:
@@ -446,6 +447,24 @@ class ExpertCache:
             v = self._views[slot] = self.c.expert_views(self.arena[slot])
         return v
 
+    def _submit(self, key: tuple[int, int], slot: int) -> Future:
+        """Start reading expert `key` into `slot` on the I/O threads. `io_wall_s` counts the
+        time during which at least one submitted read has not finished, prefetches included."""
+        with self._io_lock:
+            if not self._io_busy:
+                self._io_since = time.perf_counter()
+            self._io_busy += 1
+        return self.pool.submit(self._read_counted, self.c.records[key], slot)
+
+    def _read_counted(self, rec: ExpertRecord, slot: int) -> float:
+        try:
+            return self._read(rec, slot)
+        finally:
+            with self._io_lock:
+                self._io_busy -= 1
+                if not self._io_busy:
+                    self.stats.io_wall_s += time.perf_counter() - self._io_since
+
     def _read(self, rec: ExpertRecord, slot: int) -> float:
         """Read one record into `slot`, verified against the manifest's checksum (as
         `verify` says); a failed or corrupted read is tried once more, then on the mirror.
@@ -492,7 +511,7 @@ class ExpertCache:
         key = (rec.layer, rec.expert)
         if self.verify == "always" or (self.verify == "first" and key not in self.verified):
             t = time.perf_counter()
-            crc = zlib.crc32(row)
+            crc = crc32(row)
             self.stats.verify_s += time.perf_counter() - t
             self.stats.verified += 1
             if crc != rec.crc32:
@@ -618,19 +637,15 @@ class ExpertCache:
         st.prefetch_used += len(ahead)
         busy = set(hits) | set(ahead) | set(pinned)  # experts of this step whose slots must not be reused yet
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
-        t_first = time.perf_counter() if ahead else None
 
         def submit():
-            nonlocal t_first
             while pending:
                 slot = self._take_slot(il, busy, pending[0])
                 if slot is None:
                     return
                 ie = pending.popleft()
                 busy.add(ie)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                inflight.append((ie, slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot)))
+                inflight.append((ie, slot, self._submit((il, ie), slot)))
 
         def landed(ie, slot, fut):
             t0 = time.perf_counter()
@@ -669,8 +684,6 @@ class ExpertCache:
                     self._keep(il, ie, slot)
                 except ExpertReadError:
                     self._release(il, slot)
-            if t_first is not None:
-                st.io_wall_s += time.perf_counter() - t_first
             if self.main_slots:
                 self._trim_window(il)
 
@@ -701,7 +714,7 @@ class ExpertCache:
             slot = self._take_slot(il, protect, ie, ahead=True)
             if slot is None:
                 break
-            ahead[ie] = (slot, self.pool.submit(self._read, self.c.records[(il, ie)], slot))
+            ahead[ie] = (slot, self._submit((il, ie), slot))
             n += 1
         self.stats.prefetch_issued += n
         return n

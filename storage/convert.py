@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from .container import (
     FORMAT,
     PARTS,
     VERSION,
+    crc32,
     expert_file_name,
     record_layout,
     write_manifest,
@@ -207,7 +207,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                         record[p.offset : p.offset + p.n_bytes] = v.reshape(-1).view(np.uint8)
             w.write(record)
             index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + ie * record_bytes,
-                          "length": record_bytes, "crc32": zlib.crc32(record)})
+                          "length": record_bytes, "crc32": crc32(record)})
             done += 1
             if progress:
                 progress(done, total)

@@ -24,6 +24,8 @@ class ExpertStats:
     steps: int = 0  # forward steps
     fetches: int = 0  # layer-steps served
     experts: int = 0  # experts served, each unique expert of a layer-step once
+    routed: int = 0  # experts the step's sequences routed to, each sequence's own set counted: routed /
+    # experts is the batch-union saving (1.0 for one sequence at a time)
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -42,6 +44,7 @@ class ExpertStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hit_rate"] = round(self.hits / self.experts, 4) if self.experts else None
+        d["union_saving"] = round(self.routed / self.experts, 4) if self.experts else None
         d["read_gbs"] = round(self.bytes_read / self.io_wall_s / 1e9, 3) if self.io_wall_s else None
         used, settled = self.prefetch_used, self.prefetch_used + self.prefetch_wasted
         d["prefetch_precision"] = round(used / settled, 4) if settled else None

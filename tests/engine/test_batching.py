@@ -70,6 +70,14 @@ def test_streamed_batch_reads_the_union_once(tmp_path):
     st = model.experts.stats
     assert st.misses <= model.n_expert * len(model.moe_layers)  # never more than one read per expert
     assert st.fetches == len(model.moe_layers)  # one request for the union per layer
+    # the union saving: each sequence alone asks for its own union; the batch, once, for all of them
+    routed = 0
+    for s in seqs:
+        one = load_model(str(tmp_path / "c"), budget="all")
+        one.forward(s, one.new_cache(8))
+        assert one.experts.stats.routed == one.experts.stats.experts
+        routed += one.experts.stats.experts
+    assert st.routed == routed and st.as_dict()["union_saving"] == round(routed / st.experts, 4) > 1
     want = {i: alone(load_model(str(tmp_path / "c"), budget="min"), s.tolist(), 8) for i, s in enumerate(seqs[:3])}
     assert together(load_model(str(tmp_path / "c"), budget="min"), [s.tolist() for s in seqs[:3]], 8,
                     join_at=[0, 1, 2]) == want

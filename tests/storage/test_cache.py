@@ -18,7 +18,6 @@ def container(tmp_path_factory):
     return build_container(tmp_path_factory.mktemp("cache"), "qwen3_moe", "basic", seed=9)
 
 
-
 def test_o_direct_by_default(container):
     c = ExpertCache(container, "min")
     assert c.direct and c.fallback_reason is None
@@ -56,6 +55,20 @@ def test_lru_keeps_the_recent_and_counts(container):
     assert set(c.lru[il]) == {1, 3}
     assert (c.stats.hits, c.stats.misses, c.stats.evictions) == (1, 3, 1)
     assert c.stats.bytes_read == 3 * c.record_bytes
+
+
+def test_read_time_counts_reads_started_ahead(container):
+    """io_wall_s is the time with reads in flight, however they were started: reads a
+    prefetch started count before the step streams them (read GB/s = bytes / io_wall_s)."""
+    il = container.moe_layers[0]
+    c = ExpertCache(container, "all")
+    assert c.prefetch(il, [0, 1, 2], max_reads=3) == 3
+    for _, fut in c.prefetched[il].values():
+        fut.result()
+    assert c.stats.io_wall_s > 0 and c._io_busy == 0
+    before = c.stats.io_wall_s
+    served(c, il, [0, 1, 2])  # all three were read ahead: nothing more is in flight
+    assert c.stats.io_wall_s == before and c.stats.bytes_read == 3 * c.record_bytes
 
 
 def test_more_experts_than_slots_stream_through(container):
