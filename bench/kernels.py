@@ -1,5 +1,6 @@
-"""Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec reaches at
-batch 1, next to the memory read bandwidth measured in the same run, and their ratio.
+"""Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec and the int4
+expert (gate, up, down in one call) reach at batch 1, next to the memory read bandwidth
+measured in the same run, and their ratio.
 
     python bench/kernels.py [--mib 512] [--repeat 3]
 
@@ -61,6 +62,28 @@ def matvec_gbs(rows: int, cols: int, dtype: str, mib: int, repeat: int) -> float
     return ws.nbytes / best(sweep, repeat) / 1e9
 
 
+def int4_expert_gbs(rows: int, cols: int, group: int, mib: int, repeat: int) -> float:
+    """One int4 expert (gate and up [rows, cols], down [cols, rows]) per call, as decode runs it."""
+    from colibri.storage.quant import QuantWeight
+
+    rng = np.random.default_rng(0)
+
+    def q4(n, d):
+        return QuantWeight("int4", rng.integers(0, 256, (n, d // 2), dtype=np.uint8),
+                           rng.uniform(0.01, 0.02, (n, d // group)).astype(np.float16), group)
+
+    one = 3 * (rows * cols // 2 + rows * cols // group * 2)
+    experts = [(q4(rows, cols), q4(rows, cols), q4(cols, rows)) for _ in range(max(2, mib * 2**20 // one))]
+    x = rng.standard_normal((1, cols), dtype=np.float32)
+
+    def sweep():
+        for e in experts:
+            layers.swiglu(x, *e)
+
+    sweep()
+    return len(experts) * one / best(sweep, repeat) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="working set per measurement (MiB)")
@@ -74,6 +97,10 @@ def main():
             gbs = matvec_gbs(rows, cols, dtype, a.mib, a.repeat)
             results.append({"shape": name, "rows": rows, "cols": cols, "dtype": dtype, "batch": 1,
                             "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
+    for name, (rows, cols) in SHAPES.items():
+        gbs = int4_expert_gbs(rows, cols, 64, a.mib, a.repeat)
+        results.append({"shape": name, "rows": rows, "cols": cols, "dtype": "int4 g64 expert (gate+up+down)",
+                        "batch": 1, "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
     bf16 = [r["weight_gbs"] for r in results if r["dtype"] == "bf16"]
     print(json.dumps({
         "benchmark": "kernels",

@@ -42,6 +42,7 @@ class Config:
     mirror: str | None = None  # a directory with copies of the expert files, read when the primary fails
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
+    batch_window_ms: float = 20.0  # an idle engine waits this long after a request for others sent with it
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
@@ -67,7 +68,8 @@ _KINDS = {  # key -> what a valid value is
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
     "mirror": "path",
-    "max_queue": "positive", "max_active": "positive", "max_tokens_limit": "positive",
+    "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
+    "max_tokens_limit": "positive",
     "max_streams_per_client": "positive", "max_message_bytes": "positive",
     "watchdog_s": "seconds", "log_level": "level",
 }
@@ -98,8 +100,8 @@ def _valid(kind: str, v) -> str | None:
         return None if v is None or (is_int and v >= 0) else "a NUMA node number or null"
     if kind == "bool":
         return None if isinstance(v, bool) else "true or false"
-    if kind == "seconds":
-        return None if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else "seconds, at least 0"
+    if kind in ("seconds", "milliseconds"):
+        return None if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else f"{kind}, at least 0"
     if kind == "fraction":
         ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1
         return None if ok else "a fraction from 0 to 1"

@@ -242,7 +242,7 @@ class Server:
         self.hup = True  # handled by the main loop, outside the signal handler
 
     POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
-    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "max_tokens_limit", "log_level", "watchdog_s",
+    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "max_tokens_limit", "log_level", "watchdog_s",
                     "history_save_s", *POLICY_KEYS)
 
     def reload(self, key=None) -> dict:
@@ -503,13 +503,23 @@ class Server:
                     waiting.clear()
                     if not batcher.active:
                         return
-                block = not batcher.active and not waiting and not self.stopping.is_set()
+                idle = not batcher.active and not waiting
+                block = idle and not self.stopping.is_set()
+                gather_until = None  # an idle engine's first request waits for those sent with it
                 try:
                     while True:
-                        item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+                        if block:
+                            item = self.inbox.get(timeout=0.1)
+                        elif gather_until is not None and len(waiting) < self.cfg.max_active and (
+                                left := gather_until - time.monotonic()) > 0:
+                            item = self.inbox.get(timeout=left)
+                        else:
+                            item = self.inbox.get_nowait()
                         block = False
                         if item[0] == "generate":
                             waiting.append((item[1], item[2]))
+                            if idle and gather_until is None:
+                                gather_until = time.monotonic() + self.cfg.batch_window_ms / 1e3
                         elif item[0] == "cache_set":
                             reply = self.resize(item[1][1] if item[1] else None, item[2], item[3])
                             if item[1]:  # None: a reload asked, nobody waits for the reply

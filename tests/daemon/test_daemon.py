@@ -131,6 +131,30 @@ def test_concurrent_clients_get_their_own_tokens(daemon):
     assert together == alone
 
 
+@pytest.mark.parametrize("window_ms", [0, 1000])
+def test_requests_sent_together_share_their_first_step(tmp_path, demo, window_ms):
+    """An idle engine waits batch_window_ms after a request for others sent with it, so
+    their prompts are one forward step (one pass over the weights and experts). Without
+    the window, requests 100 ms apart start in separate steps (the control)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"batch_window_ms: {window_ms}\n")
+    proc, sock, _ = start(tmp_path, demo, "--config", str(cfg))
+    try:
+        clients = [Client(sock).connect() for _ in range(3)]
+        steps0 = clients[0].call("stats")["experts"]["steps"]
+        for i, c in enumerate(clients):
+            c.send("generate", prompt=f"the prompt of client {i}", max_tokens=1)
+            time.sleep(0.1)
+        for c in clients:
+            while not c.recv(30000)["type"].endswith("_reply"):
+                pass
+        steps = clients[0].call("stats")["experts"]["steps"] - steps0
+        assert steps == 1 if window_ms else steps > 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_cancel_and_status_during_generation(daemon):
     _, sock, _ = daemon
     c = Client(sock).connect()
