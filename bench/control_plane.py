@@ -56,8 +56,13 @@ def start_daemon(path: str, budget, tmp: str):
     return sock, proc
 
 
-def clients_run(sock: str, prompts: list[str], n: int, tokens: int) -> dict:
-    """n clients at once, each one generate request; what the daemon's counters say about it."""
+def clients_run(sock: str, prompts: list[str], tokens: int, budget) -> dict:
+    """One client per prompt, all at once, one generate request each, from an emptied
+    cache (shrunk to min and grown back: every run starts alike; the usage history stays);
+    what the daemon's counters say about it."""
+    op = Client(sock, operator=True).connect()
+    op.call("cache", timeout_ms=None, action="set", experts="min")
+    op.call("cache", timeout_ms=None, action="set", experts=str(budget))
     c = Client(sock).connect()
     st0 = c.call("stats")["experts"]
     results, t0 = {}, time.perf_counter()
@@ -65,18 +70,18 @@ def clients_run(sock: str, prompts: list[str], n: int, tokens: int) -> dict:
     def one(i):
         results[i] = Client(sock).connect().call("generate", timeout_ms=None, prompt=prompts[i], max_tokens=tokens)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
     st1 = c.call("stats")["experts"]
-    d = {k: st1[k] - st0[k] for k in ("bytes_read", "experts", "routed", "hits")}
+    d = {k: st1[k] - st0[k] for k in ("bytes_read", "experts", "routed", "hits", "steps")}
     n_tok = sum(len(r["token_ids"]) for r in results.values())
-    return {"clients": n, "aggregate_tok_s": round(n_tok / wall, 3), "wall_s": round(wall, 3),
-            "expert_bytes_per_token": int(d["bytes_read"] / n_tok), "hit_rate": round(d["hits"] / d["experts"], 4),
-            "union_saving": round(d["routed"] / d["experts"], 3)}
+    return {"clients": len(prompts), "aggregate_tok_s": round(n_tok / wall, 3), "wall_s": round(wall, 3),
+            "steps": d["steps"], "expert_bytes_per_token": int(d["bytes_read"] / n_tok),
+            "hit_rate": round(d["hits"] / d["experts"], 4), "union_saving": round(d["routed"] / d["experts"], 3)}
 
 
 def main():
@@ -95,7 +100,11 @@ def main():
     tmp = tempfile.mkdtemp(prefix="colibri-cp-")
     rng = np.random.default_rng(3)
     vocab = [chr(c) for c in range(97, 123)]
-    prompts = ["".join(rng.choice(vocab, 24)) for _ in range(max(int(x) for x in a.clients.split(",")))]
+
+    def prompts(n):  # fresh ones for every run: no run finds its experts cached by an earlier one
+        return ["".join(rng.choice(vocab, 24)) for _ in range(n)]
+
+    probe = prompts(1)[0]  # for the time to first token
     out = {"benchmark": "control_plane", "container": path, "tokens_per_request": a.tokens, "configs": []}
     for b in a.budgets.split(","):
         budget = b if b == "min" else int(expert_bytes * float(b))
@@ -110,10 +119,10 @@ def main():
                     rtts.append((time.perf_counter() - t0) * 1e3)
                 out["ping_ms_p50"] = round(float(np.percentile(rtts, 50)), 3)
                 out["ping_ms_p99"] = round(float(np.percentile(rtts, 99)), 3)
-                ttft_daemon(sock, prompts[0])  # warms the experts this prompt uses
-                out["ttft_daemon_s"] = round(ttft_daemon(sock, prompts[0]), 3)
+                ttft_daemon(sock, probe)  # warms the experts this prompt uses
+                out["ttft_daemon_s"] = round(ttft_daemon(sock, probe), 3)
                 ttft_budget = budget
-            runs = [clients_run(sock, prompts, int(n), a.tokens) for n in a.clients.split(",")]
+            runs = [clients_run(sock, prompts(int(n)), a.tokens, budget) for n in a.clients.split(",")]
             Client(sock, operator=True).connect().call("shutdown")
             proc.wait(120)
         finally:
@@ -135,7 +144,7 @@ def main():
 
     layers.init()
     m = load_model(path, budget=ttft_budget)
-    ids = Tokenizer(path).encode(prompts[0])
+    ids = Tokenizer(path).encode(probe)
     for _ in range(2):
         b = Batcher(m)
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@ budgets of 10 %, 25 %, 50 % and 100 % of its expert bytes.
 
     python bench/decode.py [--workdir DIR] [--tokens 64] [--budgets 0.1,0.25,0.5,1.0]
                            [--expert-gb 16] [--io-threads 2] [--policy learned] [--prefetch N]
+                           [--verify first|always|off]
     python bench/decode.py --ab [--budgets 0.1,0.25] [--tokens 32]
 
 The container is built once and kept in --workdir (bench/synthetic.py: hidden 2048, 32
