@@ -241,22 +241,56 @@ def _make_q4(g: int):
         matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out)
 
     @nb.njit(**JIT_FAST)
-    def swiglu_q4_g(x, gate_q, gate_s, up_q, up_s, down_q, down_s, f16_lut, out):
+    def linear_q4_tok_g(x, q, scales, f16_lut, out):
+        # the prompt-token path, same arguments as linear_q4_g: dequantize a block of ROW_BLOCK
+        # rows once ((v - 8) * scale is exact in float32) and dot it with every token while
+        # it sits in L2: the decode path unpacks every weight again for every token. Each
+        # (token, row) is the same loop whatever T is, so a row's result does not depend on
+        # the rows beside it; it differs from linear_q4_g's in rounding only.
+        T, D = x.shape
+        N = q.shape[0]
+        wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
+        for n0 in range(0, N, ROW_BLOCK):
+            nr = min(ROW_BLOCK, N - n0)
+            for r in range(nr):
+                for gi in range(D // g):
+                    s = f16_lut[scales[n0 + r, gi]]
+                    for j in range(gi * half, gi * half + half):
+                        b = np.float32(q[n0 + r, j])
+                        hi = np.floor(b * np.float32(0.0625))
+                        wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
+                        wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
+            for t in range(T):
+                for r in range(nr):
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += x[t, d] * wb[r, d]
+                    out[t, n0 + r] = acc
+
+    return linear_q4_g, _make_swiglu(linear_q4_g), linear_q4_tok_g, _make_swiglu(linear_q4_tok_g)
+
+
+ROW_BLOCK = 16  # rows the prompt-token int4 path dequantizes at a time (16 x 2048 f32: 128 KiB, in L2)
+
+
+def _make_swiglu(linear):
+    @nb.njit(**JIT_FAST)
+    def swiglu_q4(x, gate_q, gate_s, up_q, up_s, down_q, down_s, f16_lut, out):
         # one int4 expert in one call: x [T, D]; gate, up [I, D/2] with scales [I, D/g];
         # down [D, I/2] with scales [D, I/g]; out [T, D] = down(silu(gate x) * up x)
         T = x.shape[0]
         I = gate_q.shape[0]
         h = np.empty((T, I), np.float32)
         u = np.empty((T, I), np.float32)
-        linear_q4_g(x, gate_q, gate_s, f16_lut, h)
-        linear_q4_g(x, up_q, up_s, f16_lut, u)
+        linear(x, gate_q, gate_s, f16_lut, h)
+        linear(x, up_q, up_s, f16_lut, u)
         silu_mul(h, u, h)
-        linear_q4_g(h, down_q, down_s, f16_lut, out)
+        linear(h, down_q, down_s, f16_lut, out)
 
-    return linear_q4_g, swiglu_q4_g
+    return swiglu_q4
 
 
-# group size -> kernel (storage/quant.py INT4_GROUPS)
-LINEAR_Q4, SWIGLU_Q4 = {}, {}
+# group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: for the rows of a prompt
+LINEAR_Q4, SWIGLU_Q4, LINEAR_Q4_TOK, SWIGLU_Q4_TOK = {}, {}, {}, {}
 for _g in (32, 64, 128):
-    LINEAR_Q4[_g], SWIGLU_Q4[_g] = _make_q4(_g)
+    LINEAR_Q4[_g], SWIGLU_Q4[_g], LINEAR_Q4_TOK[_g], SWIGLU_Q4_TOK[_g] = _make_q4(_g)

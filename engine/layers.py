@@ -39,6 +39,7 @@ def init(n_threads: int | None = None) -> None:
     for g in kernels.LINEAR_Q4:
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
         swiglu(x64, q4, q4, q4)
+        swiglu(x64, q4, q4, q4, prompt=True)
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
     kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
@@ -86,13 +87,18 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(shape)
 
 
-def swiglu(x: np.ndarray, gate, up, down) -> np.ndarray:
-    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]
-    if all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down)):
-        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)  # int4 experts: one kernel call
-        kernels.SWIGLU_Q4[gate.group_size](np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16),
-                                          up.q, up.scales.view(np.uint16), down.q, down.scales.view(np.uint16),
-                                          _F16_LUT, out)
+def is_int4(gate, up, down) -> bool:
+    return all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down))
+
+
+def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
+    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: one kernel call, by the
+    # prompt-token path when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path
+    if is_int4(gate, up, down):
+        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)
+        kernel = (kernels.SWIGLU_Q4_TOK if prompt else kernels.SWIGLU_Q4)[gate.group_size]
+        kernel(np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16), up.q,
+               up.scales.view(np.uint16), down.q, down.scales.view(np.uint16), _F16_LUT, out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
@@ -319,10 +325,22 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     T, A = ids.shape
     ys = np.zeros((T, A, x.shape[1]), np.float32)  # [T, A, D] each token's expert outputs
 
+    # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
+    # prompt-token path, the others the decode path: a row takes the same path alone or batched
+    prompt_rows = np.zeros(T, bool)
+    for sg in step.segments if step is not None else [Segment(None, 0, T)]:
+        prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
+
     def expert(item):
         ie, (gate, up, down) = item
         t_idx, slot = np.nonzero(ids == ie)  # a token picks an expert at most once
-        ys[t_idx, slot] = swiglu(x[t_idx], gate, up, down) * weights[t_idx, slot][:, None]
+        p = prompt_rows[t_idx]
+        if is_int4(gate, up, down) and p.any() and not p.all():
+            parts = [(t_idx[p], slot[p], True), (t_idx[~p], slot[~p], False)]
+        else:
+            parts = [(t_idx, slot, bool(p[0]))]
+        for t, a, prompt in parts:
+            ys[t, a] = swiglu(x[t], gate, up, down, prompt) * weights[t, a][:, None]
 
     union = np.unique(ids)  # each expert of the step once, however many tokens chose it
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone

@@ -95,3 +95,23 @@ def test_cancel_leaves_with_a_done_event(tmp_path):
     events = b.step()
     assert [(r is a, ev.kind, ev.finish_reason) for r, ev in events if r is a] == [(True, "done", "cancelled")]
     assert b.active == [c]
+
+
+def test_int4_rows_are_the_same_alone_and_batched(tmp_path):
+    """int4 experts compute a prompt's rows by the prompt-token kernels and a decoding
+    sequence's row by the decode kernels; the choice follows the sequence, not the batch, so
+    prompts and decode steps mixed in one step give each sequence the bits it gets alone."""
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=12, hidden_size=128, moe_intermediate_size=64)
+    m = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
+    convert(open_checkpoint(str(tmp_path / "hf")), tmp_path / "c", ExpertPlan(m.moe_layers, m.n_expert, m.expert_names),
+            expert_dtype="int4", group_size=32)
+    model = load_model(str(tmp_path / "c"), budget="all")
+    seqs = [np.arange(3, 12), np.array([40]), np.arange(20, 26)]
+    ref = [model.forward(s, model.new_cache(16), all_logits=True) for s in seqs]
+    caches = [model.new_cache(16) for _ in seqs]
+    batched = model.forward_batch([(s, c) for s, c in zip(seqs, caches)], all_logits=True)
+    for want, got in zip(ref, batched):
+        np.testing.assert_array_equal(got, want)
+    prompts = [s.tolist() for s in seqs]
+    want = {i: alone(model, p, 10) for i, p in enumerate(prompts)}
+    assert together(model, prompts, 10, join_at=[0, 2, 5]) == want  # prompts join decoding sequences

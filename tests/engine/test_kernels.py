@@ -165,7 +165,7 @@ def test_int4_packing_layout():
     np.testing.assert_array_equal(dequantize(qw), w)
 
 
-@pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128)])
+@pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128), (40, 128, 96, 32)])
 def test_int4_swiglu_in_one_call(T, D, I, g):
     """The fused int4 expert (gate, up, silu, down in one kernel call) against numpy on the
     dequantized matrices, and against the three separate int4 matmuls."""
@@ -181,6 +181,17 @@ def test_int4_swiglu_in_one_call(T, D, I, g):
     h = layers.linear(x, gate)
     kernels.silu_mul(h, layers.linear(x, up), h)
     np.testing.assert_array_equal(out, layers.linear(h, down))
+    # the prompt-token path (dequantize rows once, dot with every token): as close to the
+    # reference, and each row's result the same whatever rows share the call
+    tok = layers.swiglu(x, gate, up, down, prompt=True)
+    assert np.abs(tok - ref).max() <= 1e-5 * np.abs(ref).max()
+    for t in range(T):
+        np.testing.assert_array_equal(layers.swiglu(x[t : t + 1], gate, up, down, prompt=True)[0], tok[t])
+        np.testing.assert_array_equal(layers.swiglu(x[t : t + 1], gate, up, down)[0], out[t])
+    odd = quantize(rand(kernels.ROW_BLOCK + 7, D), "int4", g)  # a last block of rows that is not full
+    y = np.empty((T, odd.q.shape[0]), np.float32)
+    kernels.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), layers._F16_LUT, y)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ dequantize(odd).T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
 def test_experts_of_a_batch_use_every_compute_thread():
