@@ -92,13 +92,13 @@ def is_int4(gate, up, down) -> bool:
 
 
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
-    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: one kernel call, by the
-    # prompt-token path when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path
+    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
+    # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode kernels
     if is_int4(gate, up, down):
-        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)
-        kernel = (kernels.SWIGLU_Q4_TOK if prompt else kernels.SWIGLU_Q4)[gate.group_size]
-        kernel(np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16), up.q,
-               up.scales.view(np.uint16), down.q, down.scales.view(np.uint16), _F16_LUT, out)
+        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)  # one kernel call per expert
+        kernels.SWIGLU_Q4[gate.group_size](np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16),
+                                          up.q, up.scales.view(np.uint16), down.q, down.scales.view(np.uint16),
+                                          prompt, _F16_LUT, out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
