@@ -208,105 +208,66 @@ def q4_split(x, g, xe, xd, xsum8):
             xsum8[t, gi] = np.float32(8.0) * s
 
 
-@nb.njit(inline="always", **JIT_FAST)
-def _matmul_q4(xe, xd, xsum8, q, scales, half, f16_lut, out):
-    # xe, xd, xsum8 from q4_split; q [N, D/2] uint8 (even column in the low nibble, value + 8);
-    # scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so per group
-    # sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the group's scale.
-    # Inlined into a kernel that closes over `half` (g/2), LLVM sees the group loop's length
-    # as a constant and vectorises it; called with a run-time half it does not.
-    T, H = xe.shape
-    N = q.shape[0]
-    for n in range(N):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for gi in range(H // half):
-                part = np.float32(0.0)
-                for j in range(gi * half, gi * half + half):
-                    # the high nibble in float arithmetic (exact for 0..255): integer ops would
-                    # widen to int64, whose conversion to float does not vectorise on AVX2
-                    b = np.float32(q[n, j])
-                    part += xe[t, j] * b + xd[t, j] * np.floor(b * np.float32(0.0625))
-                acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
-            out[t, n] = acc
-
-
-@nb.njit(inline="always", **JIT_FAST)
-def _linear_q4(x, q, scales, g, f16_lut, out):
-    # the decode path: x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits, out [T, N]
-    T, D = x.shape
-    xe, xd = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
-    xsum8 = np.empty((T, D // g), np.float32)
-    q4_split(x, g, xe, xd, xsum8)
-    _matmul_q4(xe, xd, xsum8, q, scales, g // 2, f16_lut, out)
-
-
-@nb.njit(inline="always", **JIT_FAST)
-def _linear_q4_tok(x, q, scales, g, f16_lut, out):
-    # the prompt-token path, same arguments: it dequantizes a block of ROW_BLOCK rows once
-    # ((v - 8) * scale is exact in float32) and dots it with every token while it sits in L2;
-    # the decode path unpacks every weight again for every token. Each (token, row) is the
-    # same loop whatever T is, so a row's result does not depend on the rows beside it; it
-    # differs from the decode path's in rounding only.
-    T, D = x.shape
-    N = q.shape[0]
-    half = g // 2
-    wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
-    for n0 in range(0, N, ROW_BLOCK):
-        nr = min(ROW_BLOCK, N - n0)
-        for r in range(nr):
-            for gi in range(D // g):
-                s = f16_lut[scales[n0 + r, gi]]
-                for j in range(gi * half, gi * half + half):
-                    b = np.float32(q[n0 + r, j])
-                    hi = np.floor(b * np.float32(0.0625))
-                    wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
-                    wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
-        for t in range(T):
-            for r in range(nr):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += x[t, d] * wb[r, d]
-                out[t, n0 + r] = acc
-
-
 def _make_q4(g: int):
-    # one set of kernels per group size, closing over integers only: numba caches those on
-    # disk (a closure over another kernel would be compiled again in every process), and
-    # the inlined bodies see the group size as a constant
+    # one pair of kernels per group size: LLVM vectorises the group loop only when its length
+    # is a constant. They close over integers only and call only module-level kernels: numba
+    # caches such closures on disk (a closure over another kernel is compiled again in every
+    # process) and gives the same code whether compiled now or loaded (an inline="always"
+    # helper did not: its cached build rounded differently from its fresh one)
+    half = g // 2
 
     @nb.njit(**JIT_FAST)
-    def linear_q4_g(x, q, scales, f16_lut, out):
-        _linear_q4(x, q, scales, g, f16_lut, out)
+    def matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out):
+        # the decode path. xe, xd, xsum8 from q4_split; q [N, D/2] uint8 (even column in the low
+        # nibble, value + 8); scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so
+        # per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the scale.
+        T, H = xe.shape
+        N = q.shape[0]
+        for n in range(N):
+            for t in range(T):
+                acc = np.float32(0.0)
+                for gi in range(H // half):
+                    part = np.float32(0.0)
+                    for j in range(gi * half, gi * half + half):
+                        # the high nibble in float arithmetic (exact for 0..255): integer ops would
+                        # widen to int64, whose conversion to float does not vectorise on AVX2
+                        b = np.float32(q[n, j])
+                        part += xe[t, j] * b + xd[t, j] * np.floor(b * np.float32(0.0625))
+                    acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
+                out[t, n] = acc
 
     @nb.njit(**JIT_FAST)
     def linear_q4_tok_g(x, q, scales, f16_lut, out):
-        _linear_q4_tok(x, q, scales, g, f16_lut, out)
+        # the prompt-token path: x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits,
+        # out [T, N] = x @ dequant(q).T. It dequantizes a block of ROW_BLOCK rows once
+        # ((v - 8) * scale is exact in float32) and dots it with every token while it sits in
+        # L2; the decode path unpacks every weight again for every token. Each (token, row) is
+        # the same loop whatever T is, so a row's result does not depend on the rows beside
+        # it; it differs from the decode path's in rounding only.
+        T, D = x.shape
+        N = q.shape[0]
+        wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
+        for n0 in range(0, N, ROW_BLOCK):
+            nr = min(ROW_BLOCK, N - n0)
+            for r in range(nr):
+                for gi in range(D // g):
+                    s = f16_lut[scales[n0 + r, gi]]
+                    for j in range(gi * half, gi * half + half):
+                        b = np.float32(q[n0 + r, j])
+                        hi = np.floor(b * np.float32(0.0625))
+                        wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
+                        wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
+            for t in range(T):
+                for r in range(nr):
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += x[t, d] * wb[r, d]
+                    out[t, n0 + r] = acc
 
-    @nb.njit(**JIT_FAST)
-    def swiglu_q4_g(x, gate_q, gate_s, up_q, up_s, down_q, down_s, prompt, f16_lut, out):
-        # one int4 expert in one call: x [T, D]; gate, up [I, D/2] with scales [I, D/g];
-        # down [D, I/2] with scales [D, I/g]; out [T, D] = down(silu(gate x) * up x), by the
-        # prompt-token path when `prompt`
-        T = x.shape[0]
-        I = gate_q.shape[0]
-        h = np.empty((T, I), np.float32)
-        u = np.empty((T, I), np.float32)
-        if prompt:
-            _linear_q4_tok(x, gate_q, gate_s, g, f16_lut, h)
-            _linear_q4_tok(x, up_q, up_s, g, f16_lut, u)
-            silu_mul(h, u, h)
-            _linear_q4_tok(h, down_q, down_s, g, f16_lut, out)
-        else:
-            _linear_q4(x, gate_q, gate_s, g, f16_lut, h)
-            _linear_q4(x, up_q, up_s, g, f16_lut, u)
-            silu_mul(h, u, h)
-            _linear_q4(h, down_q, down_s, g, f16_lut, out)
-
-    return linear_q4_g, linear_q4_tok_g, swiglu_q4_g
+    return matmul_q4_g, linear_q4_tok_g
 
 
 # group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: the prompt-token path
-LINEAR_Q4, LINEAR_Q4_TOK, SWIGLU_Q4 = {}, {}, {}
+MATMUL_Q4, LINEAR_Q4_TOK = {}, {}
 for _g in (32, 64, 128):
-    LINEAR_Q4[_g], LINEAR_Q4_TOK[_g], SWIGLU_Q4[_g] = _make_q4(_g)
+    MATMUL_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)

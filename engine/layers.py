@@ -36,7 +36,7 @@ def init(n_threads: int | None = None) -> None:
               QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     x64 = np.ones((1, 128), np.float32)
-    for g in kernels.LINEAR_Q4:
+    for g in kernels.MATMUL_Q4:
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
         swiglu(x64, q4, q4, q4)
         swiglu(x64, q4, q4, q4, prompt=True)
@@ -62,7 +62,11 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
         if w.kind == "int8":
             kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
         else:
-            kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
+            T, D = x.shape
+            xe, xd = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
+            xsum8 = np.empty((T, D // w.group_size), np.float32)
+            kernels.q4_split(x, w.group_size, xe, xd, xsum8)
+            kernels.MATMUL_Q4[w.group_size](xe, xd, xsum8, w.q, scales, _F16_LUT, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
@@ -94,11 +98,14 @@ def is_int4(gate, up, down) -> bool:
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
     # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode kernels
-    if is_int4(gate, up, down):
-        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)  # one kernel call per expert
-        kernels.SWIGLU_Q4[gate.group_size](np.ascontiguousarray(x, dtype=np.float32), gate.q, gate.scales.view(np.uint16),
-                                          up.q, up.scales.view(np.uint16), down.q, down.scales.view(np.uint16),
-                                          prompt, _F16_LUT, out)
+    if prompt and is_int4(gate, up, down):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        lin, T, I = kernels.LINEAR_Q4_TOK[gate.group_size], x.shape[0], gate.q.shape[0]
+        h, u, out = np.empty((T, I), np.float32), np.empty((T, I), np.float32), np.empty((T, down.q.shape[0]), np.float32)
+        lin(x, gate.q, gate.scales.view(np.uint16), _F16_LUT, h)
+        lin(x, up.q, up.scales.view(np.uint16), _F16_LUT, u)
+        kernels.silu_mul(h, u, h)
+        lin(h, down.q, down.scales.view(np.uint16), _F16_LUT, out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]

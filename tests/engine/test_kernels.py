@@ -1,5 +1,7 @@
 """Each numba kernel against a plain numpy reference, on odd shapes."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -166,9 +168,9 @@ def test_int4_packing_layout():
 
 
 @pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128), (40, 128, 96, 32)])
-def test_int4_swiglu_in_one_call(T, D, I, g):
-    """The fused int4 expert (gate, up, silu, down in one kernel call) against numpy on the
-    dequantized matrices, and against the three separate int4 matmuls."""
+def test_int4_expert_both_paths(T, D, I, g):
+    """An int4 expert (gate, up, silu, down) by the decode kernels and by the prompt-token
+    kernels, against numpy on the dequantized matrices."""
     from colibri.storage.quant import dequantize, quantize
 
     layers.init()
@@ -212,3 +214,30 @@ def test_experts_of_a_batch_use_every_compute_thread():
         assert len(seen) == 2
     finally:
         layers.init()
+
+
+def test_kernels_loaded_from_the_cache_compute_what_fresh_ones_do(tmp_path):
+    """numba compiles a kernel in the first process and later ones load it from its disk
+    cache: both must give the same bits (the daemon and `colictl run` must agree), for every
+    int4 group size and both int4 paths."""
+    import subprocess
+    import sys
+
+    code = """
+import hashlib, numpy as np
+from colibri.engine import layers
+from colibri.storage.quant import quantize
+layers.init()
+rng, h = np.random.default_rng(0), hashlib.sha256()
+for g in (32, 64, 128):
+    w = [quantize(rng.standard_normal(s).astype(np.float32), "int4", g) for s in ((128, 256), (128, 256), (256, 128))]
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    for prompt in (False, True):
+        h.update(layers.swiglu(x, *w, prompt=prompt).tobytes())
+print(h.hexdigest())
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout  # the first compiled, the second loaded
