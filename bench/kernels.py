@@ -1,5 +1,5 @@
 """Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec and the int4
-expert (gate, up, down in one call) reach at batch 1, next to the memory read bandwidth
+expert (gate, up, silu, down, as decode runs it) reach at batch 1, next to the memory read bandwidth
 measured in the same run, and their ratio.
 
     python bench/kernels.py [--mib 512] [--repeat 3]
