@@ -1,5 +1,6 @@
 """colibrid as a real process on a temporary socket, with a fake NOTIFY_SOCKET."""
 
+import contextlib
 import json
 import os
 import re
@@ -64,6 +65,17 @@ def start(tmp_path, model, *extra, env=None, sock=None):
                             env=env, stderr=log, text=True)
     assert notify.wait_for("READY=1", 120), "no READY=1"
     return proc, sock, notify
+
+
+@contextlib.contextmanager
+def serving(tmp_path, model, *extra, env=None):
+    """A daemon for the `with` block; SIGTERM at its end must stop it cleanly (exit 0)."""
+    proc, sock, _ = start(tmp_path, model, *extra, env=env)
+    try:
+        yield proc, sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 @pytest.fixture
@@ -259,8 +271,7 @@ def container(demo, tmp_path_factory):
 
 
 def test_cache_resize_under_load(tmp_path, container):
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "all")
-    try:
+    with serving(tmp_path, container, "--expert-cache", "all") as (proc, sock):
         prompts = [f"resize test {i}" + "!" * i for i in range(4)]
         alone = {}
         for i, p in enumerate(prompts):
@@ -282,9 +293,6 @@ def test_cache_resize_under_load(tmp_path, container):
         assert stats["failed"] == 0 and stats["served"] == 8
         bad = ctl(sock, "cache", "set", "--experts", "1KiB")
         assert bad.returncode == exitcodes.BAD_REQUEST and "minimum" in bad.stderr
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_protocol_doc_matches_the_code():
@@ -321,8 +329,7 @@ def test_chat_keeps_the_conversation(daemon):
 def test_reload_applies_what_it_can(tmp_path, container):
     cfg = tmp_path / "colibri.yaml"
     cfg.write_text("expert_cache: all\nio_threads: 2\n")
-    proc, sock, _ = start(tmp_path, container, "--config", str(cfg))
-    try:
+    with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
         cfg.write_text("expert_cache: min\nio_threads: 3\nlog_level: debug\n")
         r = ctl(sock, "reload")
         assert r.returncode == 0, r.stderr
@@ -339,16 +346,12 @@ def test_reload_applies_what_it_can(tmp_path, container):
         time.sleep(0.5)
         assert proc.poll() is None and ctl(sock, "ping").returncode == 0
         assert "reload refused" in (tmp_path / "colibrid.log").read_text()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_boot_placement_reports_each_step(tmp_path, container):
     cfg = tmp_path / "colibri.yaml"
     cfg.write_text("numa_node: 0\nhugepages: true\nmlock: true\ncpus: [0]\nio_threads: 3\n")
-    proc, sock, _ = start(tmp_path, container, "--config", str(cfg))
-    try:
+    with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
         boot = json.loads(ctl(sock, "status", "--json").stdout)["boot"]
         assert boot["cpus"] == {"asked": [0], "got": [0]}
         assert boot["numa"]["asked"] == 0 and (boot["numa"]["got"] == 0 or "fallback" in boot["numa"])
@@ -357,14 +360,10 @@ def test_boot_placement_reports_each_step(tmp_path, container):
         assert boot["hugepages"]["asked"] == "reserved"
         assert boot["hugepages"]["got"].startswith(("reserved", "transparent"))
         assert ctl(sock, "generate", "--max-tokens", 4, "placed").returncode == 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_pin_and_unpin(tmp_path, container):
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "min")
-    try:
+    with serving(tmp_path, container, "--expert-cache", "min") as (proc, sock):
         r = ctl(sock, "pin", "1:3")
         assert r.returncode == exitcodes.BAD_REQUEST and "no room to pin" in r.stderr
         assert ctl(sock, "cache", "set", "--experts", "8MiB", "--pinned", "1MiB").returncode == 0
@@ -379,16 +378,12 @@ def test_pin_and_unpin(tmp_path, container):
         r = ctl(sock, "pin", "99:0")
         assert r.returncode == exitcodes.BAD_REQUEST and "no expert 99:0" in r.stderr
         assert ctl(sock, "pin", "nonsense").returncode == exitcodes.USAGE
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_usage_history_survives_a_restart_and_policy_changes_live(tmp_path, container):
     conf = tmp_path / "colibri.yaml"
     conf.write_text("repin_every: 2\nhot_set: 1.0\n")
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
-    try:
+    with serving(tmp_path, container, "--expert-cache", "8MiB", "--config", conf) as (proc, sock):
         want = ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout
         st = json.loads(ctl(sock, "stats", "--json").stdout)
         assert st["policy"] == "learned" and st["history"]["steps"] == 16 and st["history"]["experts_seen"] > 0
@@ -403,30 +398,22 @@ def test_usage_history_survives_a_restart_and_policy_changes_live(tmp_path, cont
             assert r.returncode == exitcodes.BAD_REQUEST and r.stderr.count("\n") == 1, r.stderr
         assert ctl(sock, "policy", "set", "nonsense").returncode == exitcodes.USAGE
         assert json.loads(ctl(sock, "policy", "show", "--json").stdout)["policy"]["name"] == "lru"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
     files = os.listdir(tmp_path / "state" / "history")
     assert len(files) == 1 and files[0].endswith(".json")  # written at stop, named by the container
     os.unlink(tmp_path / "notify")
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
-    try:
+    with serving(tmp_path, container, "--expert-cache", "8MiB", "--config", conf) as (proc, sock):
         st = json.loads(ctl(sock, "stats", "--json").stdout)
         assert st["history"]["steps_loaded"] == 32  # what the box learned before the restart
         assert st["experts"]["bytes_read"] > 0 and st["experts"]["misses"] == 0  # read in at start, from it
         assert json.loads(ctl(sock, "generate", "--max-tokens", 16, "--json", "learn me").stdout)["token_ids"] \
             == json.loads(want)["token_ids"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 @pytest.mark.parametrize("kind,why", [("eio", "Input/output error"), ("short", "short read"),
                                       ("corrupt", "checksum mismatch")])
 def test_a_failing_expert_fails_the_request_not_the_daemon(tmp_path, container, kind, why):
     faults = ",".join(f"{kind}@1:{e}" for e in range(16))  # every expert of layer 1: any prompt needs one
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "min", env={"COLIBRI_FAULTS": faults})
-    try:
+    with serving(tmp_path, container, "--expert-cache", "min", env={"COLIBRI_FAULTS": faults}) as (proc, sock):
         r = ctl(sock, "generate", "--max-tokens", 4, "doomed")
         assert r.returncode == exitcodes.MODEL and "cannot read layer 1 expert" in r.stderr and why in r.stderr
         assert "experts-0001.safetensors at offset" in r.stderr and r.stderr.count("\n") == 1
@@ -435,9 +422,6 @@ def test_a_failing_expert_fails_the_request_not_the_daemon(tmp_path, container, 
         assert ctl(sock, "ping").returncode == 0 and proc.poll() is None
         st = json.loads(ctl(sock, "stats", "--json").stdout)
         assert st["experts"]["read_errors"] >= 2 and st["requests"]["failed"] == 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_limits_answer_with_named_errors(tmp_path, demo):
@@ -445,8 +429,7 @@ def test_limits_answer_with_named_errors(tmp_path, demo):
 
     conf = tmp_path / "limits.yaml"
     conf.write_text("max_message_bytes: 4096\nmax_streams_per_client: 2\n")
-    proc, sock, _ = start(tmp_path, demo, "--config", conf)
-    try:
+    with serving(tmp_path, demo, "--config", conf) as (proc, sock):
         ctx = zmq.Context()
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
@@ -473,9 +456,6 @@ def test_limits_answer_with_named_errors(tmp_path, demo):
         raw.close()
         ctx.term()
         assert ctl(sock, "generate", "--max-tokens", 4, "still here").returncode == 0  # another client is fine
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def as_user(uid: int, groups: list[int], argv: list[str]) -> tuple[int, str]:
@@ -559,8 +539,7 @@ def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
 
     conf = tmp_path / "fuzz.yaml"
     conf.write_text("max_tokens_limit: 2\nmax_queue: 4\n")
-    proc, sock, _ = start(tmp_path, demo, "--config", conf)
-    try:
+    with serving(tmp_path, demo, "--config", conf) as (proc, sock):
         want = json.loads(ctl(sock, "generate", "--json", "--max-tokens", 2, "fuzz").stdout)["token_ids"]
         rss0 = psutil.Process(proc.pid).memory_info().rss
         ctx = zmq.Context()
@@ -610,9 +589,6 @@ def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
         assert proc.poll() is None and ctl(sock, "ping").returncode == 0
         assert json.loads(ctl(sock, "generate", "--json", "--max-tokens", 2, "fuzz").stdout)["token_ids"] == want
         assert psutil.Process(proc.pid).memory_info().rss - rss0 < 64 * 2**20  # bounded: nothing piles up
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
 
 
 def test_kill_9_keeps_the_last_saved_history_and_a_damaged_one_is_moved_aside(tmp_path, container):
@@ -635,11 +611,7 @@ def test_kill_9_keeps_the_last_saved_history_and_a_damaged_one_is_moved_aside(tm
         proc.wait(30)
     saved.write_bytes(b"\x00garbage")  # a damaged state file: moved aside, the daemon starts anyway
     os.unlink(tmp_path / "notify")
-    proc, sock, _ = start(tmp_path, container, "--expert-cache", "8MiB", "--config", conf)
-    try:
+    with serving(tmp_path, container, "--expert-cache", "8MiB", "--config", conf) as (proc, sock):
         assert json.loads(ctl(sock, "stats", "--json").stdout)["history"]["steps_loaded"] == 0
         assert any(".corrupt-" in f.name for f in folder.iterdir())
         assert "moved aside" in (tmp_path / "colibrid.log").read_text()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
