@@ -136,6 +136,7 @@ class ExpertCache:
         self.hand_pins: set[tuple[int, int]] = set()  # pinned by hand: never repinned away
         self.pinned_set_by_hand = False  # False: the pinned part's size follows the policy
         self.prefetched: dict[int, dict[int, tuple]] = {}  # il -> {ie: (slot, read future)} not yet streamed
+        self.unchosen: dict[int, list[tuple]] = {}  # il -> [(ie, slot, read future)]: predicted, not chosen, in flight
         self.row = {il: i for i, il in enumerate(container.moe_layers)}  # layer -> its row in the history
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
@@ -618,14 +619,11 @@ class ExpertCache:
         self.history.record(il, ids)
         st.fetches += 1
         st.experts += len(ids)
+        self._settle_unchosen(il)
         ahead = self.prefetched.pop(il, {})  # reads started by prefetch() for this layer
-        for ie in [ie for ie in ahead if ie not in ids]:  # predicted but not chosen: resident now, wasted
+        for ie in [ie for ie in ahead if ie not in ids]:  # predicted but not chosen: kept once landed, not waited for
             slot, fut = ahead.pop(ie)
-            try:
-                fut.result()
-                self._keep(il, ie, slot)
-            except ExpertReadError:
-                self._release(il, slot)
+            self.unchosen.setdefault(il, []).append((ie, slot, fut))
             st.bytes_read += self.record_bytes
             st.prefetch_wasted += 1
         pinned = [ie for ie in ids if (il, ie) in self.pinned or (il, ie) in self.main]  # slots that stay put
@@ -641,6 +639,9 @@ class ExpertCache:
         def submit():
             while pending:
                 slot = self._take_slot(il, busy, pending[0])
+                if slot is None and self.unchosen.get(il):  # every slot taken: one a wasted read holds
+                    self._settle(il, *self.unchosen[il].pop(0))  # comes back once that read lands
+                    continue
                 if slot is None:
                     return
                 ie = pending.popleft()
@@ -679,30 +680,39 @@ class ExpertCache:
                 submit()
         finally:
             for ie, slot, fut in inflight:  # abandoned (an error or the consumer stopped): settle the reads
-                try:
-                    fut.result()
-                    self._keep(il, ie, slot)
-                except ExpertReadError:
-                    self._release(il, slot)
+                self._settle(il, ie, slot, fut)
             if self.main_slots:
                 self._trim_window(il)
+
+    def _settle(self, il: int, ie: int, slot: int, fut: Future) -> None:
+        """A read started ahead has landed (or is waited for): its expert is resident."""
+        try:
+            fut.result()
+            self._keep(il, ie, slot)
+        except ExpertReadError:
+            self._release(il, slot)
+
+    def _settle_unchosen(self, il: int) -> None:
+        """Layer il's predicted-but-not-chosen reads of earlier steps, kept as resident
+        (long landed by the time the layer comes round again)."""
+        for ie, slot, fut in self.unchosen.pop(il, ()):
+            self._settle(il, ie, slot, fut)
 
     def settle_prefetch(self) -> None:
         """Wait for reads started ahead and keep what they read as resident."""
         for il, ahead in self.prefetched.items():
             for ie, (slot, fut) in ahead.items():
-                try:
-                    fut.result()
-                    self._keep(il, ie, slot)
-                except ExpertReadError:
-                    self._release(il, slot)
+                self._settle(il, ie, slot, fut)
         self.prefetched = {}
+        for il in list(self.unchosen):
+            self._settle_unchosen(il)
 
     def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
         """Start reading experts `ids` of layer il that are not resident, at most `max_reads`,
         into that layer's free or least recently used slots; stream() picks them up. The
         prediction only moves data: stream() still serves exactly what it is asked for.
         Call between the layers of a step. Returns the reads started."""
+        self._settle_unchosen(il)
         lru, ahead = self.lru[il], self.prefetched.setdefault(il, {})
         protect = set(ids) | set(ahead)  # a predicted expert that is resident must not make room for another
         n = 0
