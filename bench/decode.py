@@ -15,7 +15,8 @@ fixed seeds), so every run of a comparison decodes the same tokens. Each budget 
 expert reads are O_DIRECT regardless) and prints, per run: tok/s, time to first token,
 hit rate, bytes read per token, the disk's O_DIRECT bandwidth measured in the same run,
 and io_floor_ratio = (bytes read / measured bandwidth) / wall time (1.0: the disk is the
-only limit). The 100 % budget also runs warm (no reads) and reports the expert kernels'
+only limit; io_floor_ratio_used leaves out the lookahead's reads of experts the router then
+did not choose). The 100 % budget also runs warm (no reads) and reports the expert kernels'
 GB/s next to the memory bandwidth measured in the same run.
 
 --ab compares the cache policies end to end: for each budget, each policy (lru,
@@ -213,6 +214,9 @@ def main():
             "io_wait_s": round(st.io_wait_s, 3), "wall_s": round(r["wall_s"], 3),
             "verify": a.verify, "verified": st.verified, "verify_s": round(st.verify_s, 3),
             "io_floor_ratio": round(st.bytes_read / (disk * 1e9) / r["wall_s"], 3) if st.bytes_read else None,
+            # the same for the bytes the steps used: without the lookahead's reads of experts not chosen
+            "io_floor_ratio_used": round((st.bytes_read - st.prefetch_wasted * c.record_bytes) / (disk * 1e9)
+                                         / r["wall_s"], 3) if st.bytes_read else None,
             "prefetch": {"reads_per_layer": a.prefetch, "issued": st.prefetch_issued, "used": st.prefetch_used,
                          "wasted": st.prefetch_wasted},
         }
