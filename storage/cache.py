@@ -709,8 +709,10 @@ class ExpertCache:
 
     def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
         """Start reading experts `ids` of layer il that are not resident, at most `max_reads`,
-        into that layer's free or least recently used slots; stream() picks them up. The
-        prediction only moves data: stream() still serves exactly what it is asked for.
+        into that layer's free or least recently used slots; stream() picks them up, and
+        leaves the reads of experts it was not asked for to land in the background (kept at
+        the layer's next step). The prediction only moves data: stream() still serves
+        exactly what it is asked for.
         Call between the layers of a step. Returns the reads started."""
         self._settle_unchosen(il)
         lru, ahead = self.lru[il], self.prefetched.setdefault(il, {})
