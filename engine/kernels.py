@@ -11,6 +11,10 @@ The numpy references these are tested against live in tests/engine/test_kernels.
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 JIT = dict(cache=True, nogil=True)
 # reassociating the dot-product sum lets LLVM vectorise it; results differ from a
@@ -192,10 +196,12 @@ def matmul_q8(x, q, scales, g, f16_lut, out):
             out[t, n] = acc
 
 
-@nb.njit(**JIT_FAST)
+@nb.njit(**JIT)
 def q4_split(x, g, xe, xd, xsum8):
     # x [T, D] -> xe [T, D/2] (even columns), xd [T, D/2] (odd columns - 16 * even ones),
-    # xsum8 [T, D/g] = 8 * each group's sum: what matmul_q4 takes instead of x
+    # xsum8 [T, D/g] = 8 * each group's sum: what matmul_q4 takes instead of x. Strict float
+    # order (no fast-math): swiglu_q4_g inlines it, and a reassociated sum was rounded one way
+    # when compiled fresh and another when loaded from numba's cache
     T, D = x.shape
     for t in range(T):
         for j in range(D // 2):
@@ -208,33 +214,116 @@ def q4_split(x, g, xe, xd, xsum8):
             xsum8[t, gi] = np.float32(8.0) * s
 
 
+_F32 = ir.FloatType()
+_V8, _V8I8 = ir.VectorType(_F32, 8), ir.VectorType(ir.IntType(8), 8)
+
+
+def _row(context, builder, aty, aval, i):
+    # pointer to element [i, 0] of a 2-D array value
+    a = context.make_array(aty)(context, builder, aval)
+    return cgutils.get_item_pointer2(context, builder, a.data, cgutils.unpack_tuple(builder, a.shape),
+                                     cgutils.unpack_tuple(builder, a.strides), aty.layout,
+                                     [i, ir.Constant(ir.IntType(64), 0)])
+
+
+@intrinsic
+def _q4_row_dot(typingctx, xe, xd, xsum8, q, scales, f16_lut, t, n, half):
+    """float32: token t's dot with int4 row n (see matmul_q4_g for the algebra), in explicit
+    8-lane vectors. `half` (bytes per group) must be a compile-time constant; every 2-D array
+    C-contiguous.
+
+    Written in LLVM IR because numba's loops give LLVM a single chain of dependent FMAs through
+    each group and a horizontal sum per group: the kernel then waits on latency at ~5 GB/s of
+    weights. Here each 8-byte block of a group is independent, the blocks are summed pairwise,
+    and the group's scale multiplies that vector into an 8-lane accumulator: one horizontal sum
+    per row, ~7.5 GB/s on one core (bench/kernels.py). The order of the float operations is
+    fixed by this code (no fast-math on it), so the result is the same in every process."""
+    arrays = (xe, xd, xsum8, q, scales)
+    if not (isinstance(half, types.IntegerLiteral) and half.literal_value % 8 == 0
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)):
+        return None  # numba reports the call as not typeable
+    nblk = half.literal_value // 8
+    sig = types.float32(xe, xd, xsum8, q, scales, f16_lut, t, n, half)
+
+    def codegen(context, builder, sig, args):
+        xe_v, xd_v, xs_v, q_v, sc_v, lut_v, t_v, n_v, _ = args
+        i64 = ir.IntType(64)
+        erow, drow, srow = (_row(context, builder, sig.args[k], args[k], t_v) for k in range(3))
+        qrow, scrow = (_row(context, builder, sig.args[k], args[k], n_v) for k in (3, 4))
+        lut = context.make_array(sig.args[5])(context, builder, lut_v).data
+        n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
+                                ir.Constant(i64, nblk * 8))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+        sixteenth = ir.Constant(_V8, [0.0625] * 8)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))  # sum over groups of scale * part
+        corr = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))  # sum over groups of scale * xsum8
+        with cgutils.for_range(builder, n_groups) as loop:
+            gi = loop.index
+            s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
+            builder.store(builder.fadd(builder.load(corr), builder.fmul(builder.load(builder.gep(srow, [gi])), s)), corr)
+            parts = []
+            for c in range(nblk):  # [8] e * b + d * floor(b / 16) for each block of 8 bytes
+                off = builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c))
+                b = builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
+                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), _V8.as_pointer()), align=4)
+                        for row in (erow, drow))
+                parts.append(builder.call(fma, [e, b, builder.fmul(d, builder.call(floor, [builder.fmul(b, sixteenth)]))]))
+            while len(parts) > 1:  # pairwise: independent adds, not a chain
+                parts = [builder.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)] + parts[len(parts) & ~1:]
+            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(ir.IntType(32), 0)),
+                                           ir.Constant(_V8, None), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+            builder.store(builder.call(fma, [parts[0], splat, builder.load(acc)]), acc)
+        a = builder.load(acc)
+        total = builder.extract_element(a, ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, 8):
+            total = builder.fadd(total, builder.extract_element(a, ir.Constant(ir.IntType(32), lane)))
+        return builder.fsub(total, builder.load(corr))
+
+    return sig, codegen
+
+
 def _make_q4(g: int):
-    # one pair of kernels per group size: LLVM vectorises the group loop only when its length
-    # is a constant. They close over integers only and call only module-level kernels: numba
+    # one pair of kernels per group size: the group's length must be a constant (LLVM
+    # vectorises the prompt path's group loop only then; the decode path's vector code is
+    # unrolled over it). They close over integers only and call only module-level kernels: numba
     # caches such closures on disk (a closure over another kernel is compiled again in every
     # process) and gives the same code whether compiled now or loaded (an inline="always"
     # helper did not: its cached build rounded differently from its fresh one)
     half = g // 2
 
-    @nb.njit(**JIT_FAST)
+    @nb.njit(**JIT)
     def matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out):
         # the decode path. xe, xd, xsum8 from q4_split; q [N, D/2] uint8 (even column in the low
         # nibble, value + 8); scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so
-        # per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the scale.
-        T, H = xe.shape
-        N = q.shape[0]
-        for n in range(N):
+        # per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the scale
+        # (the high nibble by floor(b / 16) in float arithmetic, exact for 0..255).
+        T = xe.shape[0]
+        for n in range(q.shape[0]):
             for t in range(T):
-                acc = np.float32(0.0)
-                for gi in range(H // half):
-                    part = np.float32(0.0)
-                    for j in range(gi * half, gi * half + half):
-                        # the high nibble in float arithmetic (exact for 0..255): integer ops would
-                        # widen to int64, whose conversion to float does not vectorise on AVX2
-                        b = np.float32(q[n, j])
-                        part += xe[t, j] * b + xd[t, j] * np.floor(b * np.float32(0.0625))
-                    acc += (part - xsum8[t, gi]) * f16_lut[scales[n, gi]]
-                out[t, n] = acc
+                out[t, n] = _q4_row_dot(xe, xd, xsum8, q, scales, f16_lut, t, n, half)
+
+    @nb.njit(**JIT)
+    def swiglu_q4_g(x, gq, gs, uq, us, dq, ds, f16_lut, out):
+        # a whole int4 expert on the decode path in one call: x [T, D] f32; gate, up: q [I, D/2],
+        # scales [I, D/g]; down: q [D, I/2], scales [D, I/g]; out [T, D] = down(silu(gate x) * up x).
+        # The same operations as matmul_q4_g, silu_mul, matmul_q4_g one by one (and the same bits),
+        # without a trip through Python between them: the glue cost as much as the kernels
+        T, D = x.shape
+        I = gq.shape[0]
+        xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
+        q4_split(x, g, xe, xd, xs)
+        h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
+        for n in range(I):
+            for t in range(T):
+                h[t, n] = _q4_row_dot(xe, xd, xs, gq, gs, f16_lut, t, n, half)
+                u[t, n] = _q4_row_dot(xe, xd, xs, uq, us, f16_lut, t, n, half)
+        silu_mul(h, u, h)
+        he, hd, hs = np.empty((T, I // 2), np.float32), np.empty((T, I // 2), np.float32), np.empty((T, I // g), np.float32)
+        q4_split(h, g, he, hd, hs)
+        for n in range(D):
+            for t in range(T):
+                out[t, n] = _q4_row_dot(he, hd, hs, dq, ds, f16_lut, t, n, half)
 
     @nb.njit(**JIT_FAST)
     def linear_q4_tok_g(x, q, scales, f16_lut, out):
@@ -264,10 +353,10 @@ def _make_q4(g: int):
                         acc += x[t, d] * wb[r, d]
                     out[t, n0 + r] = acc
 
-    return matmul_q4_g, linear_q4_tok_g
+    return matmul_q4_g, swiglu_q4_g, linear_q4_tok_g
 
 
 # group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: the prompt-token path
-MATMUL_Q4, LINEAR_Q4_TOK = {}, {}
+MATMUL_Q4, SWIGLU_Q4, LINEAR_Q4_TOK = {}, {}, {}
 for _g in (32, 64, 128):
-    MATMUL_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)
+    MATMUL_Q4[_g], SWIGLU_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)

@@ -97,15 +97,22 @@ def is_int4(gate, up, down) -> bool:
 
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
-    # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode kernels
-    if prompt and is_int4(gate, up, down):
+    # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path in one
+    # call (kernels.SWIGLU_Q4)
+    if is_int4(gate, up, down):
         x = np.ascontiguousarray(x, dtype=np.float32)
-        lin, T, I = kernels.LINEAR_Q4_TOK[gate.group_size], x.shape[0], gate.q.shape[0]
-        h, u, out = np.empty((T, I), np.float32), np.empty((T, I), np.float32), np.empty((T, down.q.shape[0]), np.float32)
-        lin(x, gate.q, gate.scales.view(np.uint16), _F16_LUT, h)
-        lin(x, up.q, up.scales.view(np.uint16), _F16_LUT, u)
+        T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
+        gs, us, ds = (w.scales.view(np.uint16) for w in (gate, up, down))
+        out = np.empty((T, D), np.float32)
+        if not prompt:
+            kernels.SWIGLU_Q4[gate.group_size](x, gate.q, gs, up.q, us, down.q, ds, _F16_LUT, out)
+            return out
+        lin = kernels.LINEAR_Q4_TOK[gate.group_size]
+        h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
+        lin(x, gate.q, gs, _F16_LUT, h)
+        lin(x, up.q, us, _F16_LUT, u)
         kernels.silu_mul(h, u, h)
-        lin(h, down.q, down.scales.view(np.uint16), _F16_LUT, out)
+        lin(h, down.q, ds, _F16_LUT, out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]

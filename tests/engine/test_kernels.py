@@ -180,9 +180,11 @@ def test_int4_expert_both_paths(T, D, I, g):
     ref = (hg / (1 + np.exp(-hg)) * hu) @ dequantize(down).T.astype(np.float64)
     out = layers.swiglu(x, gate, up, down)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()  # float32 sums of float64 products
+    # the decode path's one-call expert does what linear, silu_mul, linear do one by one (its
+    # inlined helpers round differently, within the float32 error both have against float64)
     h = layers.linear(x, gate)
     kernels.silu_mul(h, layers.linear(x, up), h)
-    np.testing.assert_array_equal(out, layers.linear(h, down))
+    assert np.abs(out - layers.linear(h, down)).max() <= 1e-5 * np.abs(ref).max()
     # the prompt-token path (dequantize rows once, dot with every token): as close to the
     # reference, and each row's result the same whatever rows share the call
     tok = layers.swiglu(x, gate, up, down, prompt=True)
