@@ -253,7 +253,8 @@ def _q4_row_dot(typingctx, xe, xd, xsum8, q, scales, f16_lut, t, n, half):
         lut = context.make_array(sig.args[5])(context, builder, lut_v).data
         n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
                                 ir.Constant(i64, nblk * 8))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        # multiply-add, fused where the CPU has FMA
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
         floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
         sixteenth = ir.Constant(_V8, [0.0625] * 8)
         acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))  # sum over groups of scale * part
