@@ -4,7 +4,9 @@ Activations are float32. Weights stay in their storage precision: float32, float
 or bf16 held as raw uint16 bits (see storage.safetensors); the 16-bit kernels widen
 one weight row at a time into a small float32 buffer and never make a float32 copy
 of a matrix. Every kernel is `nogil`, so reads of the next experts can run while it
-computes, and `cache=True`, so a process compiles it once per machine.
+computes, and `cache=True`, so a process compiles it once per machine. One piece, the
+int4 decode row dot (_q4_row_dot), is written in LLVM IR through numba's `intrinsic`, where
+numba's loops could not say what the vector code should be.
 
 The numpy references these are tested against live in tests/engine/test_kernels.py.
 """
