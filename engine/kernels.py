@@ -301,7 +301,9 @@ def _make_q4(g: int):
         # nibble, value + 8); scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so
         # per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the scale
         # (the high nibble by floor(b / 16) in float arithmetic, exact for 0..255).
-        T = xe.shape[0]
+        T, H = xe.shape
+        if q.shape[1] != H or scales.shape[1] != H // half or out.shape[1] != q.shape[0] or f16_lut.shape[0] != 65536:
+            raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the row dot does not check
         for n in range(q.shape[0]):
             for t in range(T):
                 out[t, n] = _q4_row_dot(xe, xd, xsum8, q, scales, f16_lut, t, n, half)
@@ -314,6 +316,10 @@ def _make_q4(g: int):
         # without a trip through Python between them: the glue cost as much as the kernels
         T, D = x.shape
         I = gq.shape[0]
+        if (gq.shape[1] * 2 != D or uq.shape != gq.shape or dq.shape[0] != D or dq.shape[1] * 2 != I
+                or gs.shape[1] * g != D or us.shape != gs.shape or ds.shape[1] * g != I or out.shape[1] != D
+                or f16_lut.shape[0] != 65536):
+            raise ValueError("int4 expert: weight, activation and output shapes do not match")
         xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
         q4_split(x, g, xe, xd, xs)
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)

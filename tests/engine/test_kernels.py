@@ -192,6 +192,10 @@ def test_int4_expert_both_paths(T, D, I, g):
     for t in range(T):
         np.testing.assert_array_equal(layers.swiglu(x[t : t + 1], gate, up, down, prompt=True)[0], tok[t])
         np.testing.assert_array_equal(layers.swiglu(x[t : t + 1], gate, up, down)[0], out[t])
+    with pytest.raises(ValueError, match="shapes do not match"):  # the vector code reads without bounds checks
+        layers.swiglu(x[:, : D // 2], gate, up, down)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        layers.linear(x, down)
     odd = quantize(rand(kernels.ROW_BLOCK + 7, D), "int4", g)  # a last block of rows that is not full
     y = np.empty((T, odd.q.shape[0]), np.float32)
     kernels.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), layers._F16_LUT, y)
