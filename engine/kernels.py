@@ -201,9 +201,9 @@ def matmul_q8(x, q, scales, g, f16_lut, out):
 @nb.njit(**JIT)
 def q4_split(x, g, xe, xd, xsum8):
     # x [T, D] -> xe [T, D/2] (even columns), xd [T, D/2] (odd columns - 16 * even ones),
-    # xsum8 [T, D/g] = 8 * each group's sum: what matmul_q4 takes instead of x. Strict float
-    # order (no fast-math): swiglu_q4_g inlines it, and a reassociated sum was rounded one way
-    # when compiled fresh and another when loaded from numba's cache
+    # xsum8 [T, D/g] = 8 * each group's sum: what the int4 row dot takes instead of x. Strict
+    # float order (no fast-math): the int4 kernels inline it, and a reassociated sum was rounded
+    # one way when compiled fresh and another when loaded from numba's cache
     T, D = x.shape
     for t in range(T):
         for j in range(D // 2):
@@ -230,7 +230,7 @@ def _row(context, builder, aty, aval, i):
 
 @intrinsic
 def _q4_row_dot(typingctx, xe, xd, xsum8, q, scales, f16_lut, t, n, half):
-    """float32: token t's dot with int4 row n (see matmul_q4_g for the algebra), in explicit
+    """float32: token t's dot with int4 row n (see linear_q4_g for the algebra), in explicit
     8-lane vectors. `half` (bytes per group) must be a compile-time constant; every 2-D array
     C-contiguous.
 
@@ -296,24 +296,28 @@ def _make_q4(g: int):
     half = g // 2
 
     @nb.njit(**JIT)
-    def matmul_q4_g(xe, xd, xsum8, q, scales, f16_lut, out):
-        # the decode path. xe, xd, xsum8 from q4_split; q [N, D/2] uint8 (even column in the low
-        # nibble, value + 8); scales [N, G] f16 bits; out [T, N]. A byte b holds lo + 16 hi, so
-        # per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi); minus 8*sum(x), times the scale
-        # (the high nibble by floor(b / 16) in float arithmetic, exact for 0..255).
-        T, H = xe.shape
-        if q.shape[1] != H or scales.shape[1] != H // half or out.shape[1] != q.shape[0] or f16_lut.shape[0] != 65536:
+    def linear_q4_g(x, q, scales, f16_lut, out):
+        # the decode path: x [T, D] f32; q [N, D/2] uint8 (even column in the low nibble, value
+        # + 8); scales [N, D/g] f16 bits; out [T, N] = x @ dequant(q).T. With xe, xd, xsum8 from
+        # q4_split: a byte b holds lo + 16 hi, so per group sum(xe*lo + xo*hi) = sum(xe*b + xd*hi);
+        # minus 8*sum(x), times the scale (the high nibble by floor(b / 16) in float arithmetic,
+        # exact for 0..255).
+        T, D = x.shape
+        if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[1] != q.shape[0] or f16_lut.shape[0] != 65536:
             raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the row dot does not check
+        xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
+        q4_split(x, g, xe, xd, xs)
         for n in range(q.shape[0]):
             for t in range(T):
-                out[t, n] = _q4_row_dot(xe, xd, xsum8, q, scales, f16_lut, t, n, half)
+                out[t, n] = _q4_row_dot(xe, xd, xs, q, scales, f16_lut, t, n, half)
 
     @nb.njit(**JIT)
     def swiglu_q4_g(x, gq, gs, uq, us, dq, ds, f16_lut, out):
         # a whole int4 expert on the decode path in one call: x [T, D] f32; gate, up: q [I, D/2],
         # scales [I, D/g]; down: q [D, I/2], scales [D, I/g]; out [T, D] = down(silu(gate x) * up x).
-        # The same operations as matmul_q4_g, silu_mul, matmul_q4_g one by one (and the same bits),
-        # without a trip through Python between them: the glue cost as much as the kernels
+        # The operations of linear_q4_g, silu_mul, linear_q4_g one by one, without a trip through
+        # Python between them (the glue cost as much as the kernels); the inlined helpers may
+        # round differently from the separate calls
         T, D = x.shape
         I = gq.shape[0]
         if (gq.shape[1] * 2 != D or uq.shape != gq.shape or dq.shape[0] != D or dq.shape[1] * 2 != I
@@ -362,10 +366,10 @@ def _make_q4(g: int):
                         acc += x[t, d] * wb[r, d]
                     out[t, n0 + r] = acc
 
-    return matmul_q4_g, swiglu_q4_g, linear_q4_tok_g
+    return linear_q4_g, swiglu_q4_g, linear_q4_tok_g
 
 
 # group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: the prompt-token path
-MATMUL_Q4, SWIGLU_Q4, LINEAR_Q4_TOK = {}, {}, {}
+LINEAR_Q4, SWIGLU_Q4, LINEAR_Q4_TOK = {}, {}, {}
 for _g in (32, 64, 128):
-    MATMUL_Q4[_g], SWIGLU_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)
+    LINEAR_Q4[_g], SWIGLU_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)

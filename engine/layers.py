@@ -36,7 +36,7 @@ def init(n_threads: int | None = None) -> None:
               QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
         linear(x, w)
     x64 = np.ones((1, 128), np.float32)
-    for g in kernels.MATMUL_Q4:
+    for g in kernels.LINEAR_Q4:
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
         swiglu(x64, q4, q4, q4)
         swiglu(x64, q4, q4, q4, prompt=True)
@@ -62,11 +62,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
         if w.kind == "int8":
             kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
         else:
-            T, D = x.shape
-            xe, xd = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32)
-            xsum8 = np.empty((T, D // w.group_size), np.float32)
-            kernels.q4_split(x, w.group_size, xe, xd, xsum8)
-            kernels.MATMUL_Q4[w.group_size](xe, xd, xsum8, w.q, scales, _F16_LUT, y)
+            kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
