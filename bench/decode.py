@@ -166,7 +166,7 @@ def main():
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
     ap.add_argument("--expert-gb", type=float, default=16.0)
     ap.add_argument("--io-threads", type=int, default=2)
-    ap.add_argument("--prefetch", type=int, default=0, help="router lookahead: reads started ahead per layer (0: off)")
+    ap.add_argument("--prefetch", type=int, default=8, help="router lookahead: reads started ahead per layer (0: off)")
     ap.add_argument("--policy", default="learned", choices=POLICIES)
     ap.add_argument("--verify", default="first", choices=("first", "always", "off"),
                     help="checksums of expert reads (colibri's default: each expert's first read)")

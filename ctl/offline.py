@@ -99,7 +99,7 @@ def resolve_model(model: str | None) -> str:
 @click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
 @click.option("--routing-trace", type=click.Path(dir_okay=False, writable=True), metavar="PATH",
               help="write the experts each layer used at each step as JSON lines")
-@click.option("--prefetch", type=click.IntRange(0, 1024), default=0, show_default=True, metavar="N",
+@click.option("--prefetch", type=click.IntRange(0, 1024), default=8, show_default=True, metavar="N",
               help="router lookahead: start up to N reads for the next layer's predicted experts (0: off)")
 @click.option("--policy", type=click.Choice(["lru", "lru+pinned", "learned"]), default="learned", show_default=True,
               help="expert cache policy (README: The expert cache policy)")

@@ -48,7 +48,7 @@ class Policy:
     hot_set: float = 0.5  # learned pins: this fraction of the slots above the LRU minimum
     repin_every: int = 32  # forward steps between hot set revisions (0: only at start)
     repin_margin: float = 0.25  # a challenger's count must exceed the coldest pin's by this factor
-    prefetch_reads: int = 0  # router lookahead reads in flight for the next layer (0: off)
+    prefetch_reads: int = 8  # router lookahead reads in flight for the next layer (0: off)
 
     @property
     def learns(self) -> bool:
