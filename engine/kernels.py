@@ -4,9 +4,10 @@ Activations are float32. Weights stay in their storage precision: float32, float
 or bf16 held as raw uint16 bits (see storage.safetensors); the 16-bit kernels widen
 one weight row at a time into a small float32 buffer and never make a float32 copy
 of a matrix. Every kernel is `nogil`, so reads of the next experts can run while it
-computes, and `cache=True`, so a process compiles it once per machine. One piece, the
-int4 decode row dot (_q4_row_dot), is written in LLVM IR through numba's `intrinsic`, where
-numba's loops could not say what the vector code should be.
+computes, and `cache=True`, so a process compiles it once per machine. Two pieces, the
+int4 decode matmul (_q4_matmul) and the prompt path's float32 tile (_f32_tile), are written in
+LLVM IR through numba's `intrinsic`, where numba's loops could not say what the vector code
+should be.
 
 The numpy references these are tested against live in tests/engine/test_kernels.py.
 """
@@ -228,60 +229,145 @@ def _row(context, builder, aty, aval, i):
                                      [i, ir.Constant(ir.IntType(64), 0)])
 
 
+def _hsum(builder, v):
+    # float32: the 8 lanes of v added in a fixed order
+    i32 = ir.IntType(32)
+    total = builder.extract_element(v, ir.Constant(i32, 0))
+    for lane in range(1, 8):
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(i32, lane)))
+    return total
+
+
+def _q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
+    # emits out[t0 + i, n] = token t0+i's dot with int4 row n for i < nt (see linear_q4_g for
+    # the algebra). The bytes of a group are widened once for the nt tokens; each token's
+    # floats go through exactly the operations they would alone, so a token's result does not
+    # depend on the tokens beside it
+    xe_v, xd_v, xs_v, q_v, sc_v, lut_v, out_v = args[:7]
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
+    erows, drows, srows = ([_row(context, builder, sig.args[k], args[k], t) for t in ts] for k in range(3))
+    qrow, scrow = (_row(context, builder, sig.args[k], args[k], n) for k in (3, 4))
+    lut = context.make_array(sig.args[5])(context, builder, lut_v).data
+    n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
+                            ir.Constant(i64, nblk * 8))
+    # multiply-add, fused where the CPU has FMA
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+    sixteenth = ir.Constant(_V8, [0.0625] * 8)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(nt)]  # sum of scale * part
+    corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]  # sum of scale * xsum8
+    with cgutils.for_range(builder, n_groups) as loop:
+        gi = loop.index
+        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
+                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        offs = [builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c)) for c in range(nblk)]
+        bs = [builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
+              for off in offs]  # [8] bytes b of each block
+        his = [builder.call(floor, [builder.fmul(b, sixteenth)]) for b in bs]  # [8] floor(b / 16)
+        for i in range(nt):
+            builder.store(builder.fadd(builder.load(corrs[i]), builder.fmul(builder.load(builder.gep(srows[i], [gi])), s)),
+                          corrs[i])
+            parts = []
+            for off, b, hi in zip(offs, bs, his):  # [8] e * b + d * floor(b / 16) for each block of 8 bytes
+                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), _V8.as_pointer()), align=4)
+                        for row in (erows[i], drows[i]))
+                parts.append(builder.call(fma, [e, b, builder.fmul(d, hi)]))
+            while len(parts) > 1:  # pairwise: independent adds, not a chain
+                parts = [builder.fadd(parts[k], parts[k + 1]) for k in range(0, len(parts) - 1, 2)] + parts[len(parts) & ~1:]
+            builder.store(builder.call(fma, [parts[0], splat, builder.load(accs[i])]), accs[i])
+    for i in range(nt):
+        orow = _row(context, builder, sig.args[6], out_v, ts[i])
+        builder.store(builder.fsub(_hsum(builder, builder.load(accs[i])), builder.load(corrs[i])), builder.gep(orow, [n]))
+
+
+Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
+
+
 @intrinsic
-def _q4_row_dot(typingctx, xe, xd, xsum8, q, scales, f16_lut, t, n, half):
-    """float32: token t's dot with int4 row n (see linear_q4_g for the algebra), in explicit
-    8-lane vectors. `half` (bytes per group) must be a compile-time constant; every 2-D array
-    C-contiguous.
+def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half):
+    """out [T, N] = the int4 decode path's x @ dequant(q).T, from q4_split's xe, xd, xsum8
+    (see linear_q4_g for the algebra), in explicit 8-lane vectors. `half` (bytes per group)
+    must be a compile-time constant; every 2-D array C-contiguous; the caller checks shapes.
 
     Written in LLVM IR because numba's loops give LLVM a single chain of dependent FMAs through
     each group and a horizontal sum per group: the kernel then waits on latency at ~5 GB/s of
     weights. Here each 8-byte block of a group is independent, the blocks are summed pairwise,
     and the group's scale multiplies that vector into an 8-lane accumulator: one horizontal sum
-    per row, ~7.5 GB/s on one core (bench/kernels.py). The order of the float operations is
-    fixed by this code (no fast-math on it), so the result is the same in every process."""
-    arrays = (xe, xd, xsum8, q, scales)
+    per row, ~7.5-8.7 GB/s on one core (bench/kernels.py). Tokens go through in blocks of
+    Q4_TOKENS, the blocks the outer loop (a block's activations stay in L1 while the weights
+    stream past), and a block widens each weight byte once for all its tokens: 1.5x for 4-12
+    tokens. The order of the float operations is fixed by this code (no fast-math on it), and
+    each (token, row) goes through the same operations however many tokens are in the call,
+    so the result is the same in every process and alone or batched."""
+    arrays = (xe, xd, xsum8, q, scales, out)
     if not (isinstance(half, types.IntegerLiteral) and half.literal_value % 8 == 0
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)):
         return None  # numba reports the call as not typeable
     nblk = half.literal_value // 8
-    sig = types.float32(xe, xd, xsum8, q, scales, f16_lut, t, n, half)
+    sig = types.void(xe, xd, xsum8, q, scales, f16_lut, out, half)
 
     def codegen(context, builder, sig, args):
-        xe_v, xd_v, xs_v, q_v, sc_v, lut_v, t_v, n_v, _ = args
         i64 = ir.IntType(64)
-        erow, drow, srow = (_row(context, builder, sig.args[k], args[k], t_v) for k in range(3))
-        qrow, scrow = (_row(context, builder, sig.args[k], args[k], n_v) for k in (3, 4))
-        lut = context.make_array(sig.args[5])(context, builder, lut_v).data
-        n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
-                                ir.Constant(i64, nblk * 8))
-        # multiply-add, fused where the CPU has FMA
+        T = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 0)
+        N = builder.extract_value(context.make_array(sig.args[3])(context, builder, args[3]).shape, 0)
+        full = builder.sdiv(T, ir.Constant(i64, Q4_TOKENS))
+        with cgutils.for_range(builder, full) as tb:
+            t0 = builder.mul(tb.index, ir.Constant(i64, Q4_TOKENS))
+            with cgutils.for_range(builder, N) as row:
+                _q4_rows_dot(context, builder, sig, args, t0, row.index, Q4_TOKENS, nblk)
+        t0 = builder.mul(full, ir.Constant(i64, Q4_TOKENS))
+        rest = builder.sub(T, t0)
+        for nt in (2, 1):  # the last tokens: a block of 2, then 1, as many as there are
+            nt_c = ir.Constant(i64, nt)
+            with builder.if_then(builder.icmp_signed(">=", rest, nt_c)):
+                t = builder.sub(T, rest)
+                with cgutils.for_range(builder, N) as row:
+                    _q4_rows_dot(context, builder, sig, args, t, row.index, nt, nblk)
+            rest = builder.select(builder.icmp_signed(">=", rest, nt_c), builder.sub(rest, nt_c), rest)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_TILE_TOKENS, _TILE_ROWS = 2, 4  # the prompt path's tile: 8 independent sums, 6 loads per 8 FMAs
+
+
+@intrinsic
+def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
+    """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
+    constants); x [T, D], w [R, D] float32, D a multiple of 8; every array 2-D C-contiguous.
+    Each pair is one 8-lane chain of multiply-adds over D and a horizontal sum in a fixed order,
+    the same operations whatever tile it is computed in: a (token, row) result does not depend
+    on the tokens or rows beside it."""
+    if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))):
+        return None
+    NT, NR = nt.literal_value, nr.literal_value
+    sig = types.void(x, w, out, t0, r0, n0, nt, nr)
+
+    def codegen(context, builder, sig, args):
+        x_v, w_v, out_v, t0_v, r0_v, n0_v = args[:6]
+        i64 = ir.IntType(64)
+        xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
+        wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
+        D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
-        sixteenth = ir.Constant(_V8, [0.0625] * 8)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))  # sum over groups of scale * part
-        corr = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))  # sum over groups of scale * xsum8
-        with cgutils.for_range(builder, n_groups) as loop:
-            gi = loop.index
-            s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
-            builder.store(builder.fadd(builder.load(corr), builder.fmul(builder.load(builder.gep(srow, [gi])), s)), corr)
-            parts = []
-            for c in range(nblk):  # [8] e * b + d * floor(b / 16) for each block of 8 bytes
-                off = builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c))
-                b = builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
-                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), _V8.as_pointer()), align=4)
-                        for row in (erow, drow))
-                parts.append(builder.call(fma, [e, b, builder.fmul(d, builder.call(floor, [builder.fmul(b, sixteenth)]))]))
-            while len(parts) > 1:  # pairwise: independent adds, not a chain
-                parts = [builder.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)] + parts[len(parts) & ~1:]
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(ir.IntType(32), 0)),
-                                           ir.Constant(_V8, None), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-            builder.store(builder.call(fma, [parts[0], splat, builder.load(acc)]), acc)
-        a = builder.load(acc)
-        total = builder.extract_element(a, ir.Constant(ir.IntType(32), 0))
-        for lane in range(1, 8):
-            total = builder.fadd(total, builder.extract_element(a, ir.Constant(ir.IntType(32), lane)))
-        return builder.fsub(total, builder.load(corr))
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
+        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 8))
+            xs, ws = ([builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in rows]
+                      for rows in (xrows, wrows))
+            for i in range(NT):
+                for j in range(NR):
+                    builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
+        for i in range(NT):
+            orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
+            for j in range(NR):
+                n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
+                builder.store(_hsum(builder, builder.load(accs[i][j])), builder.gep(orow, [n]))
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -307,9 +393,7 @@ def _make_q4(g: int):
             raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the row dot does not check
         xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
         q4_split(x, g, xe, xd, xs)
-        for n in range(q.shape[0]):
-            for t in range(T):
-                out[t, n] = _q4_row_dot(xe, xd, xs, q, scales, f16_lut, t, n, half)
+        _q4_matmul(xe, xd, xs, q, scales, f16_lut, out, half)
 
     @nb.njit(**JIT)
     def swiglu_q4_g(x, gq, gs, uq, us, dq, ds, f16_lut, out):
@@ -327,28 +411,28 @@ def _make_q4(g: int):
         xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
         q4_split(x, g, xe, xd, xs)
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
-        for n in range(I):
-            for t in range(T):
-                h[t, n] = _q4_row_dot(xe, xd, xs, gq, gs, f16_lut, t, n, half)
-                u[t, n] = _q4_row_dot(xe, xd, xs, uq, us, f16_lut, t, n, half)
+        _q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half)
+        _q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half)
         silu_mul(h, u, h)
         he, hd, hs = np.empty((T, I // 2), np.float32), np.empty((T, I // 2), np.float32), np.empty((T, I // g), np.float32)
         q4_split(h, g, he, hd, hs)
-        for n in range(D):
-            for t in range(T):
-                out[t, n] = _q4_row_dot(he, hd, hs, dq, ds, f16_lut, t, n, half)
+        _q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half)
 
-    @nb.njit(**JIT_FAST)
+    @nb.njit(**JIT)
     def linear_q4_tok_g(x, q, scales, f16_lut, out):
         # the prompt-token path: x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits,
         # out [T, N] = x @ dequant(q).T. It dequantizes a block of ROW_BLOCK rows once
-        # ((v - 8) * scale is exact in float32) and dots it with every token while it sits in
-        # L2; the decode path unpacks every weight again for every token. Each (token, row) is
-        # the same loop whatever T is, so a row's result does not depend on the rows beside
-        # it; it differs from the decode path's in rounding only.
+        # ((v - 8) * scale is exact in float32) and dots it with every token in tiles of
+        # _TILE_TOKENS x _TILE_ROWS while it sits in L2; the decode path unpacks every weight
+        # again for every few tokens. A (token, row) result is the same whatever tile computes
+        # it (_f32_tile), so it does not depend on the tokens beside it; it differs from the
+        # decode path's in rounding only.
         T, D = x.shape
         N = q.shape[0]
+        if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N or D % 8:
+            raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the tile does not check
         wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
+        t_end = T - T % _TILE_TOKENS
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
             for r in range(nr):
@@ -359,12 +443,15 @@ def _make_q4(g: int):
                         hi = np.floor(b * np.float32(0.0625))
                         wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
                         wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
-            for t in range(T):
-                for r in range(nr):
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += x[t, d] * wb[r, d]
-                    out[t, n0 + r] = acc
+            r_end = nr - nr % _TILE_ROWS
+            for r in range(0, r_end, _TILE_ROWS):
+                for t in range(0, t_end, _TILE_TOKENS):
+                    _f32_tile(x, wb, out, t, r, n0, _TILE_TOKENS, _TILE_ROWS)
+                for t in range(t_end, T):
+                    _f32_tile(x, wb, out, t, r, n0, 1, _TILE_ROWS)
+            for r in range(r_end, nr):
+                for t in range(T):
+                    _f32_tile(x, wb, out, t, r, n0, 1, 1)
 
     return linear_q4_g, swiglu_q4_g, linear_q4_tok_g
 

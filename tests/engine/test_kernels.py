@@ -167,7 +167,7 @@ def test_int4_packing_layout():
     np.testing.assert_array_equal(dequantize(qw), w)
 
 
-@pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128), (40, 128, 96, 32)])
+@pytest.mark.parametrize("T,D,I,g", [(1, 128, 64, 32), (3, 256, 192, 64), (2, 256, 128, 128), (7, 128, 192, 64), (40, 128, 96, 32)])
 def test_int4_expert_both_paths(T, D, I, g):
     """An int4 expert (gate, up, silu, down) by the decode kernels and by the prompt-token
     kernels, against numpy on the dequantized matrices."""
