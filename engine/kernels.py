@@ -31,33 +31,125 @@ def f16_table() -> np.ndarray:
 
 
 ROWS_PER_TASK = 64  # rows a parallel kernel's thread takes at a time
-ROW_BLOCK = 16  # rows the int4 prompt-token kernel dequantizes at a time (16 x 2048 f32: 128 KiB, in L2)
+ROW_BLOCK = 16  # rows a kernel widens or dequantizes at a time for _tiles (16 x 2048 f32: 128 KiB, in L2)
+
+
+_F32 = ir.FloatType()
+_V8, _V8I8 = ir.VectorType(_F32, 8), ir.VectorType(ir.IntType(8), 8)
+
+
+def _row(context, builder, aty, aval, i):
+    # pointer to element [i, 0] of a 2-D array value
+    a = context.make_array(aty)(context, builder, aval)
+    return cgutils.get_item_pointer2(context, builder, a.data, cgutils.unpack_tuple(builder, a.shape),
+                                     cgutils.unpack_tuple(builder, a.strides), aty.layout,
+                                     [i, ir.Constant(ir.IntType(64), 0)])
+
+
+def _hsum(builder, v):
+    # float32: the 8 lanes of v added in a fixed order
+    i32 = ir.IntType(32)
+    total = builder.extract_element(v, ir.Constant(i32, 0))
+    for lane in range(1, 8):
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(i32, lane)))
+    return total
+
+
+_TILE_TOKENS, _TILE_ROWS = 2, 4  # the float32 tile: 8 independent sums, 6 loads per 8 FMAs
+
+
+@intrinsic
+def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
+    """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
+    constants); x [T, D], w [R, D] float32; every array 2-D C-contiguous; the caller checks
+    shapes. Each pair is one 8-lane chain of multiply-adds over D's multiple of 8, a horizontal
+    sum in a fixed order, then the last D % 8 products one by one: the same operations whatever
+    tile it is computed in, so a (token, row) result does not depend on the tokens or rows
+    beside it, nor on the process (no fast-math)."""
+    if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))):
+        return None
+    NT, NR = nt.literal_value, nr.literal_value
+    sig = types.void(x, w, out, t0, r0, n0, nt, nr)
+
+    def codegen(context, builder, sig, args):
+        x_v, w_v, out_v, t0_v, r0_v, n0_v = args[:6]
+        i64 = ir.IntType(64)
+        xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
+        wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
+        D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
+        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 8))
+            xs, ws = ([builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in rows]
+                      for rows in (xrows, wrows))
+            for i in range(NT):
+                for j in range(NR):
+                    builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
+        sums = [[cgutils.alloca_once_value(builder, _hsum(builder, builder.load(accs[i][j]))) for j in range(NR)]
+                 for i in range(NT)]
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
+        with cgutils.for_range(builder, builder.srem(D, ir.Constant(i64, 8))) as tail:  # D % 8 products
+            d = builder.add(builder.sub(D, builder.srem(D, ir.Constant(i64, 8))), tail.index)
+            for i in range(NT):
+                for j in range(NR):
+                    xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
+                    builder.store(builder.call(fma1, [xd, wd, builder.load(sums[i][j])]), sums[i][j])
+        for i in range(NT):
+            orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
+            for j in range(NR):
+                n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
+                builder.store(builder.load(sums[i][j]), builder.gep(orow, [n]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@nb.njit(**JIT)
+def _tiles(x, w, r_lo, r_hi, out, n0):
+    # out[:, n0 + r] = x @ w[r] for r_lo <= r < r_hi: x [T, D], w [R, D] float32, C-contiguous;
+    # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows and tokens left over in smaller ones
+    T = x.shape[0]
+    t_end = T - T % _TILE_TOKENS
+    r_end = r_hi - (r_hi - r_lo) % _TILE_ROWS
+    for r in range(r_lo, r_end, _TILE_ROWS):
+        for t in range(0, t_end, _TILE_TOKENS):
+            _f32_tile(x, w, out, t, r, n0, _TILE_TOKENS, _TILE_ROWS)
+        for t in range(t_end, T):
+            _f32_tile(x, w, out, t, r, n0, 1, _TILE_ROWS)
+    for r in range(r_end, r_hi):
+        for t in range(T):
+            _f32_tile(x, w, out, t, r, n0, 1, 1)
 
 
 def _make_matmul_u16(parallel: bool):
-    @nb.njit(parallel=parallel, **JIT_FAST)
+    @nb.njit(parallel=parallel, **JIT)
     def matmul_u16(x, w, is_bf16, f16_lut, out):
-        # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T
+        # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T.
+        # A task of ROWS_PER_TASK rows widens ROW_BLOCK of them at a time into float32 (exact)
+        # and takes them through _tiles with every token: a (token, row) result is the same
+        # whatever else shares the call
         T, D = x.shape
         N = w.shape[0]
+        if out.shape[0] != T or out.shape[1] != N or w.shape[1] != D:
+            raise ValueError("matmul: weight, activation and output shapes do not match")  # the tile does not check
         # `parallel` is read here so that it is part of the closure numba's cache keys on: the
         # serial and the parallel build of this function must not share a cache entry
         assert parallel or not parallel
         for c in nb.prange((N + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-            bits = np.empty(D, np.uint32)  # one buffer per task of rows, not per row
-            row = bits.view(np.float32)  # [D] one widened row
-            for n in range(c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK)):
-                if is_bf16:
-                    for d in range(D):
-                        bits[d] = np.uint32(w[n, d]) << 16
-                else:
-                    for d in range(D):
-                        row[d] = f16_lut[w[n, d]]
-                for t in range(T):
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += x[t, d] * row[d]
-                    out[t, n] = acc
+            bits = np.empty((ROW_BLOCK, D), np.uint32)  # one buffer per task, not per row
+            wb = bits.view(np.float32)  # [ROW_BLOCK, D] widened rows
+            for n0 in range(c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), ROW_BLOCK):
+                nr = min(ROW_BLOCK, N - n0)
+                for r in range(nr):
+                    if is_bf16:
+                        for d in range(D):
+                            bits[r, d] = np.uint32(w[n0 + r, d]) << 16
+                    else:
+                        for d in range(D):
+                            wb[r, d] = f16_lut[w[n0 + r, d]]
+                _tiles(x, wb, 0, nr, out, n0)
 
     return matmul_u16
 
@@ -70,18 +162,17 @@ PARALLEL_MIN_ELEMENTS = 4 * 2**20
 
 
 def _make_matmul_f32(parallel: bool):
-    @nb.njit(parallel=parallel, **JIT_FAST)
+    @nb.njit(parallel=parallel, **JIT)
     def matmul_f32(x, w, out):
-        # x [T, D] f32, w [N, D] f32, out [T, N]: out = x @ w.T, each row on its own
+        # x [T, D] f32, w [N, D] f32, out [T, N]: out = x @ w.T through _tiles, ROWS_PER_TASK
+        # rows a task
         T, D = x.shape
         N = w.shape[0]
+        if out.shape[0] != T or out.shape[1] != N or w.shape[1] != D:
+            raise ValueError("matmul: weight, activation and output shapes do not match")
         assert parallel or not parallel  # part of the cache key, as in matmul_u16
-        for n in nb.prange(N):
-            for t in range(T):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += x[t, d] * w[n, d]
-                out[t, n] = acc
+        for c in nb.prange((N + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            _tiles(x, w, c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), out, 0)
 
     return matmul_f32
 
@@ -217,27 +308,6 @@ def q4_split(x, g, xe, xd, xsum8):
             xsum8[t, gi] = np.float32(8.0) * s
 
 
-_F32 = ir.FloatType()
-_V8, _V8I8 = ir.VectorType(_F32, 8), ir.VectorType(ir.IntType(8), 8)
-
-
-def _row(context, builder, aty, aval, i):
-    # pointer to element [i, 0] of a 2-D array value
-    a = context.make_array(aty)(context, builder, aval)
-    return cgutils.get_item_pointer2(context, builder, a.data, cgutils.unpack_tuple(builder, a.shape),
-                                     cgutils.unpack_tuple(builder, a.strides), aty.layout,
-                                     [i, ir.Constant(ir.IntType(64), 0)])
-
-
-def _hsum(builder, v):
-    # float32: the 8 lanes of v added in a fixed order
-    i32 = ir.IntType(32)
-    total = builder.extract_element(v, ir.Constant(i32, 0))
-    for lane in range(1, 8):
-        total = builder.fadd(total, builder.extract_element(v, ir.Constant(i32, lane)))
-    return total
-
-
 def _q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
     # emits out[t0 + i, n] = token t0+i's dot with int4 row n for i < nt (see linear_q4_g for
     # the algebra). The bytes of a group are widened once for the nt tokens; each token's
@@ -331,47 +401,6 @@ def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half):
     return sig, codegen
 
 
-_TILE_TOKENS, _TILE_ROWS = 2, 4  # the prompt path's tile: 8 independent sums, 6 loads per 8 FMAs
-
-
-@intrinsic
-def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
-    """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
-    constants); x [T, D], w [R, D] float32, D a multiple of 8; every array 2-D C-contiguous.
-    Each pair is one 8-lane chain of multiply-adds over D and a horizontal sum in a fixed order,
-    the same operations whatever tile it is computed in: a (token, row) result does not depend
-    on the tokens or rows beside it."""
-    if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
-            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))):
-        return None
-    NT, NR = nt.literal_value, nr.literal_value
-    sig = types.void(x, w, out, t0, r0, n0, nt, nr)
-
-    def codegen(context, builder, sig, args):
-        x_v, w_v, out_v, t0_v, r0_v, n0_v = args[:6]
-        i64 = ir.IntType(64)
-        xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
-        wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
-        D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
-        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
-            off = builder.mul(loop.index, ir.Constant(i64, 8))
-            xs, ws = ([builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in rows]
-                      for rows in (xrows, wrows))
-            for i in range(NT):
-                for j in range(NR):
-                    builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
-        for i in range(NT):
-            orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
-            for j in range(NR):
-                n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
-                builder.store(_hsum(builder, builder.load(accs[i][j])), builder.gep(orow, [n]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _make_q4(g: int):
     # one pair of kernels per group size: the group's length must be a constant (LLVM
     # vectorises the prompt path's group loop only then; the decode path's vector code is
@@ -423,16 +452,15 @@ def _make_q4(g: int):
         # the prompt-token path: x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits,
         # out [T, N] = x @ dequant(q).T. It dequantizes a block of ROW_BLOCK rows once
         # ((v - 8) * scale is exact in float32) and dots it with every token in tiles of
-        # _TILE_TOKENS x _TILE_ROWS while it sits in L2; the decode path unpacks every weight
-        # again for every few tokens. A (token, row) result is the same whatever tile computes
-        # it (_f32_tile), so it does not depend on the tokens beside it; it differs from the
+        # _TILE_TOKENS x _TILE_ROWS (_tiles) while it sits in L2; the decode path unpacks every
+        # weight again for every few tokens. A (token, row) result is the same whatever tile
+        # computes it, so it does not depend on the tokens beside it; it differs from the
         # decode path's in rounding only.
         T, D = x.shape
         N = q.shape[0]
-        if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N or D % 8:
+        if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N:
             raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the tile does not check
         wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
-        t_end = T - T % _TILE_TOKENS
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
             for r in range(nr):
@@ -443,15 +471,7 @@ def _make_q4(g: int):
                         hi = np.floor(b * np.float32(0.0625))
                         wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
                         wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
-            r_end = nr - nr % _TILE_ROWS
-            for r in range(0, r_end, _TILE_ROWS):
-                for t in range(0, t_end, _TILE_TOKENS):
-                    _f32_tile(x, wb, out, t, r, n0, _TILE_TOKENS, _TILE_ROWS)
-                for t in range(t_end, T):
-                    _f32_tile(x, wb, out, t, r, n0, 1, _TILE_ROWS)
-            for r in range(r_end, nr):
-                for t in range(T):
-                    _f32_tile(x, wb, out, t, r, n0, 1, 1)
+            _tiles(x, wb, 0, nr, out, n0)
 
     return linear_q4_g, swiglu_q4_g, linear_q4_tok_g
 
