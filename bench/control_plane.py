@@ -9,7 +9,8 @@ object:
 - ping round trip p50/p99 (ms), while idle;
 - the extra time to first token through the daemon, against the same request in process;
 - for each budget and client count N: N clients send a generate request of the same
-  prompt length at once; aggregate tokens/s, expert bytes read per generated token, the
+  prompt length at once (the text sampled at temperature 1 with a fixed seed per client, as
+  in bench/decode.py); aggregate tokens/s, expert bytes read per generated token, the
   union saving (the experts each request routed to, summed over requests, per layer and
   step, divided by the unique experts the batch asked for: the daemon counts both, see
   `routed` in `colictl stats --json`), the read saving (bytes per token alone over bytes
@@ -68,7 +69,11 @@ def clients_run(sock: str, prompts: list[str], tokens: int, budget) -> dict:
     results, t0 = {}, time.perf_counter()
 
     def one(i):
-        results[i] = Client(sock).connect().call("generate", timeout_ms=None, prompt=prompts[i], max_tokens=tokens)
+        # sampled (temperature 1, a fixed seed per client), as bench/decode.py does: greedy text
+        # from random weights falls into one repeated token, the same for every prompt, and
+        # the requests would then route alike, which real text does not
+        results[i] = Client(sock).connect().call("generate", timeout_ms=None, prompt=prompts[i], max_tokens=tokens,
+                                                 temperature=1.0, seed=100 + i)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
