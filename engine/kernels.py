@@ -425,18 +425,28 @@ def _make_q4(g: int):
         _q4_matmul(xe, xd, xs, q, scales, f16_lut, out, half)
 
     @nb.njit(**JIT)
-    def swiglu_q4_g(x, gq, gs, uq, us, dq, ds, f16_lut, out):
-        # a whole int4 expert on the decode path in one call: x [T, D] f32; gate, up: q [I, D/2],
-        # scales [I, D/g]; down: q [D, I/2], scales [D, I/g]; out [T, D] = down(silu(gate x) * up x).
-        # The operations of linear_q4_g, silu_mul, linear_q4_g one by one, without a trip through
-        # Python between them (the glue cost as much as the kernels); the inlined helpers may
-        # round differently from the separate calls
-        T, D = x.shape
+    def swiglu_q4_g(x_all, rows, A, wts, gq, gs, uq, us, dq, ds, f16_lut, ys):
+        # a whole int4 expert on the decode path in one call, for the rows of a MoE step that
+        # chose it: x_all [T_all, D] f32; rows [T] int64, flat positions token * A + slot;
+        # wts [T_all * A] f32 routing weights; gate, up: q [I, D/2], scales [I, D/g]; down:
+        # q [D, I/2], scales [D, I/g]; ys [T_all * A, D]: ys[r] = wts[r] * down(silu(gate x) * up x)
+        # for x = x_all[r // A], r in rows. The operations of linear_q4_g, silu_mul, linear_q4_g
+        # one by one, and the gather and the weighting, without a trip through Python between
+        # them (the glue cost as much as the kernels); the inlined helpers may round differently
+        # from the separate calls
+        D = x_all.shape[1]
+        T = rows.shape[0]
         I = gq.shape[0]
         if (gq.shape[1] * 2 != D or uq.shape != gq.shape or dq.shape[0] != D or dq.shape[1] * 2 != I
-                or gs.shape[1] * g != D or us.shape != gs.shape or ds.shape[1] * g != I or out.shape[1] != D
-                or f16_lut.shape[0] != 65536):
+                or gs.shape[1] * g != D or us.shape != gs.shape or ds.shape[1] * g != I or ys.shape[1] != D
+                or f16_lut.shape[0] != 65536 or wts.shape[0] != ys.shape[0] or x_all.shape[0] * A != ys.shape[0]):
             raise ValueError("int4 expert: weight, activation and output shapes do not match")
+        x = np.empty((T, D), np.float32)
+        for i in range(T):
+            if rows[i] < 0 or rows[i] >= ys.shape[0]:
+                raise ValueError("int4 expert: a row outside the step")
+            x[i] = x_all[rows[i] // A]
+        out = np.empty((T, D), np.float32)
         xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
         q4_split(x, g, xe, xd, xs)
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
@@ -446,6 +456,9 @@ def _make_q4(g: int):
         he, hd, hs = np.empty((T, I // 2), np.float32), np.empty((T, I // 2), np.float32), np.empty((T, I // g), np.float32)
         q4_split(h, g, he, hd, hs)
         _q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half)
+        for i in range(T):
+            for d in range(D):
+                ys[rows[i], d] = out[i, d] * wts[rows[i]]
 
     @nb.njit(**JIT)
     def linear_q4_tok_g(x, q, scales, f16_lut, out):

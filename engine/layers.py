@@ -100,8 +100,9 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
         gs, us, ds = (w.scales.view(np.uint16) for w in (gate, up, down))
         out = np.empty((T, D), np.float32)
-        if not prompt:
-            kernels.SWIGLU_Q4[gate.group_size](x, gate.q, gs, up.q, us, down.q, ds, _F16_LUT, out)
+        if not prompt:  # every row its own, weight 1 (exact)
+            kernels.SWIGLU_Q4[gate.group_size](x, np.arange(T), 1, np.ones(T, np.float32), gate.q, gs, up.q, us,
+                                               down.q, ds, _F16_LUT, out)
             return out
         lin = kernels.LINEAR_Q4_TOK[gate.group_size]
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
@@ -333,7 +334,9 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
     T, A = ids.shape
-    ys = np.zeros((T, A, x.shape[1]), np.float32)  # [T, A, D] each token's expert outputs
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
+    w_flat = np.ascontiguousarray(weights).reshape(T * A)
 
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
     # prompt-token path, the others the decode path: a row takes the same path alone or batched
@@ -341,18 +344,25 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     for sg in step.segments if step is not None else [Segment(None, 0, T)]:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
 
+    # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most once
+    flat = ids.reshape(T * A)
+    order = np.argsort(flat, kind="stable")
+    union, starts = np.unique(flat[order], return_index=True)  # each expert of the step once
+    rows_of = dict(zip(union.tolist(), np.split(order, starts[1:])))
+
     def expert(item):
         ie, (gate, up, down) = item
-        t_idx, slot = np.nonzero(ids == ie)  # a token picks an expert at most once
-        p = prompt_rows[t_idx]
-        if is_int4(gate, up, down) and p.any() and not p.all():
-            parts = [(t_idx[p], slot[p], True), (t_idx[~p], slot[~p], False)]
-        else:
-            parts = [(t_idx, slot, bool(p[0]))]
-        for t, a, prompt in parts:
-            ys[t, a] = swiglu(x[t], gate, up, down, prompt) * weights[t, a][:, None]
+        rows = rows_of[ie]
+        p = prompt_rows[rows // A]
+        if is_int4(gate, up, down) and not p.any():  # the decode path: gather, expert, weighting in one call
+            gs, us, ds = (w.scales.view(np.uint16) for w in (gate, up, down))
+            kernels.SWIGLU_Q4[gate.group_size](x, rows, A, w_flat, gate.q, gs, up.q, us, down.q, ds, _F16_LUT, ys)
+            return
+        parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
+        for r, prompt in parts:
+            if len(r):
+                ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]
 
-    union = np.unique(ids)  # each expert of the step once, however many tokens chose it
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
         experts.stats.routed += sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
     else:
@@ -363,6 +373,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
                 expert(item)
         else:  # the kernels release the GIL: the batch's experts run side by side
             run_shared(batch, expert)
+    ys = ys.reshape(T, A, -1)
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
         out += ys[:, a]
