@@ -36,6 +36,7 @@ ROW_BLOCK = 16  # rows a kernel widens or dequantizes at a time for _tiles (16 x
 
 _F32 = ir.FloatType()
 _V8, _V8I8 = ir.VectorType(_F32, 8), ir.VectorType(ir.IntType(8), 8)
+_V8I16, _V8I32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
 
 
 def _row(context, builder, aty, aval, i):
@@ -61,15 +62,18 @@ _TILE_TOKENS, _TILE_ROWS = 2, 4  # the float32 tile: 8 independent sums, 6 loads
 @intrinsic
 def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
     """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
-    constants); x [T, D], w [R, D] float32; every array 2-D C-contiguous; the caller checks
-    shapes. Each pair is one 8-lane chain of multiply-adds over D's multiple of 8, a horizontal
+    constants); x [T, D] float32, w [R, D] float32 or bf16 bits (uint16, widened in registers:
+    exact, so the same bits as from a widened copy); every array 2-D C-contiguous; the caller
+    checks shapes. Each pair is one 8-lane chain of multiply-adds over D's multiple of 8, a horizontal
     sum in a fixed order, then the last D % 8 products one by one: the same operations whatever
     tile it is computed in, so a (token, row) result does not depend on the tokens or rows
     beside it, nor on the process (no fast-math)."""
     if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
-            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))):
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))
+            and w.dtype in (types.float32, types.uint16)):
         return None
     NT, NR = nt.literal_value, nr.literal_value
+    bf16 = w.dtype == types.uint16
     sig = types.void(x, w, out, t0, r0, n0, nt, nr)
 
     def codegen(context, builder, sig, args):
@@ -82,8 +86,13 @@ def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
         with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
             off = builder.mul(loop.index, ir.Constant(i64, 8))
-            xs, ws = ([builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in rows]
-                      for rows in (xrows, wrows))
+            xs = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in xrows]
+            if bf16:  # [8] bf16 bits -> float32: the bits shifted into the high half
+                ws = [builder.bitcast(builder.shl(builder.zext(builder.load(builder.bitcast(
+                      builder.gep(r, [off]), _V8I16.as_pointer()), align=2), _V8I32), ir.Constant(_V8I32, [16] * 8)), _V8)
+                      for r in wrows]
+            else:
+                ws = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in wrows]
             for i in range(NT):
                 for j in range(NR):
                     builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
@@ -95,6 +104,8 @@ def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
             for i in range(NT):
                 for j in range(NR):
                     xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
+                    if bf16:
+                        wd = builder.bitcast(builder.shl(builder.zext(wd, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), _F32)
                     builder.store(builder.call(fma1, [xd, wd, builder.load(sums[i][j])]), sums[i][j])
         for i in range(NT):
             orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
@@ -108,7 +119,7 @@ def _f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
 
 @nb.njit(**JIT)
 def _tiles(x, w, r_lo, r_hi, out, n0):
-    # out[:, n0 + r] = x @ w[r] for r_lo <= r < r_hi: x [T, D], w [R, D] float32, C-contiguous;
+    # out[:, n0 + r] = x @ w[r] for r_lo <= r < r_hi: x [T, D], w [R, D] float32 or bf16 bits, C-contiguous;
     # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows and tokens left over in smaller ones
     T = x.shape[0]
     t_end = T - T % _TILE_TOKENS
@@ -138,6 +149,9 @@ def _make_matmul_u16(parallel: bool):
         # serial and the parallel build of this function must not share a cache entry
         assert parallel or not parallel
         for c in nb.prange((N + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            if is_bf16 and T <= 4:  # a few tokens: the tile widens bf16 in registers (a copy would be read few times)
+                _tiles(x, w, c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), out, 0)
+                continue
             bits = np.empty((ROW_BLOCK, D), np.uint32)  # one buffer per task, not per row
             wb = bits.view(np.float32)  # [ROW_BLOCK, D] widened rows
             for n0 in range(c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), ROW_BLOCK):
