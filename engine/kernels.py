@@ -139,7 +139,8 @@ def _make_matmul_u16(parallel: bool):
     def matmul_u16(x, w, is_bf16, f16_lut, out):
         # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T.
         # A task of ROWS_PER_TASK rows widens ROW_BLOCK of them at a time into float32 (exact)
-        # and takes them through _tiles with every token: a (token, row) result is the same
+        # and takes them through _tiles with every token; bf16 for up to four tokens goes
+        # through _tiles directly, widened in registers. A (token, row) result is the same
         # whatever else shares the call
         T, D = x.shape
         N = w.shape[0]
