@@ -2,10 +2,11 @@
 
 Activations are float32. Weights stay in their storage precision: float32, float16,
 or bf16 held as raw uint16 bits (see storage.safetensors); the 16-bit kernels widen
-one weight row at a time into a small float32 buffer and never make a float32 copy
-of a matrix. Every kernel is `nogil`, so reads of the next experts can run while it
+a block of rows at a time into a small float32 buffer (bf16 for a few tokens in
+registers) and never make a float32 copy of a matrix. Every kernel is `nogil`, so reads of the next experts can run while it
 computes, and `cache=True`, so a process compiles it once per machine. Two pieces, the
-int4 decode matmul (_q4_matmul) and the prompt path's float32 tile (_f32_tile), are written in
+int4 decode matmul (_q4_matmul) and the float32 tile (_f32_tile) of the dense and int4
+prompt-path matmuls, are written in
 LLVM IR through numba's `intrinsic`, where numba's loops could not say what the vector code
 should be.
 
@@ -417,7 +418,7 @@ def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half):
 
 
 def _make_q4(g: int):
-    # one pair of kernels per group size: the group's length must be a constant (LLVM
+    # the int4 kernels of one group size (linear, whole expert, prompt-token linear): the group's length must be a constant (LLVM
     # vectorises the prompt path's group loop only then; the decode path's vector code is
     # unrolled over it). They close over integers only and call only module-level kernels: numba
     # caches such closures on disk (a closure over another kernel is compiled again in every

@@ -91,6 +91,13 @@ def is_int4(gate, up, down) -> bool:
     return all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down))
 
 
+def swiglu_q4_rows(x: np.ndarray, rows: np.ndarray, A: int, wts: np.ndarray, gate, up, down, ys: np.ndarray) -> None:
+    # an int4 expert on the decode path for some rows of a step: ys[r] = wts[r] * expert(x[r // A])
+    # for r in rows; x [T, D], rows [n] int64, wts [T * A], ys [T * A, D] (kernels.SWIGLU_Q4)
+    kernels.SWIGLU_Q4[gate.group_size](x, rows, A, wts, gate.q, gate.scales.view(np.uint16), up.q, up.scales.view(np.uint16),
+                                       down.q, down.scales.view(np.uint16), _F16_LUT, ys)
+
+
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
     # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path in one
@@ -98,18 +105,16 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     if is_int4(gate, up, down):
         x = np.ascontiguousarray(x, dtype=np.float32)
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
-        gs, us, ds = (w.scales.view(np.uint16) for w in (gate, up, down))
         out = np.empty((T, D), np.float32)
         if not prompt:  # every row its own, weight 1 (exact)
-            kernels.SWIGLU_Q4[gate.group_size](x, np.arange(T), 1, np.ones(T, np.float32), gate.q, gs, up.q, us,
-                                               down.q, ds, _F16_LUT, out)
+            swiglu_q4_rows(x, np.arange(T), 1, np.ones(T, np.float32), gate, up, down, out)
             return out
         lin = kernels.LINEAR_Q4_TOK[gate.group_size]
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
-        lin(x, gate.q, gs, _F16_LUT, h)
-        lin(x, up.q, us, _F16_LUT, u)
+        lin(x, gate.q, gate.scales.view(np.uint16), _F16_LUT, h)
+        lin(x, up.q, up.scales.view(np.uint16), _F16_LUT, u)
         kernels.silu_mul(h, u, h)
-        lin(h, down.q, ds, _F16_LUT, out)
+        lin(h, down.q, down.scales.view(np.uint16), _F16_LUT, out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
@@ -353,12 +358,11 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     def expert(item):
         ie, (gate, up, down) = item
         rows = rows_of[ie]
-        p = prompt_rows[rows // A]
-        if is_int4(gate, up, down) and not p.any():  # the decode path: gather, expert, weighting in one call
-            gs, us, ds = (w.scales.view(np.uint16) for w in (gate, up, down))
-            kernels.SWIGLU_Q4[gate.group_size](x, rows, A, w_flat, gate.q, gs, up.q, us, down.q, ds, _F16_LUT, ys)
+        p, q4 = prompt_rows[rows // A], is_int4(gate, up, down)
+        if q4 and not p.any():  # the decode path: gather, expert, weighting in one call
+            swiglu_q4_rows(x, rows, A, w_flat, gate, up, down, ys)
             return
-        parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
+        parts = [(rows[p], True), (rows[~p], False)] if q4 else [(rows, bool(p[0]))]
         for r, prompt in parts:
             if len(r):
                 ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]
