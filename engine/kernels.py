@@ -135,14 +135,36 @@ def _tiles(x, w, r_lo, r_hi, out, n0):
             _f32_tile(x, w, out, t, r, n0, 1, 1)
 
 
+@nb.njit(**JIT)
+def matmul_u16_rows(x, w, is_bf16, f16_lut, out, r_lo, r_hi):
+    # out[:, r] = x @ w[r] for r_lo <= r < r_hi: x [T, D] f32, w [N, D] u16 (bf16 or f16 bits),
+    # out [T, N] f32; the caller checks shapes. ROW_BLOCK rows at a time widened into float32
+    # (exact) and taken through _tiles with every token; bf16 for up to four tokens goes
+    # through _tiles directly, widened in registers. A (token, row) result is the same
+    # whatever else shares the call
+    T, D = x.shape
+    if is_bf16 and T <= 4:  # a few tokens: the tile widens bf16 in registers (a copy would be read few times)
+        _tiles(x, w, r_lo, r_hi, out, 0)
+        return
+    bits = np.empty((ROW_BLOCK, D), np.uint32)  # one buffer per call, not per row
+    wb = bits.view(np.float32)  # [ROW_BLOCK, D] widened rows
+    for n0 in range(r_lo, r_hi, ROW_BLOCK):
+        nr = min(ROW_BLOCK, r_hi - n0)
+        for r in range(nr):
+            if is_bf16:
+                for d in range(D):
+                    bits[r, d] = np.uint32(w[n0 + r, d]) << 16
+            else:
+                for d in range(D):
+                    wb[r, d] = f16_lut[w[n0 + r, d]]
+        _tiles(x, wb, 0, nr, out, n0)
+
+
 def _make_matmul_u16(parallel: bool):
     @nb.njit(parallel=parallel, **JIT)
     def matmul_u16(x, w, is_bf16, f16_lut, out):
-        # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T.
-        # A task of ROWS_PER_TASK rows widens ROW_BLOCK of them at a time into float32 (exact)
-        # and takes them through _tiles with every token; bf16 for up to four tokens goes
-        # through _tiles directly, widened in registers. A (token, row) result is the same
-        # whatever else shares the call
+        # x [T, D] f32, w [N, D] u16 (bf16 bits or f16 bits), out [T, N] f32: out = x @ w.T,
+        # ROWS_PER_TASK rows a task (matmul_u16_rows)
         T, D = x.shape
         N = w.shape[0]
         if out.shape[0] != T or out.shape[1] != N or w.shape[1] != D:
@@ -151,21 +173,7 @@ def _make_matmul_u16(parallel: bool):
         # serial and the parallel build of this function must not share a cache entry
         assert parallel or not parallel
         for c in nb.prange((N + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-            if is_bf16 and T <= 4:  # a few tokens: the tile widens bf16 in registers (a copy would be read few times)
-                _tiles(x, w, c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), out, 0)
-                continue
-            bits = np.empty((ROW_BLOCK, D), np.uint32)  # one buffer per task, not per row
-            wb = bits.view(np.float32)  # [ROW_BLOCK, D] widened rows
-            for n0 in range(c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK), ROW_BLOCK):
-                nr = min(ROW_BLOCK, N - n0)
-                for r in range(nr):
-                    if is_bf16:
-                        for d in range(D):
-                            bits[r, d] = np.uint32(w[n0 + r, d]) << 16
-                    else:
-                        for d in range(D):
-                            wb[r, d] = f16_lut[w[n0 + r, d]]
-                _tiles(x, wb, 0, nr, out, n0)
+            matmul_u16_rows(x, w, is_bf16, f16_lut, out, c * ROWS_PER_TASK, min(N, (c + 1) * ROWS_PER_TASK))
 
     return matmul_u16
 
@@ -263,13 +271,23 @@ def attention(q, k_cache, v_cache, pos0, window, scale, out):
 
 
 @nb.njit(**JIT)
+def _carve(work, o, n, m):
+    # work[o : o + n m] (1-D) as [n, m], and the offset after it
+    return work[o : o + n * m].reshape(n, m), o + n * m
+
+
+@nb.njit(**JIT)
+def _silu(g):
+    return g / (np.float32(1.0) + np.exp(-g))
+
+
+@nb.njit(**JIT)
 def silu_mul(gate, up, out):
     # gate, up, out [T, I] f32: out = silu(gate) * up
     T, I = gate.shape
     for t in range(T):
         for i in range(I):
-            g = gate[t, i]
-            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
+            out[t, i] = _silu(gate[t, i]) * up[t, i]
 
 
 @nb.njit(**JIT_FAST)
@@ -307,21 +325,27 @@ def matmul_q8(x, q, scales, g, f16_lut, out):
 
 
 @nb.njit(**JIT)
+def q4_split_row(x, t, g, xe, xd, xsum8, i):
+    # row t of x [T, D] -> row i of xe [., D/2] (even columns), xd [., D/2] (odd columns - 16 *
+    # even ones), xsum8 [., D/g] = 8 * each group's sum: what the int4 row dot takes instead of
+    # x. Strict float order (no fast-math): the int4 kernels inline it, and a reassociated sum
+    # was rounded one way when compiled fresh and another when loaded from numba's cache
+    D = x.shape[1]
+    for j in range(D // 2):
+        xe[i, j] = x[t, 2 * j]
+        xd[i, j] = x[t, 2 * j + 1] - np.float32(16.0) * x[t, 2 * j]
+    for gi in range(D // g):
+        s = np.float32(0.0)
+        for j in range(gi * g, gi * g + g):
+            s += x[t, j]
+        xsum8[i, gi] = np.float32(8.0) * s
+
+
+@nb.njit(**JIT)
 def q4_split(x, g, xe, xd, xsum8):
-    # x [T, D] -> xe [T, D/2] (even columns), xd [T, D/2] (odd columns - 16 * even ones),
-    # xsum8 [T, D/g] = 8 * each group's sum: what the int4 row dot takes instead of x. Strict
-    # float order (no fast-math): the int4 kernels inline it, and a reassociated sum was rounded
-    # one way when compiled fresh and another when loaded from numba's cache
-    T, D = x.shape
-    for t in range(T):
-        for j in range(D // 2):
-            xe[t, j] = x[t, 2 * j]
-            xd[t, j] = x[t, 2 * j + 1] - np.float32(16.0) * x[t, 2 * j]
-        for gi in range(D // g):
-            s = np.float32(0.0)
-            for j in range(gi * g, gi * g + g):
-                s += x[t, j]
-            xsum8[t, gi] = np.float32(8.0) * s
+    # every row of x [T, D] through q4_split_row
+    for t in range(x.shape[0]):
+        q4_split_row(x, t, g, xe, xd, xsum8, t)
 
 
 def _q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
@@ -369,13 +393,20 @@ def _q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
 
 
 Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
+# layers.Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
+# did; then each job's descriptor
+BOARD_HEAD, JOB_LEN = 4, 13
+JOB_MOE_Q4, JOB_U16, JOB_F32 = 1, 2, 3  # a job's kind
+SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
+MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g takes (~128 KiB, ~96 KiB of int4 at 2048 x 768)
 
 
 @intrinsic
-def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half):
-    """out [T, N] = the int4 decode path's x @ dequant(q).T, from q4_split's xe, xd, xsum8
-    (see linear_q4_g for the algebra), in explicit 8-lane vectors. `half` (bytes per group)
-    must be a compile-time constant; every 2-D array C-contiguous; the caller checks shapes.
+def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = the int4 decode path's x[t] . dequant(q[n]),
+    from q4_split's xe, xd, xsum8 (see linear_q4_g for the algebra), in explicit 8-lane vectors.
+    `half` (bytes per group) must be a compile-time constant; every 2-D array C-contiguous; the
+    caller checks shapes and ranges.
 
     Written in LLVM IR because numba's loops give LLVM a single chain of dependent FMAs through
     each group and a horizontal sum per group: the kernel then waits on latency at ~5 GB/s of
@@ -385,36 +416,92 @@ def _q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half):
     Q4_TOKENS, the blocks the outer loop (a block's activations stay in L1 while the weights
     stream past), and a block widens each weight byte once for all its tokens: 1.5x for 4-12
     tokens. The order of the float operations is fixed by this code (no fast-math on it), and
-    each (token, row) goes through the same operations however many tokens are in the call,
-    so the result is the same in every process and alone or batched."""
+    each (token, row) goes through the same operations however many tokens or rows are in the
+    call, so the result is the same in every process, alone or batched, whatever range computes it."""
     arrays = (xe, xd, xsum8, q, scales, out)
     if not (isinstance(half, types.IntegerLiteral) and half.literal_value % 8 == 0
-            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)):
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
         return None  # numba reports the call as not typeable
     nblk = half.literal_value // 8
-    sig = types.void(xe, xd, xsum8, q, scales, f16_lut, out, half)
+    sig = types.void(xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi)
 
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
-        T = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 0)
-        N = builder.extract_value(context.make_array(sig.args[3])(context, builder, args[3]).shape, 0)
-        full = builder.sdiv(T, ir.Constant(i64, Q4_TOKENS))
+        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[8:12], sig.args[8:12]))
+
+        def rows(t, nt):  # the block of nt tokens from t through rows n_lo .. n_hi
+            with cgutils.for_range(builder, builder.sub(n_hi, n_lo)) as row:
+                _q4_rows_dot(context, builder, sig, args, t, builder.add(n_lo, row.index), nt, nblk)
+
+        full = builder.sdiv(builder.sub(t_hi, t_lo), ir.Constant(i64, Q4_TOKENS))
         with cgutils.for_range(builder, full) as tb:
-            t0 = builder.mul(tb.index, ir.Constant(i64, Q4_TOKENS))
-            with cgutils.for_range(builder, N) as row:
-                _q4_rows_dot(context, builder, sig, args, t0, row.index, Q4_TOKENS, nblk)
-        t0 = builder.mul(full, ir.Constant(i64, Q4_TOKENS))
-        rest = builder.sub(T, t0)
+            rows(builder.add(t_lo, builder.mul(tb.index, ir.Constant(i64, Q4_TOKENS))), Q4_TOKENS)
+        rest = builder.sub(builder.sub(t_hi, t_lo), builder.mul(full, ir.Constant(i64, Q4_TOKENS)))
         for nt in (2, 1):  # the last tokens: a block of 2, then 1, as many as there are
             nt_c = ir.Constant(i64, nt)
             with builder.if_then(builder.icmp_signed(">=", rest, nt_c)):
-                t = builder.sub(T, rest)
-                with cgutils.for_range(builder, N) as row:
-                    _q4_rows_dot(context, builder, sig, args, t, row.index, nt, nblk)
+                rows(builder.sub(t_hi, rest), nt)
             rest = builder.select(builder.icmp_signed(">=", rest, nt_c), builder.sub(rest, nt_c), rest)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _int64_slot(context, builder, sig, args):
+    # pointer to a[i] of a 1-D int64 array (args[0], args[1])
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(a.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+
+
+def _is_int64_vector(a) -> bool:
+    return isinstance(a, types.Array) and a.dtype == types.int64 and a.ndim == 1 and a.layout == "C"
+
+
+@intrinsic
+def _atomic_add(typingctx, a, i, v):
+    """a[i] += v in one atomic step (sequentially consistent); returns the value before. a: 1-D
+    int64, C-contiguous: the counters threads share a piece of work by."""
+    if not (_is_int64_vector(a) and isinstance(i, types.Integer) and isinstance(v, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _int64_slot(context, builder, sig, args),
+                                  context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+
+    return types.int64(a, i, v), codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, a, i):
+    """a[i], read atomically with acquire order (what another thread wrote before its
+    _atomic_add of it is visible after)."""
+    if not (_is_int64_vector(a) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_int64_slot(context, builder, sig, args), "acquire", 8)
+
+    return types.int64(a, i), codegen
+
+
+def _pointer_from(dtype):
+    @intrinsic
+    def pointer(typingctx, addr):
+        # an address (int64) as a typed pointer, for nb.carray
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64),
+                                    context.get_value_type(types.CPointer(dtype)))
+
+        return types.CPointer(dtype)(addr), codegen
+
+    return pointer
+
+
+_u8_at, _u16_at, _i64_at, _f32_at = (_pointer_from(t) for t in (types.uint8, types.uint16, types.int64, types.float32))
 
 
 def _make_q4(g: int):
@@ -434,47 +521,159 @@ def _make_q4(g: int):
         # minus 8*sum(x), times the scale (the high nibble by floor(b / 16) in float arithmetic,
         # exact for 0..255).
         T, D = x.shape
-        if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[1] != q.shape[0] or f16_lut.shape[0] != 65536:
+        if out.shape[0] != T or q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[1] != q.shape[0] or f16_lut.shape[0] != 65536:
             raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the row dot does not check
         xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
         q4_split(x, g, xe, xd, xs)
-        _q4_matmul(xe, xd, xs, q, scales, f16_lut, out, half)
+        _q4_matmul(xe, xd, xs, q, scales, f16_lut, out, half, 0, T, 0, q.shape[0])
 
     @nb.njit(**JIT)
-    def swiglu_q4_g(x_all, rows, A, wts, gq, gs, uq, us, dq, ds, f16_lut, ys):
-        # a whole int4 expert on the decode path in one call, for the rows of a MoE step that
-        # chose it: x_all [T_all, D] f32; rows [T] int64, flat positions token * A + slot;
-        # wts [T_all * A] f32 routing weights; gate, up: q [I, D/2], scales [I, D/g]; down:
-        # q [D, I/2], scales [D, I/g]; ys [T_all * A, D]: ys[r] = wts[r] * down(silu(gate x) * up x)
-        # for x = x_all[r // A], r in rows. The operations of linear_q4_g, silu_mul, linear_q4_g
-        # one by one, and the gather and the weighting, without a trip through Python between
-        # them (the glue cost as much as the kernels); the inlined helpers may round differently
-        # from the separate calls
-        D = x_all.shape[1]
-        T = rows.shape[0]
-        I = gq.shape[0]
-        if (gq.shape[1] * 2 != D or uq.shape != gq.shape or dq.shape[0] != D or dq.shape[1] * 2 != I
-                or gs.shape[1] * g != D or us.shape != gs.shape or ds.shape[1] * g != I or ys.shape[1] != D
-                or f16_lut.shape[0] != 65536 or wts.shape[0] != ys.shape[0] or x_all.shape[0] * A != ys.shape[0]):
-            raise ValueError("int4 expert: weight, activation and output shapes do not match")
-        x = np.empty((T, D), np.float32)
-        for i in range(T):
-            if rows[i] < 0 or rows[i] >= ys.shape[0]:
-                raise ValueError("int4 expert: a row outside the step")
-            x[i] = x_all[rows[i] // A]
-        out = np.empty((T, D), np.float32)
-        xe, xd, xs = np.empty((T, D // 2), np.float32), np.empty((T, D // 2), np.float32), np.empty((T, D // g), np.float32)
-        q4_split(x, g, xe, xd, xs)
-        h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
-        _q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half)
-        _q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half)
-        silu_mul(h, u, h)
-        he, hd, hs = np.empty((T, I // 2), np.float32), np.empty((T, I // 2), np.float32), np.empty((T, I // g), np.float32)
-        q4_split(h, g, he, hd, hs)
-        _q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half)
-        for i in range(T):
-            for d in range(D):
-                ys[rows[i], d] = out[i, d] * wts[rows[i]]
+    def crew_g(board, job, f16_lut, serve):
+        # The parallel work of a forward step, shared by threads (layers.Crew). `board` (int64):
+        # board[0] the jobs published, board[1] nonzero once closed, board[2] the helpers in the
+        # kernel, board[3] the units they did; job j's descriptor at BOARD_HEAD + j * JOB_LEN, its kind first:
+        # - JOB_MOE_Q4: the decode path of int4 experts of group g: addresses and sizes of
+        #   x_all [T_all, D] f32; ints: rows [R], starts [E + 1], addrs [E, 6], ctl [2 + 3 E]
+        #   (int64, one after the other); work f32 [n_work]; wts [T_all * A] f32; ys
+        #   [T_all * A, D] f32; and I, A. Expert e's rows are rows[starts[e]:starts[e + 1]],
+        #   the flat positions token * A + slot that chose it; addrs[e] the addresses of its
+        #   gate q [I, D/2] uint8, gate scales [I, D/g] f16 bits, up q, up scales, down q
+        #   [D, I/2], down scales [D, I/g] (C-contiguous, alive through the job: the caller
+        #   vouches for them, the kernel cannot see their shapes); ys[r] = wts[r] * down(silu(
+        #   gate x) * up x) for x = x_all[r // A]; work >= R * (2 D + D/g + 3 I + I/g) scratch;
+        #   ctl zeros, the job's counters.
+        # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
+        #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
+        #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
+        # serve == 0: publish job `job` and do it with whoever joins, returning when it is
+        # done. serve == 1 (a helper): do each job from `job` on as it is published, until the
+        # board is closed or nothing comes for SPIN_LIMIT spins.
+        # A job is cut into units taken in order from a shared counter (for the experts: each
+        # one's rows split by q4_split_row, its gate and up rows MOE_IN_ROWS at a time, then
+        # silu * up, the split of its h, its down rows MOE_OUT_ROWS at a time, then the
+        # weighting). A unit waits for the units it needs, which a running thread has already
+        # taken, so a thread never waits for one that has not started. Every (token, row) goes
+        # through the same operations whatever thread or unit computes it. The waits are plain
+        # spins: an x86 `pause` in a KVM guest exits to the host (pause-loop exiting) and the
+        # waiter stalls.
+        j, idle = job, 0
+        if serve:
+            _atomic_add(board, 2, 1)
+        while True:
+            if serve:
+                if _atomic_load(board, 1) != 0:
+                    break
+                if _atomic_load(board, 0) <= j:
+                    idle += 1
+                    if idle > SPIN_LIMIT:
+                        break
+                    continue  # a plain spin (see above)
+                idle = 0
+            else:
+                _atomic_add(board, 0, 1)  # published: helpers may start on it
+            job_d = board[BOARD_HEAD + j * JOB_LEN : BOARD_HEAD + (j + 1) * JOB_LEN]  # its descriptor
+            if job_d[0] == JOB_MOE_Q4:
+                T_all, D, R, E, n_work, I, A = job_d[2], job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
+                x_all = nb.carray(_f32_at(job_d[1]), (T_all, D))
+                ints = nb.carray(_i64_at(job_d[4]), (R + E + 1 + 6 * E + 2 + 3 * E,))
+                rows, starts = ints[:R], ints[R : R + E + 1]
+                addrs = ints[R + E + 1 : R + 7 * E + 1].reshape(E, 6)
+                ctl = ints[R + 7 * E + 1 :]
+                work = nb.carray(_f32_at(job_d[7]), (n_work,))
+                wts = nb.carray(_f32_at(job_d[11]), (T_all * A,))
+                ys = nb.carray(_f32_at(job_d[12]), (T_all * A, D))
+                if (starts[0] != 0 or starts[E] != R or I % g or D % g or f16_lut.shape[0] != 65536
+                        or n_work < R * (2 * D + D // g + 3 * I + I // g)):
+                    raise ValueError("int4 experts: weight, activation and output shapes do not match")
+                for e in range(E):
+                    if starts[e + 1] < starts[e]:
+                        raise ValueError("int4 experts: rows out of order")
+                for i in range(R):
+                    if rows[i] < 0 or rows[i] >= ys.shape[0]:
+                        raise ValueError("int4 experts: a row outside the step")
+                # work, carved: xe, xd [R, D/2], xs [R, D/g], h, u [R, I], he, hd [R, I/2], hs [R, I/g], out [R, D]
+                xe, o = _carve(work, 0, R, D // 2)
+                xd, o = _carve(work, o, R, D // 2)
+                xs, o = _carve(work, o, R, D // g)
+                h, o = _carve(work, o, R, I)
+                u, o = _carve(work, o, R, I)
+                he, o = _carve(work, o, R, I // 2)
+                hd, o = _carve(work, o, R, I // 2)
+                hs, o = _carve(work, o, R, I // g)
+                out, o = _carve(work, o, R, D)
+                n_in, n_out = (I + MOE_IN_ROWS - 1) // MOE_IN_ROWS, (D + MOE_OUT_ROWS - 1) // MOE_OUT_ROWS
+                # units: [0, E) x split; then E * n_in gate/up; then E h split; then E * n_out down.
+                # ctl[0]: next unit; ctl[1]: units done; ctl[2 + e]: e's x split; ctl[2 + E + e]: its
+                # gate/up units done; ctl[2 + 2 E + e]: its h split
+                u_in, u_h, u_out = E, E + E * n_in, 2 * E + E * n_in
+                total = u_out + E * n_out
+                while True:
+                    k = _atomic_add(ctl, 0, 1)
+                    if k >= total:
+                        break
+                    if k < u_in:
+                        for i in range(starts[k], starts[k + 1]):
+                            q4_split_row(x_all, rows[i] // A, g, xe, xd, xs, i)
+                        _atomic_add(ctl, 2 + k, 1)
+                    elif k < u_h:
+                        e, c = (k - u_in) // n_in, (k - u_in) % n_in
+                        while _atomic_load(ctl, 2 + e) == 0:
+                            pass
+                        n_lo, n_hi = c * MOE_IN_ROWS, min(I, (c + 1) * MOE_IN_ROWS)
+                        gq, gs = nb.carray(_u8_at(addrs[e, 0]), (I, D // 2)), nb.carray(_u16_at(addrs[e, 1]), (I, D // g))
+                        uq, us = nb.carray(_u8_at(addrs[e, 2]), (I, D // 2)), nb.carray(_u16_at(addrs[e, 3]), (I, D // g))
+                        _q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, starts[e], starts[e + 1], n_lo, n_hi)
+                        _q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, starts[e], starts[e + 1], n_lo, n_hi)
+                        for i in range(starts[e], starts[e + 1]):
+                            for n in range(n_lo, n_hi):
+                                h[i, n] = _silu(h[i, n]) * u[i, n]
+                        _atomic_add(ctl, 2 + E + e, 1)
+                    elif k < u_out:
+                        e = k - u_h
+                        while _atomic_load(ctl, 2 + E + e) < n_in:
+                            pass
+                        for i in range(starts[e], starts[e + 1]):
+                            q4_split_row(h, i, g, he, hd, hs, i)
+                        _atomic_add(ctl, 2 + 2 * E + e, 1)
+                    else:
+                        e, c = (k - u_out) // n_out, (k - u_out) % n_out
+                        while _atomic_load(ctl, 2 + 2 * E + e) == 0:
+                            pass
+                        d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
+                        dq, ds = nb.carray(_u8_at(addrs[e, 4]), (D, I // 2)), nb.carray(_u16_at(addrs[e, 5]), (D, I // g))
+                        _q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, starts[e], starts[e + 1], d_lo, d_hi)
+                        for i in range(starts[e], starts[e + 1]):
+                            w = wts[rows[i]]
+                            for d in range(d_lo, d_hi):
+                                ys[rows[i], d] = out[i, d] * w
+                    _atomic_add(ctl, 1, 1)
+                    if serve:
+                        _atomic_add(board, 3, 1)
+                while _atomic_load(ctl, 1) < total:  # the units the other threads are still on
+                    pass
+            else:
+                T, D, N = job_d[2], job_d[3], job_d[5]
+                x, ctl = nb.carray(_f32_at(job_d[1]), (T, D)), nb.carray(_i64_at(job_d[7]), (2,))
+                out = nb.carray(_f32_at(job_d[6]), (T, N))
+                total = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+                while True:
+                    c = _atomic_add(ctl, 0, 1)
+                    if c >= total:
+                        break
+                    r_hi = min(N, (c + 1) * ROWS_PER_TASK)
+                    if job_d[0] == JOB_U16:
+                        matmul_u16_rows(x, nb.carray(_u16_at(job_d[4]), (N, D)), job_d[8] != 0, f16_lut, out, c * ROWS_PER_TASK, r_hi)
+                    else:
+                        _tiles(x, nb.carray(_f32_at(job_d[4]), (N, D)), c * ROWS_PER_TASK, r_hi, out, 0)
+                    _atomic_add(ctl, 1, 1)
+                    if serve:
+                        _atomic_add(board, 3, 1)
+                while _atomic_load(ctl, 1) < total:  # the units the other threads are still on
+                    pass
+            if not serve:
+                return
+            j += 1
+        _atomic_add(board, 2, -1)
 
     @nb.njit(**JIT)
     def linear_q4_tok_g(x, q, scales, f16_lut, out):
@@ -502,10 +701,10 @@ def _make_q4(g: int):
                         wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
             _tiles(x, wb, 0, nr, out, n0)
 
-    return linear_q4_g, swiglu_q4_g, linear_q4_tok_g
+    return linear_q4_g, crew_g, linear_q4_tok_g
 
 
 # group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: the prompt-token path
-LINEAR_Q4, SWIGLU_Q4, LINEAR_Q4_TOK = {}, {}, {}
+LINEAR_Q4, CREW, LINEAR_Q4_TOK = {}, {}, {}
 for _g in (32, 64, 128):
-    LINEAR_Q4[_g], SWIGLU_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)
+    LINEAR_Q4[_g], CREW[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)

@@ -6,6 +6,7 @@ import math
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,8 +39,10 @@ def init(n_threads: int | None = None) -> None:
     x64 = np.ones((1, 128), np.float32)
     for g in kernels.LINEAR_Q4:
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
-        swiglu(x64, q4, q4, q4)
+        swiglu(x64, q4, q4, q4)  # the crew's kernel
         swiglu(x64, q4, q4, q4, prompt=True)
+        for w in (np.ones((2, 128), np.float32), np.ones((2, 128), np.uint16)):
+            Crew(g, share=False).matmul(x64, w, np.empty((1, 2), np.float32))
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
     kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
@@ -63,6 +66,9 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
             kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
         else:
             kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
+    elif w.size >= kernels.PARALLEL_MIN_ELEMENTS and w.flags.c_contiguous and getattr(_SESSION, "crew", None) is not None:
+        y = np.empty((x.shape[0], w.shape[0]), np.float32)  # on the step's crew, as matmul_f32 / matmul_u16 below
+        _SESSION.crew.matmul(x, w, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
@@ -91,23 +97,121 @@ def is_int4(gate, up, down) -> bool:
     return all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down))
 
 
-def swiglu_q4_rows(x: np.ndarray, rows: np.ndarray, A: int, wts: np.ndarray, gate, up, down, ys: np.ndarray) -> None:
-    # an int4 expert on the decode path for some rows of a step: ys[r] = wts[r] * expert(x[r // A])
-    # for r in rows; x [T, D], rows [n] int64, wts [T * A], ys [T * A, D] (kernels.SWIGLU_Q4)
-    kernels.SWIGLU_Q4[gate.group_size](x, rows, A, wts, gate.q, gate.scales.view(np.uint16), up.q, up.scales.view(np.uint16),
-                                       down.q, down.scales.view(np.uint16), _F16_LUT, ys)
+class Crew:
+    """The threads that share a forward step's parallel work (kernels.CREW): this thread and,
+    with `share`, the crew threads, which stay in the kernel between jobs (spinning, so
+    nothing has to wake them: waking a CPU that has gone idle takes 0.1-0.5 ms here, a layer's
+    experts ~2 ms). Each job (`experts`, `matmul`) is published on the board and done by
+    whoever is there; a helper that comes late finds it done. A helper that waited too long
+    leaves, and the next job calls it back. `close` ends the step: the helpers leave."""
+
+    MAX_JOBS = 512
+
+    def __init__(self, g: int, share: bool):
+        self.g, self.kernel, self.share = g, kernels.CREW[g], share and _CREW_POOL is not None
+        self.board = np.zeros(kernels.BOARD_HEAD + kernels.JOB_LEN * self.MAX_JOBS, np.int64)
+        self.keep: list = []  # every array a descriptor points at, alive while a helper may read it
+        self.jobs = 0
+        self.helpers: list = []  # their futures
+        self._summon()
+
+    def _summon(self) -> None:
+        if not self.share or self.jobs == self.MAX_JOBS:
+            return
+        self.board[1] = 0  # open (again)
+        if all(f.done() for f in self.helpers):
+            self.helpers = [_CREW_POOL.submit(_serve, self.kernel, self.board, self.jobs, self.keep) for _ in range(_N_HELPERS)]
+
+    def _run(self, desc: tuple, keep: tuple) -> None:
+        if self.jobs == self.MAX_JOBS:  # the board is full: the further jobs on a board of their own
+            crew = Crew(self.g, share=False)
+            crew._run(desc, keep)
+            return
+        self._summon()
+        self.keep.append(keep)
+        d0 = kernels.BOARD_HEAD + self.jobs * kernels.JOB_LEN
+        self.board[d0 : d0 + len(desc)] = desc
+        self.jobs += 1
+        self.kernel(self.board, self.jobs - 1, _F16_LUT, 0)
+
+    def experts(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray, experts: list,
+                ys: np.ndarray) -> None:
+        # int4 experts of one shape on the decode path, for some rows of a step: ys[r] = wts[r] *
+        # expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; x [T, D] f32, rows [R] int64,
+        # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
+        gate, up, down = experts[0]
+        I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
+        shapes = (gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)
+        if (g != self.g or shapes[0] != (I, D // 2) or shapes[2] != (D, I // 2) or x.dtype != np.float32
+                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
+                or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous)
+                or any((gt.q.shape, gt.scales.shape, dn.q.shape, dn.scales.shape) != shapes or u.q.shape != gt.q.shape
+                       or u.scales.shape != gt.scales.shape for gt, u, dn in experts)):
+            raise ValueError("int4 experts: the weight, activation and output shapes do not match")  # the kernel trusts them
+        E, R = len(experts), len(rows)
+        ints = np.zeros(R + 7 * E + 1 + 2 + 3 * E, np.int64)  # rows, starts, addrs [E, 6], ctl [2 + 3 E]
+        ints[:R], ints[R : R + E + 1] = rows, starts
+        ints[R + E + 1 : R + 7 * E + 1] = [a for gt, u, dn in experts for a in gt.addresses + u.addresses + dn.addresses]
+        work = np.empty(R * (2 * D + D // g + 3 * I + I // g), np.float32)
+        wts = np.ascontiguousarray(wts)
+        self._run((kernels.JOB_MOE_Q4, _address(x), x.shape[0], D, _address(ints), R, E, _address(work), len(work), I, A,
+                   _address(wts), _address(ys)), (x, ints, work, wts, ys, experts))
+
+    def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as
+        # uint16): as matmul_f32 and matmul_u16
+        T, D = x.shape
+        if (w.ndim != 2 or w.dtype not in (np.float32, np.float16, np.uint16) or w.shape[1] != D or out.shape != (T, w.shape[0]) or x.dtype != np.float32
+                or out.dtype != np.float32 or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
+            raise ValueError("matmul: weight, activation and output shapes do not match")
+        kind = kernels.JOB_F32 if w.dtype == np.float32 else kernels.JOB_U16
+        ctl = np.zeros(2, np.int64)
+        self._run((kind, _address(x), T, D, _address(w), w.shape[0], _address(out), _address(ctl), w.dtype == np.uint16),
+                  (x, w, out, ctl))
+
+    def close(self) -> None:
+        # the helpers leave (and are called back by the next job, if any: `close` also parks
+        # them while other threads need the CPUs)
+        self.board[1] = 1
+
+
+_SESSION = threading.local()  # .crew: the crew of the forward step this thread is in
+
+
+@contextmanager
+def crew_session(g: int | None):
+    """A forward step's crew (for int4 experts of group g, or None): the experts and the big
+    matrices of the step run on it."""
+    crew = Crew(g or 64, share=True)
+    before = getattr(_SESSION, "crew", None)
+    _SESSION.crew = crew
+    try:
+        yield crew
+    finally:
+        _SESSION.crew = before
+        crew.close()
+
+
+def _serve(kernel, board: np.ndarray, job: int, keep: list) -> None:
+    # a crew thread: the jobs of `board` from `job` on as they come (`keep` holds what they point at)
+    kernel(board, job, _F16_LUT, 1)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
     # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path in one
-    # call (kernels.SWIGLU_Q4)
+    # call (kernels.MOE_Q4)
     if is_int4(gate, up, down):
         x = np.ascontiguousarray(x, dtype=np.float32)
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
         out = np.empty((T, D), np.float32)
         if not prompt:  # every row its own, weight 1 (exact)
-            swiglu_q4_rows(x, np.arange(T), 1, np.ones(T, np.float32), gate, up, down, out)
+            crew = Crew(gate.group_size, share=False)
+            crew.experts(x, np.arange(T), np.array([0, T]), 1, np.ones(T, np.float32), [(gate, up, down)], out)
             return out
         lin = kernels.LINEAR_Q4_TOK[gate.group_size]
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
@@ -296,22 +400,25 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 
 _COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
+_CREW_POOL = None  # threads that join a Crew (set_threads)
 _N_HELPERS = 0
 
 
 def set_threads(n: int) -> None:
     """Use n threads for the experts of a batch (the caller's thread is one of them) and for
     the parallel dense kernels."""
-    global _COMPUTE_POOL, _N_HELPERS
+    global _COMPUTE_POOL, _CREW_POOL, _N_HELPERS
     from concurrent.futures import ThreadPoolExecutor
 
     import numba
 
     n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
-    if _COMPUTE_POOL is not None:
-        _COMPUTE_POOL.shutdown()
+    for pool in (_COMPUTE_POOL, _CREW_POOL):
+        if pool is not None:
+            pool.shutdown()
     _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
+    _CREW_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-crew") if n > 1 else None
     _N_HELPERS = n - 1
 
 
@@ -335,34 +442,40 @@ def run_shared(items: list, fn) -> None:
         f.result()
 
 
+def int4_group(experts) -> int | None:
+    """The int4 group size of a source's experts (a container's, quantized so), else None."""
+    c = getattr(experts, "c", None)
+    return getattr(c, "group_size", None) if getattr(c, "expert_dtype", None) == "int4" else None
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, step: Step | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
     T, A = ids.shape
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
-    w_flat = np.ascontiguousarray(weights).reshape(T * A)
-
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
     # prompt-token path, the others the decode path: a row takes the same path alone or batched
     prompt_rows = np.zeros(T, bool)
     for sg in step.segments if step is not None else [Segment(None, 0, T)]:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
+    any_prompt = prompt_rows.any()
+    g = int4_group(experts)
+    session = getattr(_SESSION, "crew", None)  # the forward step's crew, else one for this call
+    crew = session if session is not None and session.g == g else Crew(g, share=True) if g and not prompt_rows.all() else None
 
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
+    w_flat = np.ascontiguousarray(weights).reshape(T * A)
     # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most once
     flat = ids.reshape(T * A)
     order = np.argsort(flat, kind="stable")
     union, starts = np.unique(flat[order], return_index=True)  # each expert of the step once
     rows_of = dict(zip(union.tolist(), np.split(order, starts[1:])))
 
-    def expert(item):
+    def expert(item):  # an expert the crew does not take, on its own
         ie, (gate, up, down) = item
         rows = rows_of[ie]
-        p, q4 = prompt_rows[rows // A], is_int4(gate, up, down)
-        if q4 and not p.any():  # the decode path: gather, expert, weighting in one call
-            swiglu_q4_rows(x, rows, A, w_flat, gate, up, down, ys)
-            return
-        parts = [(rows[p], True), (rows[~p], False)] if q4 else [(rows, bool(p[0]))]
+        p = prompt_rows[rows // A]
+        parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
         for r, prompt in parts:
             if len(r):
                 ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]
@@ -371,12 +484,30 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
         experts.stats.routed += sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
     else:
         experts.stats.routed += len(union)
-    for batch in experts.stream(il, union.tolist()):  # in any order
-        if _COMPUTE_POOL is None or len(batch) == 1:
+    try:
+        for batch in experts.stream(il, union.tolist()):  # in any order
+            # int4 experts whose rows are all decode rows: one job for the crew; the rest one by
+            # one, side by side
+            mine, rest = [], []
             for item in batch:
-                expert(item)
-        else:  # the kernels release the GIL: the batch's experts run side by side
-            run_shared(batch, expert)
+                ie, (gate, up, down) = item
+                crew_takes = crew is not None and is_int4(gate, up, down) and gate.group_size == g
+                (mine if crew_takes and not (any_prompt and prompt_rows[rows_of[ie] // A].any()) else rest).append(item)
+            if mine:
+                rs = [rows_of[ie] for ie, _ in mine]
+                starts = np.zeros(len(rs) + 1, np.int64)
+                np.cumsum([len(r) for r in rs], out=starts[1:])
+                crew.experts(x, np.concatenate(rs), starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
+            if _COMPUTE_POOL is None or len(rest) <= 1:
+                for item in rest:
+                    expert(item)
+            else:  # the kernels release the GIL: the experts run side by side, the crew parked meanwhile
+                if crew is not None:
+                    crew.close()
+                run_shared(rest, expert)
+    finally:
+        if crew is not None and crew is not session:
+            crew.close()
     ys = ys.reshape(T, A, -1)
     out = ys[:, 0].copy()
     for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in

@@ -14,7 +14,19 @@ import numpy as np
 
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, ResidentExperts
-from .layers import KVCache, Rope, Segment, Step, linear, rmsnorm, rope_inv_freq, rope_parameters, to_f32
+from .layers import (
+    KVCache,
+    Rope,
+    Segment,
+    Step,
+    crew_session,
+    int4_group,
+    linear,
+    rmsnorm,
+    rope_inv_freq,
+    rope_parameters,
+    to_f32,
+)
 
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
 
@@ -218,6 +230,12 @@ class MoEModel:
         return self.forward_batch([(ids, cache)], all_logits)[0]
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
+        # seqs: (ids [T_i], cache) per sequence -> logits [T_i, V] or [1, V] per sequence, the
+        # step's parallel work on one crew of threads (layers.Crew)
+        with crew_session(int4_group(self.experts)):
+            return self._forward_batch(seqs, all_logits)
+
+    def _forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool) -> list[np.ndarray]:
         # seqs: (ids [T_i], cache) per sequence -> logits [T_i, V] or [1, V] per sequence. One step:
         # the sequences' tokens are the rows of one batch; each row's result is the same as alone.
         ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in seqs])  # [T]

@@ -11,6 +11,7 @@ a whole matrix except `dequantize`, the reference the tests and benchmarks use.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -34,6 +35,12 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes
+
+    @cached_property
+    def addresses(self) -> tuple[int, int]:
+        # where q and scales start in memory, for kernels that take a batch of experts by
+        # address (kernels.MOE_Q4); kept, since the cache hands out the same views per slot
+        return self.q.__array_interface__["data"][0], self.scales.__array_interface__["data"][0]
 
 
 def quantized_shapes(kind: str, shape: tuple[int, int], group_size: int) -> tuple[tuple, tuple]:

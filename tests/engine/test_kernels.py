@@ -261,3 +261,89 @@ print(h.hexdigest())
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
     assert runs[0].stdout == runs[1].stdout  # the first compiled, the second loaded
+
+
+def int4_experts(n, D, I, g):
+    from colibri.storage.quant import quantize
+
+    return [tuple(quantize(rand(*s) * 0.1, "int4", g) for s in ((I, D), (I, D), (D, I))) for _ in range(n)]
+
+
+def wait_for_helper(crew):
+    import time
+
+    deadline = time.monotonic() + 30
+    while crew.board[2] == 0:  # a helper in the kernel, spinning for jobs
+        assert time.monotonic() < deadline, "no crew thread came"
+        time.sleep(0.001)
+
+
+def test_crew_jobs_give_the_bits_of_one_thread():
+    """The crew's jobs (int4 experts cut into units, dense matrices in row blocks) shared by
+    two threads give the same bits as one thread, and as the per-expert decode path; the
+    helper really did some of the units."""
+    layers.init(2)
+    try:
+        D, I, g, T, A, E = 256, 192, 64, 3, 4, 12
+        experts = int4_experts(E, D, I, g)
+        x = rand(T, D)
+        rows = rng.permutation(T * A)  # each expert takes one row, all the others none
+        starts = np.array([0, *range(1, E), T * A], np.int64)  # the last expert takes the rest
+        wts = rand(T * A)
+        alone = np.zeros((T * A, D), np.float32)
+        layers.Crew(g, share=False).experts(x, rows, starts, A, wts, experts, alone)
+        for e in range(E):
+            for r in rows[starts[e] : starts[e + 1]]:
+                one = layers.swiglu(x[r // A : r // A + 1], *experts[e])[0]
+                np.testing.assert_array_equal(alone[r], one * wts[r])
+        big = int4_experts(24, 1024, 512, g)  # many units: the helper cannot miss them all
+        xb, wb = rand(2, 1024), rand(2 * 8)
+        rb, sb = np.arange(16), np.minimum(np.arange(25), 16)  # experts 0-15 a row each, 16-23 none
+        want = np.zeros((16, 1024), np.float32)
+        layers.Crew(g, share=False).experts(xb, rb, sb, 8, wb, big, want)
+        dense = [f32_to_bf16(rand(300, 1024)), rand(300, 1024).astype(np.float16), rand(300, 1024)]
+        crew = layers.Crew(g, share=True)
+        try:
+            wait_for_helper(crew)
+            shared = np.zeros((T * A, D), np.float32)
+            crew.experts(x, rows, starts, A, wts, experts, shared)
+            got = np.zeros((16, 1024), np.float32)
+            crew.experts(xb, rb, sb, 8, wb, big, got)
+            for w in dense:
+                y = np.empty((2, 300), np.float32)
+                crew.matmul(xb, w, y)
+                ref = np.empty_like(y)
+                if w.dtype == np.float32:
+                    kernels.matmul_f32(xb, w, ref)
+                else:
+                    kernels.matmul_u16(xb, w.view(np.uint16), w.dtype == np.uint16, layers._F16_LUT, ref)
+                np.testing.assert_array_equal(y, ref)
+            assert crew.board[3] > 0  # units the helper did
+        finally:
+            crew.close()
+        np.testing.assert_array_equal(shared, alone)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        layers.init()
+
+
+def test_crew_bad_jobs_and_a_full_board():
+    layers.init()
+    D, I, g = 128, 64, 32
+    experts = int4_experts(3, D, I, g)
+    x, wts = rand(1, D), rand(2)
+    ys = np.zeros((2, D), np.float32)
+    crew = layers.Crew(g, share=False)
+    crew.MAX_JOBS = 1  # the second job finds the board full and runs on a board of its own
+    one, two = np.zeros_like(ys), np.zeros_like(ys)
+    crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], one)
+    crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], two)
+    np.testing.assert_array_equal(one, two)
+    with pytest.raises(ValueError, match="shapes do not match"):  # experts of another shape in one job
+        crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [experts[0], int4_experts(1, D, 2 * I, g)[0]], ys)
+    with pytest.raises(ValueError, match="shapes do not match"):  # a group size the crew is not built for
+        layers.Crew(64, share=False).experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
+    with pytest.raises(ValueError, match="a row outside the step"):
+        layers.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        crew.matmul(x, rand(5, D + 1), np.empty((1, 5), np.float32))

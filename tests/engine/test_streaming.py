@@ -61,6 +61,25 @@ def test_tokens_identical_at_every_budget(tmp_path, family, case):
         assert (model.experts.stats.evictions > 0) == (name != "all"), name
 
 
+def test_int4_tokens_identical_at_every_budget(tmp_path):
+    """Quantized experts are the container's own weights: whatever the budget (one slot per
+    layer: the experts arrive one by one and each is a job of its own for the compute crew;
+    all resident: one job per layer), the logits and the decoded tokens are the same bits."""
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=8, hidden_size=128, moe_intermediate_size=64)
+    path = to_container(tmp_path / "hf", tmp_path / "c", expert_dtype="int4", group_size=32)
+    ids = np.random.default_rng(5).integers(0, 101, 9)
+    runs = {}
+    for name, budget in budgets(path).items():
+        model = load_model(path, budget=budget)
+        logits = model.forward(ids, model.new_cache(16), all_logits=True)
+        runs[name] = (logits, greedy(model, ids, n=12), [e.token_id for e in generate(
+            model, ids, SamplingParams(max_tokens=12, temperature=1.0, seed=3)) if e.kind == "token"])
+    want = runs.pop("all")
+    for name, got in runs.items():
+        np.testing.assert_array_equal(got[0], want[0], err_msg=name)
+        assert got[1:] == want[1:], name
+
+
 def test_budget_limits_and_words(tmp_path):
     build("qwen3_moe", "basic", tmp_path / "hf", seed=1)
     path = to_container(tmp_path / "hf", tmp_path / "c")
