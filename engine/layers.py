@@ -94,7 +94,9 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def is_int4(gate, up, down) -> bool:
-    return all(isinstance(w, QuantWeight) and w.kind == "int4" and w.group_size == gate.group_size for w in (gate, up, down))
+    # an expert's three matrices int4 of one group size (written out: it runs per expert per layer step)
+    return (isinstance(gate, QuantWeight) and isinstance(up, QuantWeight) and isinstance(down, QuantWeight)
+            and gate.kind == up.kind == down.kind == "int4" and gate.group_size == up.group_size == down.group_size)
 
 
 class Crew:
@@ -141,13 +143,14 @@ class Crew:
         # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
         gate, up, down = experts[0]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        shapes = (gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)
-        if (g != self.g or shapes[0] != (I, D // 2) or shapes[2] != (D, I // 2) or x.dtype != np.float32
-                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
-                or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous)
-                or any((gt.q.shape, gt.scales.shape, dn.q.shape, dn.scales.shape) != shapes or u.q.shape != gt.q.shape
-                       or u.scales.shape != gt.scales.shape for gt, u, dn in experts)):
-            raise ValueError("int4 experts: the weight, activation and output shapes do not match")  # the kernel trusts them
+        shapes = (gate.q.shape, gate.scales.shape, gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)
+        bad = (g != self.g or shapes[0] != (I, D // 2) or shapes[4] != (D, I // 2) or x.dtype != np.float32
+               or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
+               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous))
+        for gt, u, dn in experts:  # the kernel trusts the shapes: all as the first's
+            bad = bad or (gt.q.shape, gt.scales.shape, u.q.shape, u.scales.shape, dn.q.shape, dn.scales.shape) != shapes
+        if bad:
+            raise ValueError("int4 experts: the weight, activation and output shapes do not match")
         E, R = len(experts), len(rows)
         ints = np.zeros(R + 7 * E + 1 + 2 + 3 * E, np.int64)  # rows, starts, addrs [E, 6], ctl [2 + 3 E]
         ints[:R], ints[R : R + E + 1] = rows, starts
@@ -465,15 +468,22 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     x = np.ascontiguousarray(x, dtype=np.float32)
     ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
     w_flat = np.ascontiguousarray(weights).reshape(T * A)
-    # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most once
+    # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most
+    # once; union[k]'s rows are order[bounds[k]:bounds[k + 1]]
     flat = ids.reshape(T * A)
     order = np.argsort(flat, kind="stable")
-    union, starts = np.unique(flat[order], return_index=True)  # each expert of the step once
-    rows_of = dict(zip(union.tolist(), np.split(order, starts[1:])))
+    by_expert = flat[order]
+    bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
+    union = by_expert[bounds[:-1]].tolist()  # each expert of the step once
+    index = {ie: k for k, ie in enumerate(union)}
+
+    def rows_of(ie):
+        k = index[ie]
+        return order[bounds[k] : bounds[k + 1]]
 
     def expert(item):  # an expert the crew does not take, on its own
         ie, (gate, up, down) = item
-        rows = rows_of[ie]
+        rows = rows_of(ie)
         p = prompt_rows[rows // A]
         parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
         for r, prompt in parts:
@@ -485,19 +495,22 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     else:
         experts.stats.routed += len(union)
     try:
-        for batch in experts.stream(il, union.tolist()):  # in any order
+        for batch in experts.stream(il, union):  # in any order
             # int4 experts whose rows are all decode rows: one job for the crew; the rest one by
             # one, side by side
             mine, rest = [], []
             for item in batch:
                 ie, (gate, up, down) = item
                 crew_takes = crew is not None and is_int4(gate, up, down) and gate.group_size == g
-                (mine if crew_takes and not (any_prompt and prompt_rows[rows_of[ie] // A].any()) else rest).append(item)
+                (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
             if mine:
-                rs = [rows_of[ie] for ie, _ in mine]
-                starts = np.zeros(len(rs) + 1, np.int64)
-                np.cumsum([len(r) for r in rs], out=starts[1:])
-                crew.experts(x, np.concatenate(rs), starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
+                if [ie for ie, _ in mine] == union:  # the whole step at once (all resident): rows as sorted
+                    rows, starts = order, bounds
+                else:
+                    rs = [rows_of(ie) for ie, _ in mine]
+                    rows, starts = np.concatenate(rs), np.zeros(len(rs) + 1, np.int64)
+                    np.cumsum([len(r) for r in rs], out=starts[1:])
+                crew.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
             if _COMPUTE_POOL is None or len(rest) <= 1:
                 for item in rest:
                     expert(item)
