@@ -183,6 +183,7 @@ def _make_matmul_u16(parallel: bool):
 matmul_u16 = _make_matmul_u16(parallel=False)
 matmul_u16_par = _make_matmul_u16(parallel=True)
 PARALLEL_MIN_ELEMENTS = 4 * 2**20
+CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wake: worth it from 256 Ki weights
 
 
 def _make_matmul_f32(parallel: bool):

@@ -66,7 +66,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
             kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
         else:
             kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
-    elif w.size >= kernels.PARALLEL_MIN_ELEMENTS and w.flags.c_contiguous and getattr(_SESSION, "crew", None) is not None:
+    elif w.size >= kernels.CREW_MIN_ELEMENTS and w.flags.c_contiguous and getattr(_SESSION, "crew", None) is not None:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)  # on the step's crew, as matmul_f32 / matmul_u16 below
         _SESSION.crew.matmul(x, w, y)
     elif w.dtype == np.float32:
