@@ -514,9 +514,10 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
             if _COMPUTE_POOL is None or len(rest) <= 1:
                 for item in rest:
                     expert(item)
-            else:  # the kernels release the GIL: the experts run side by side, the crew parked meanwhile
-                if crew is not None:
-                    crew.close()
+            else:  # the kernels release the GIL: the experts run side by side, the crews parked meanwhile
+                for c in (crew, session):  # (their helpers would spin on the CPUs the pool's threads need)
+                    if c is not None:
+                        c.close()
                 run_shared(rest, expert)
     finally:
         if crew is not None and crew is not session:
