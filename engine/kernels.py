@@ -399,6 +399,7 @@ Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
 BOARD_HEAD, JOB_LEN = 4, 13
 JOB_MOE_Q4, JOB_U16, JOB_F32 = 1, 2, 3  # a job's kind
 SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
+YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
 MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g takes (~128 KiB, ~96 KiB of int4 at 2048 x 768)
 
 
@@ -486,6 +487,18 @@ def _atomic_load(typingctx, a, i):
     return types.int64(a, i), codegen
 
 
+@intrinsic
+def _yield_cpu(typingctx):
+    """sched_yield(2): let another runnable thread have this CPU, if there is one (an I/O
+    thread, the daemon's socket thread); returns at once otherwise."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 def _pointer_from(dtype):
     @intrinsic
     def pointer(typingctx, addr):
@@ -568,6 +581,8 @@ def _make_q4(g: int):
                     idle += 1
                     if idle > SPIN_LIMIT:
                         break
+                    if idle % YIELD_EVERY == 0:
+                        _yield_cpu()
                     continue  # a plain spin (see above)
                 idle = 0
             else:
