@@ -10,6 +10,10 @@ prompt-path matmuls, are written in
 LLVM IR through numba's `intrinsic`, where numba's loops could not say what the vector code
 should be.
 
+The parallel work of a forward step (int4 experts, the big dense matrices) runs in one
+kernel shared by threads, crew_g (layers.Crew): jobs on an int64 board, units taken from
+atomic counters.
+
 The numpy references these are tested against live in tests/engine/test_kernels.py.
 """
 
@@ -519,8 +523,8 @@ _u8_at, _u16_at, _i64_at, _f32_at = (_pointer_from(t) for t in (types.uint8, typ
 
 
 def _make_q4(g: int):
-    # the int4 kernels of one group size (linear, whole expert, prompt-token linear): the group's length must be a constant (LLVM
-    # vectorises the prompt path's group loop only then; the decode path's vector code is
+    # the int4 kernels of one group size (linear, the crew's, prompt-token linear): the group's
+    # length must be a constant (LLVM vectorises the prompt path's group loop only then; the decode path's vector code is
     # unrolled over it). They close over integers only and call only module-level kernels: numba
     # caches such closures on disk (a closure over another kernel is compiled again in every
     # process) and gives the same code whether compiled now or loaded (an inline="always"

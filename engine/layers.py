@@ -39,10 +39,8 @@ def init(n_threads: int | None = None) -> None:
     x64 = np.ones((1, 128), np.float32)
     for g in kernels.LINEAR_Q4:
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
-        swiglu(x64, q4, q4, q4)  # the crew's kernel
+        swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
         swiglu(x64, q4, q4, q4, prompt=True)
-        for w in (np.ones((2, 128), np.float32), np.ones((2, 128), np.uint16)):
-            Crew(g, share=False).matmul(x64, w, np.empty((1, 2), np.float32))
     rmsnorm(x, np.ones(4, np.float32), 1e-6)
     q = np.ones((1, 1, 4), np.float32)
     kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
@@ -102,16 +100,16 @@ def is_int4(gate, up, down) -> bool:
 class Crew:
     """The threads that share a forward step's parallel work (kernels.CREW): this thread and,
     with `share`, the crew threads, which stay in the kernel between jobs (spinning, so
-    nothing has to wake them: waking a CPU that has gone idle takes 0.1-0.5 ms here, a layer's
+    nothing has to wake them: waking a CPU that has gone idle takes 0.1-0.6 ms here, a layer's
     experts ~2 ms). Each job (`experts`, `matmul`) is published on the board and done by
     whoever is there; a helper that comes late finds it done. A helper that waited too long
-    leaves, and the next job calls it back. `close` ends the step: the helpers leave."""
+    leaves, and the next job calls it back. `close` ends the step: the helpers leave. A crew
+    without helpers (`share` False) is the same code on this thread alone."""
 
-    MAX_JOBS = 512
-
-    def __init__(self, g: int, share: bool):
+    def __init__(self, g: int, share: bool, max_jobs: int = 512):
         self.g, self.kernel, self.share = g, kernels.CREW[g], share and _CREW_POOL is not None
-        self.board = np.zeros(kernels.BOARD_HEAD + kernels.JOB_LEN * self.MAX_JOBS, np.int64)
+        self.MAX_JOBS = max_jobs  # a step's jobs: ~5 per layer
+        self.board = np.zeros(kernels.BOARD_HEAD + kernels.JOB_LEN * max_jobs, np.int64)
         self.keep: list = []  # every array a descriptor points at, alive while a helper may read it
         self.jobs = 0
         self.helpers: list = []  # their futures
@@ -126,8 +124,7 @@ class Crew:
 
     def _run(self, desc: tuple, keep: tuple) -> None:
         if self.jobs == self.MAX_JOBS:  # the board is full: the further jobs on a board of their own
-            crew = Crew(self.g, share=False)
-            crew._run(desc, keep)
+            Crew(self.g, share=False, max_jobs=1)._run(desc, keep)
             return
         self._summon()
         self.keep.append(keep)
@@ -143,7 +140,7 @@ class Crew:
         # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
         gate, up, down = experts[0]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        shapes = (gate.q.shape, gate.scales.shape, gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)
+        shapes = (gate.q.shape, gate.scales.shape, gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)  # up as gate
         bad = (g != self.g or shapes[0] != (I, D // 2) or shapes[4] != (D, I // 2) or x.dtype != np.float32
                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
                or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous))
@@ -213,7 +210,7 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
         out = np.empty((T, D), np.float32)
         if not prompt:  # every row its own, weight 1 (exact)
-            crew = Crew(gate.group_size, share=False)
+            crew = Crew(gate.group_size, share=False, max_jobs=1)
             crew.experts(x, np.arange(T), np.array([0, T]), 1, np.ones(T, np.float32), [(gate, up, down)], out)
             return out
         lin = kernels.LINEAR_Q4_TOK[gate.group_size]

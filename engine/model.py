@@ -230,8 +230,7 @@ class MoEModel:
         return self.forward_batch([(ids, cache)], all_logits)[0]
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
-        # seqs: (ids [T_i], cache) per sequence -> logits [T_i, V] or [1, V] per sequence, the
-        # step's parallel work on one crew of threads (layers.Crew)
+        # one step (see _forward_batch), its parallel work on one crew of threads (layers.Crew)
         with crew_session(int4_group(self.experts)):
             return self._forward_batch(seqs, all_logits)
 
