@@ -295,6 +295,18 @@ def silu_mul(gate, up, out):
             out[t, i] = _silu(gate[t, i]) * up[t, i]
 
 
+@nb.njit(**JIT)
+def sum_slots(ys, A, out):
+    # ys [T * A, D] f32 -> out [T, D]: out[t] = ys[t*A] + ys[t*A + 1] + ... in that order
+    T, D = out.shape
+    for t in range(T):
+        for d in range(D):
+            out[t, d] = ys[t * A, d]
+        for a in range(1, A):
+            for d in range(D):
+                out[t, d] += ys[t * A + a, d]
+
+
 @nb.njit(**JIT_FAST)
 def read_bandwidth(buf, n_rep):
     # sum of a large uint64 buffer n_rep times: the memory-read roofline for the benchmarks
@@ -520,6 +532,23 @@ def _pointer_from(dtype):
 
 
 _u8_at, _u16_at, _i64_at, _f32_at = (_pointer_from(t) for t in (types.uint8, types.uint16, types.int64, types.float32))
+
+
+@nb.njit(**JIT)
+def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys):
+    # job `job`'s JOB_MOE_Q4 descriptor (see crew_g) onto the board, from the arrays themselves
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = JOB_MOE_Q4, x_all.ctypes.data, x_all.shape[0], x_all.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = ints.ctypes.data, R, E, work.ctypes.data, n_work
+    d[9], d[10], d[11], d[12] = I, A, wts.ctypes.data, ys.ctypes.data
+
+
+@nb.njit(**JIT)
+def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
+    # job `job`'s JOB_U16 / JOB_F32 descriptor (see crew_g) onto the board
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = kind, x.ctypes.data, x.shape[0], x.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = w.ctypes.data, w.shape[0], out.ctypes.data, ctl.ctypes.data, is_bf16
 
 
 def _make_q4(g: int):

@@ -113,6 +113,7 @@ class Crew:
         self.keep: list = []  # every array a descriptor points at, alive while a helper may read it
         self.jobs = 0
         self.helpers: list = []  # their futures
+        self.work = np.empty(0, np.float32)  # the expert jobs' scratch
         self._summon()
 
     def _summon(self) -> None:
@@ -122,14 +123,14 @@ class Crew:
         if all(f.done() for f in self.helpers):
             self.helpers = [_CREW_POOL.submit(_serve, self.kernel, self.board, self.jobs, self.keep) for _ in range(_N_HELPERS)]
 
-    def _run(self, desc: tuple, keep: tuple) -> None:
+    def _run(self, describe, args: tuple, keep: tuple) -> None:
+        # publish a job (its descriptor written by `describe(board, job, *args)`) and do it
         if self.jobs == self.MAX_JOBS:  # the board is full: the further jobs on a board of their own
-            Crew(self.g, share=False, max_jobs=1)._run(desc, keep)
+            Crew(self.g, share=False, max_jobs=1)._run(describe, args, keep)
             return
         self._summon()
         self.keep.append(keep)
-        d0 = kernels.BOARD_HEAD + self.jobs * kernels.JOB_LEN
-        self.board[d0 : d0 + len(desc)] = desc
+        describe(self.board, self.jobs, *args)
         self.jobs += 1
         self.kernel(self.board, self.jobs - 1, _F16_LUT, 0)
 
@@ -140,22 +141,22 @@ class Crew:
         # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
         gate, up, down = experts[0]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        shapes = (gate.q.shape, gate.scales.shape, gate.q.shape, gate.scales.shape, down.q.shape, down.scales.shape)  # up as gate
-        bad = (g != self.g or shapes[0] != (I, D // 2) or shapes[4] != (D, I // 2) or x.dtype != np.float32
+        layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
+        bad = (g != self.g or gate.kind != "int4" or up.layout != gate.layout or gate.q.shape != (I, D // 2)
+               or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
-               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous))
-        for gt, u, dn in experts:  # the kernel trusts the shapes: all as the first's
-            bad = bad or (gt.q.shape, gt.scales.shape, u.q.shape, u.scales.shape, dn.q.shape, dn.scales.shape) != shapes
-        if bad:
+               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous))
+        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn in experts):
             raise ValueError("int4 experts: the weight, activation and output shapes do not match")
         E, R = len(experts), len(rows)
-        ints = np.zeros(R + 7 * E + 1 + 2 + 3 * E, np.int64)  # rows, starts, addrs [E, 6], ctl [2 + 3 E]
-        ints[:R], ints[R : R + E + 1] = rows, starts
-        ints[R + E + 1 : R + 7 * E + 1] = [a for gt, u, dn in experts for a in gt.addresses + u.addresses + dn.addresses]
-        work = np.empty(R * (2 * D + D // g + 3 * I + I // g), np.float32)
-        wts = np.ascontiguousarray(wts)
-        self._run((kernels.JOB_MOE_Q4, _address(x), x.shape[0], D, _address(ints), R, E, _address(work), len(work), I, A,
-                   _address(wts), _address(ys)), (x, ints, work, wts, ys, experts))
+        ints = np.zeros(R + 7 * E + 1 + 2 + 3 * E, np.int64)  # rows, starts, addrs [E, 6], ctl [2 + 3 E]: new for each job
+        ints[:R], ints[R : R + E + 1] = rows, starts  # (a helper late for a job still reads its counters)
+        ints[R + E + 1 : R + 7 * E + 1] = [a for e in experts for w in e for a in w.addresses]
+        n_work = R * (2 * D + D // g + 3 * I + I // g)
+        if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
+            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
+        self._run(kernels.describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys),
+                  (x, ints, self.work, wts, ys, experts))
 
     def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as
@@ -166,8 +167,8 @@ class Crew:
             raise ValueError("matmul: weight, activation and output shapes do not match")
         kind = kernels.JOB_F32 if w.dtype == np.float32 else kernels.JOB_U16
         ctl = np.zeros(2, np.int64)
-        self._run((kind, _address(x), T, D, _address(w), w.shape[0], _address(out), _address(ctl), w.dtype == np.uint16),
-                  (x, w, out, ctl))
+        bits = w.view(np.uint16) if w.dtype == np.float16 else w  # (numba takes no float16 arrays; the kernel reads bits)
+        self._run(kernels.describe_matmul, (kind, x, bits, out, ctl, w.dtype == np.uint16), (x, w, out, ctl))
 
     def close(self) -> None:
         # the helpers leave (and are called back by the next job, if any: `close` also parks
@@ -195,10 +196,6 @@ def crew_session(g: int | None):
 def _serve(kernel, board: np.ndarray, job: int, keep: list) -> None:
     # a crew thread: the jobs of `board` from `job` on as they come (`keep` holds what they point at)
     kernel(board, job, _F16_LUT, 1)
-
-
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
 
 
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
@@ -470,7 +467,10 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     flat = ids.reshape(T * A)
     order = np.argsort(flat, kind="stable")
     by_expert = flat[order]
-    bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
+    if T == 1:  # one token (a decode step): each of its experts once
+        bounds = np.arange(A + 1)
+    else:
+        bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
     union = by_expert[bounds[:-1]].tolist()  # each expert of the step once
     index = {ie: k for k, ie in enumerate(union)}
 
@@ -501,7 +501,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
                 crew_takes = crew is not None and is_int4(gate, up, down) and gate.group_size == g
                 (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
             if mine:
-                if [ie for ie, _ in mine] == union:  # the whole step at once (all resident): rows as sorted
+                if len(mine) == len(union):  # the whole step at once (all resident): rows as sorted
+                    mine.sort(key=lambda item: index[item[0]])
                     rows, starts = order, bounds
                 else:
                     rs = [rows_of(ie) for ie, _ in mine]
@@ -519,9 +520,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     finally:
         if crew is not None and crew is not session:
             crew.close()
-    ys = ys.reshape(T, A, -1)
-    out = ys[:, 0].copy()
-    for a in range(1, A):  # a fixed order: the sum is the same whatever order experts arrived in
-        out += ys[:, a]
+    out = np.empty_like(x)
+    kernels.sum_slots(ys, A, out)  # slot by slot, a fixed order: the same sum whatever order the experts came in
     experts.stats.moe_s += time.perf_counter() - t0
     return out

@@ -626,14 +626,18 @@ class ExpertCache:
             self.unchosen.setdefault(il, []).append((ie, slot, fut))
             st.bytes_read += self.record_bytes
             st.prefetch_wasted += 1
-        pinned = [ie for ie in ids if (il, ie) in self.pinned or (il, ie) in self.main]  # slots that stay put
-        hits = [ie for ie in ids if ie in lru]
-        pending = deque(ie for ie in ids if ie not in lru and (il, ie) not in self.pinned and (il, ie) not in self.main
-                        and ie not in ahead)
+        hits, pinned, pending = [], [], deque()  # in the layer's LRU; pinned or main (slots that stay put); to read
+        for ie in ids:
+            if ie in lru:
+                hits.append(ie)
+            elif (slot := self.pinned.get((il, ie), self.main.get((il, ie)))) is not None:
+                pinned.append((ie, slot))
+            elif ie not in ahead:
+                pending.append(ie)
         st.hits += len(hits) + len(pinned)
         st.misses += len(pending) + len(ahead)
         st.prefetch_used += len(ahead)
-        busy = set(hits) | set(ahead) | set(pinned)  # experts of this step whose slots must not be reused yet
+        busy = set(hits) | set(ahead) | {ie for ie, _ in pinned}  # experts of this step whose slots must not be reused yet
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
 
         def submit():
@@ -666,10 +670,9 @@ class ExpertCache:
             if hits or pinned:
                 for ie in hits:
                     lru.move_to_end(ie)
-                yield ([(ie, self.views(lru[ie])) for ie in hits]
-                       + [(ie, self.views(self.pinned.get((il, ie), self.main.get((il, ie))))) for ie in pinned])
+                yield [(ie, self.views(lru[ie])) for ie in hits] + [(ie, self.views(slot)) for ie, slot in pinned]
                 busy.difference_update(hits)
-                busy.difference_update(pinned)
+                busy.difference_update(ie for ie, _ in pinned)
                 submit()
             while inflight:
                 batch = [landed(*inflight.popleft())]  # the oldest read, waited for

@@ -60,7 +60,9 @@ class UsageHistory:
 
     def record(self, il: int, ids) -> None:
         """Layer il needed experts `ids` (unique) in this step."""
-        self.counts[self.row[il], list(ids)] += self.weight
+        row, w = self.counts[self.row[il]], self.weight
+        for ie in ids:  # (a handful: item by item is faster than numpy's fancy indexing)
+            row[ie] += w
 
     def values(self) -> np.ndarray:
         # -> [L, E] decayed counts: uses, each weighted 2^(-age / half_life)

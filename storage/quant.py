@@ -37,6 +37,11 @@ class QuantWeight:
         return self.q.nbytes + self.scales.nbytes
 
     @cached_property
+    def layout(self) -> tuple:
+        # what a kernel that takes weights by address must know of them (kept, as `addresses`)
+        return self.kind, self.group_size, self.q.shape, self.scales.shape
+
+    @cached_property
     def addresses(self) -> tuple[int, int]:
         # where q and scales start in memory, for kernels that take a batch of experts by
         # address (kernels.MOE_Q4); kept, since the cache hands out the same views per slot

@@ -309,6 +309,8 @@ def test_crew_jobs_give_the_bits_of_one_thread():
             crew.experts(x, rows, starts, A, wts, experts, shared)
             got = np.zeros((16, 1024), np.float32)
             crew.experts(xb, rb, sb, 8, wb, big, got)
+            again = np.zeros((T * A, D), np.float32)  # in the scratch the bigger job left behind
+            crew.experts(x, rows, starts, A, wts, experts, again)
             for w in dense:
                 y = np.empty((2, 300), np.float32)
                 crew.matmul(xb, w, y)
@@ -322,6 +324,7 @@ def test_crew_jobs_give_the_bits_of_one_thread():
         finally:
             crew.close()
         np.testing.assert_array_equal(shared, alone)
+        np.testing.assert_array_equal(again, alone)
         np.testing.assert_array_equal(got, want)
     finally:
         layers.init()
