@@ -142,7 +142,7 @@ class Crew:
         gate, up, down = experts[0]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
         layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
-        bad = (g != self.g or gate.kind != "int4" or up.layout != gate.layout or gate.q.shape != (I, D // 2)
+        bad = (g != self.g or gate.layout != ("int4", g, (I, D // 2), (I, D // g)) or up.layout != gate.layout
                or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
                or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous))
@@ -451,13 +451,14 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     T, A = ids.shape
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
     # prompt-token path, the others the decode path: a row takes the same path alone or batched
+    segments = step.segments if step is not None else [Segment(None, 0, T)]
     prompt_rows = np.zeros(T, bool)
-    for sg in step.segments if step is not None else [Segment(None, 0, T)]:
+    for sg in segments:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
-    any_prompt = prompt_rows.any()
+    any_prompt, all_prompt = any(sg.n > 1 for sg in segments), all(sg.n > 1 for sg in segments)
     g = int4_group(experts)
     session = getattr(_SESSION, "crew", None)  # the forward step's crew, else one for this call
-    crew = session if session is not None and session.g == g else Crew(g, share=True) if g and not prompt_rows.all() else None
+    crew = session if session is not None and session.g == g else Crew(g, share=True) if g and not all_prompt else None
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
