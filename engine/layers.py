@@ -201,7 +201,7 @@ def _serve(kernel, board: np.ndarray, job: int, keep: list) -> None:
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
     # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path in one
-    # call (kernels.MOE_Q4)
+    # call (a one-job layers.Crew)
     if is_int4(gate, up, down):
         x = np.ascontiguousarray(x, dtype=np.float32)
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]

@@ -44,7 +44,7 @@ class QuantWeight:
     @cached_property
     def addresses(self) -> tuple[int, int]:
         # where q and scales start in memory, for kernels that take a batch of experts by
-        # address (kernels.MOE_Q4); kept, since the cache hands out the same views per slot
+        # address (the crew's expert jobs, kernels.CREW); kept, since the cache hands out the same views per slot
         return self.q.__array_interface__["data"][0], self.scales.__array_interface__["data"][0]
 
 
