@@ -346,6 +346,10 @@ def test_crew_bad_jobs_and_a_full_board():
         crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [experts[0], int4_experts(1, D, 2 * I, g)[0]], ys)
     with pytest.raises(ValueError, match="shapes do not match"):  # a group size the crew is not built for
         layers.Crew(64, share=False).experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
+    gate, up, down = experts[0]  # every expert alike, but the scales of another group count
+    short = type(gate)("int4", gate.q, gate.scales[:, :-1].copy(), g)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        crew.experts(x, np.arange(2), np.array([0, 2]), 2, wts, [(short, short, down)], ys)
     with pytest.raises(ValueError, match="a row outside the step"):
         layers.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
     with pytest.raises(ValueError, match="shapes do not match"):
