@@ -12,7 +12,15 @@ import time
 import click
 
 from . import exitcodes
-from .options import sampling_fields, sampling_options
+from .options import (
+    BadInput,
+    NoPrompt,
+    input_errors_option,
+    read_prompt,
+    sampling_fields,
+    sampling_options,
+    text_arg,
+)
 
 
 class LazyGroup(click.Group):
@@ -33,7 +41,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--socket", "socket_path", metavar="PATH", envvar="COLIBRI_SOCKET",
               help="colibrid's user socket (default: COLIBRI_SOCKET, else the runtime directory's)")
 @click.option("--operator-socket", "operator_path", metavar="PATH", envvar="COLIBRI_OPERATOR_SOCKET",
@@ -44,6 +52,8 @@ class LazyGroup(click.Group):
 def cli(ctx, socket_path, operator_path):
     """colibri: run Mixture-of-Experts models far larger than RAM."""
     ctx.obj = {"socket": socket_path, "operator": operator_path}
+    if ctx.invoked_subcommand is None:  # bare colictl: the help, not an error
+        click.echo(ctx.get_help())
 
 
 def fail(message: str, code: int):
@@ -60,15 +70,21 @@ def with_client(fn=None, operator: bool = False):
     @functools.wraps(fn)
     @click.pass_context
     def wrapper(ctx, *args, **kwargs):
-        from .client import Client, DaemonDown, PermissionDenied, ReplyError
+        from .client import BadSocket, Client, DaemonDown, PermissionDenied, ReplyError, TooLarge
 
         client = Client(ctx.obj["socket"], operator=operator, operator_path=ctx.obj["operator"])
         try:
             return fn(client.connect(), *args, **kwargs)
+        except BadSocket as e:
+            fail(str(e), exitcodes.USAGE)
+        except (NoPrompt, BadInput) as e:
+            fail(str(e), exitcodes.USAGE if isinstance(e, NoPrompt) else exitcodes.BAD_REQUEST)
         except DaemonDown as e:
             fail(str(e), exitcodes.DAEMON_DOWN)
         except PermissionDenied as e:
             fail(str(e), exitcodes.PERMISSION)
+        except TooLarge as e:
+            fail(f"TOO_LARGE: {e}", exitcodes.BAD_REQUEST)
         except ReplyError as e:
             fail(f"{e.name}: {e}", exitcodes.FROM_ERROR.get(e.name, exitcodes.INTERNAL))
         except BrokenPipeError:
@@ -98,16 +114,19 @@ def status(client, as_json):
     if as_json:
         click.echo(json.dumps({k: v for k, v in r.items() if k not in ("type", "id", "v", "status")}))
         return
+    click.echo(f"colibrid pid {r['pid']}, up {r['uptime_s']:.0f} s, socket {r['socket']}, {phase_line(r)}")
     m = r["model"]
-    p = m["precision"]
-    click.echo(f"colibrid pid {r['pid']}, up {r['uptime_s']:.0f} s, socket {r['socket']}")
-    click.echo(f"model     {m['type']} at {m['path']}: {m['n_layer']} layers, {m['n_expert']} experts, "
-               f"dense {p['dense']}, experts {p['experts']}{' (LOSSY)' if p.get('lossy') else ''}")
-    pl = m["placement"]
-    click.echo(f"experts   {pl.get('placement')}" + (f", {pl['slots_per_layer']} slots per layer, "
-                                                      f"O_DIRECT {pl['o_direct']}" if "slots" in pl else ""))
-    for bad in pl.get("bad_experts") or []:
-        click.echo(f"BAD       expert {bad}")
+    if m is not None:
+        p = m["precision"]
+        click.echo(f"model     {m['type']} at {m['path']}: {m['n_layer']} layers, {m['n_expert']} experts, "
+                   f"dense {p['dense']}, experts {p['experts']}{' (LOSSY)' if p.get('lossy') else ''}")
+        pl = m["placement"]
+        slots = pl.get("slots_per_layer")
+        click.echo(f"experts   {pl.get('placement')}" + (
+            f", {slots} slot{'s' if slots != 1 else ''} per layer, "
+            f"{'O_DIRECT' if pl['o_direct'] else 'buffered'} reads" if "slots" in pl else ""))
+        for bad in pl.get("bad_experts") or []:
+            click.echo(f"BAD       expert {bad}")
     for step, got in r["boot"].items():
         click.echo(f"boot      {step}: {json.dumps(got)}")
     click.echo(f"requests  {r['requests']['active']} running or queued")
@@ -123,7 +142,10 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({k: r.get(k) for k in ("experts", "requests", "uptime_s", "policy", "history")}))
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "requests", "uptime_s", "policy", "history",
+                                                         "phase", "progress")}))
+        elif r.get("experts") is None:
+            click.echo(f"colibrid is {phase_line(r)}")
         else:
             e, q = r["experts"], r["requests"]
             rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
@@ -139,6 +161,14 @@ def stats(client, as_json, watch):
             time.sleep(watch)
         except KeyboardInterrupt:
             return
+
+
+def phase_line(r: dict) -> str:
+    """`serving`, or what loading does now and how far it is."""
+    phase, p = r.get("phase", "serving"), r.get("progress")
+    if phase == "serving":
+        return "serving"
+    return f"loading: {phase}" + (f" ({p['done']}/{p['total']})" if p else "")
 
 
 def history_line(h: dict) -> str:
@@ -172,7 +202,7 @@ def show_placement(r: dict) -> None:
 
 
 @cache.command("show")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: placement and counters")
 @with_client(operator=True)
 def cache_show(client, as_json):
     """The budget, the arena and the counters."""
@@ -224,12 +254,16 @@ def policy():
 
 
 def show_policy(r: dict) -> None:
+    if r["history"] is None:
+        click.echo("policy  none: every expert is resident (a checkpoint); convert it to a container to stream "
+                   "experts under a policy")
+        return
     click.echo("policy  " + ", ".join(f"{k}={v}" for k, v in r["policy"].items()))
     click.echo(f"history {history_line(r['history'])}")
 
 
 @policy.command("show")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: the policy and the usage history")
 @with_client(operator=True)
 def policy_show(client, as_json):
     """The policy in use and its usage history."""
@@ -248,7 +282,7 @@ def policy_set(client, settings):
     `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`."""
     fields = {}
     for s in settings:
-        key, eq, value = s.partition("=")
+        key, eq, value = text_arg(s, "strict", "a setting").partition("=")
         if not eq or not key:
             fail(f"{s!r} is not KEY=VALUE", exitcodes.USAGE)
         fields[key.strip()] = value.strip()
@@ -267,20 +301,34 @@ def reload(client):
 @cli.command()
 @sampling_options(max_tokens=512)
 @click.option("--system", metavar="TEXT", help="a system message to start the conversation")
+@input_errors_option
+@click.option("--wait", is_flag=True, help="if colibrid is still loading its model, wait for it")
 @with_client
-def chat(client, max_tokens, temperature, top_k, top_p, seed, system):
+def chat(client, max_tokens, temperature, top_k, top_p, seed, system, input_errors, wait):
     """Talk with the model: each line you type is a user message; the conversation is kept
     and formatted with the model's chat template. Ctrl-C stops a reply, Ctrl-D ends."""
-    client.hello()
+    from .options import decode_text
+
+    ready(client, wait)
+    system = text_arg(system, input_errors, "--system")
     messages = [{"role": "system", "content": system}] if system else []
     fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed)
     tty = sys.stdin.isatty()
+    n_line = 0
     while True:
         if tty:
             click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             return
+        n_line += 1
+        try:
+            line = decode_text(raw, input_errors, f"line {n_line}")
+        except BadInput as e:
+            if not tty:
+                raise
+            click.echo(f"colictl: {e}", err=True)  # at a terminal: say so and let the user type again
+            continue
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
@@ -300,16 +348,36 @@ def chat(client, max_tokens, temperature, top_k, top_p, seed, system):
 
 
 def stream_reply(client, rid: str, show: bool) -> dict:
-    """Print a generate request's stream (when show) and return its final reply."""
-    while True:
-        msg = client.recv(None)
-        if msg.get("id") != rid:
-            continue
-        if msg["type"] != "generate_stream":
-            return msg
+    """Print a generate request's stream (when show) and return its final reply. Waits as
+    long as the daemon answers pings; raises DaemonDown when it stops answering."""
+    def write(msg):
         if show and msg.get("text"):
             sys.stdout.write(msg["text"])
             sys.stdout.flush()
+
+    return client.reply_to(rid, None, stream=write)
+
+
+def ready(client, wait: bool) -> dict:
+    """The hello handshake; with `wait`, first wait (showing the phase on a terminal) until
+    the daemon has loaded its model. Raises ReplyError(LOADING) without `wait`."""
+    r = client.hello()
+    shown = None
+    while r.get("phase", "serving") != "serving":
+        if not wait:
+            from .client import ReplyError
+
+            raise ReplyError({"error": {"name": "LOADING", "code": 13, "message":
+                                        f"colibrid is {phase_line(r)}; "
+                                        "--wait waits for it"}})
+        if sys.stderr.isatty() and phase_line(r) != shown:
+            shown = phase_line(r)
+            click.echo(f"\rcolictl: colibrid is {shown}\033[K", nl=False, err=True)
+        time.sleep(0.25)
+        r = client.hello()
+    if shown:
+        click.echo("", err=True)
+    return r
 
 
 @cli.command()
@@ -322,19 +390,19 @@ def shutdown(client):
 
 @cli.command()
 @sampling_options(max_tokens=128)
-@click.option("--stop", multiple=True, metavar="STR")
+@click.option("--stop", multiple=True, metavar="STR", help="stop when this string is generated (repeatable)")
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
+@input_errors_option
+@click.option("--wait", is_flag=True, help="if colibrid is still loading its model, wait for it (else exit 9)")
 @click.argument("prompt", required=False)
 @with_client
-def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt):
+def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, input_errors, wait, prompt):
     """Generate through colibrid. PROMPT, or stdin when absent or '-'. Ctrl-C cancels."""
-    if prompt is None or prompt == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            fail("no prompt: give PROMPT or pipe it on stdin", exitcodes.USAGE)
-        prompt = sys.stdin.read()
-    client.hello()
-    fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed) | {"stop": list(stop)}
+    prompt = read_prompt(prompt, input_errors)
+    stop = [text_arg(s, input_errors, "--stop") for s in stop]
+    hello = ready(client, wait)
+    fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed) | {"stop": stop}
     fields |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     rid = client.send("generate", **fields)
     try:
@@ -345,17 +413,23 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     if msg.get("status") != "ok":
         from .client import ReplyError
 
+        if not as_json and msg.get("text"):
+            sys.stdout.write("\n")  # the partial text streamed so far ends its line
         raise ReplyError(msg)
+    precision = ((msg.get("stats") or {}).get("model") or hello.get("model") or {}).get("precision") or {}
+    lossy = " (LOSSY: experts converted to " + str(precision.get("experts")) + ")" if precision.get("lossy") else ""
     if as_json:
-        click.echo(json.dumps({"token_ids": msg["token_ids"], "text": msg["text"],
-                               "finish_reason": msg["finish_reason"], "stats": msg["stats"]}))
+        click.echo(json.dumps({"prompt_token_ids": msg.get("prompt_token_ids"), "token_ids": msg["token_ids"],
+                               "text": msg["text"], "finish_reason": msg["finish_reason"], "stats": msg["stats"]}))
+        if lossy:
+            click.echo(f"[colibri] precision{lossy}", err=True)
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = msg["stats"]
     rate = f"{s['decode_tok_s']:.1f} tok/s" if s.get("decode_tok_s") else "-"
     click.echo(f"[colibri] {s['n_prompt_tokens']} prompt tokens, {s['n_generated_tokens']} generated ({rate}), "
-               f"finish: {msg['finish_reason']}", err=True)
+               f"finish: {msg['finish_reason']}{lossy}", err=True)
 
 
 def main():

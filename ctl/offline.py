@@ -9,7 +9,7 @@ import time
 import click
 
 from . import exitcodes
-from .options import sampling_options
+from .options import BadInput, NoPrompt, input_errors_option, read_prompt, sampling_options, text_arg
 
 # one BLAS thread and passive OpenMP waits, before numpy is first imported
 for _var, _val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -51,6 +51,10 @@ def guarded(fn):
         except BrokenPipeError:
             sys.stderr.close()  # the reader went away (e.g. `| head`): nothing more to say
             raise SystemExit(exitcodes.OK) from None
+        except NoPrompt as e:
+            fail(str(e), exitcodes.USAGE)
+        except BadInput as e:
+            fail(str(e), exitcodes.BAD_REQUEST)
         except Exception as e:
             from ..storage.errors import ColibriError
 
@@ -63,25 +67,15 @@ def guarded(fn):
     return wrapper
 
 
-def read_prompt(prompt: str | None) -> str:
-    if prompt is not None and prompt != "-":
-        return prompt
-    if sys.stdin is None or sys.stdin.isatty():
-        fail("no prompt: give PROMPT or pipe it on stdin", exitcodes.USAGE)
-    return sys.stdin.read()
-
-
 def resolve_model(model: str | None) -> str:
-    """The model directory: --model, else the demo model (written on first use)."""
+    """The model directory: --model, else the demo model (written and converted on first use,
+    in the same place the daemon keeps it)."""
     if model:
         return model
-    from ..engine.demo import default_demo_path, write_demo_model
+    from ..engine.demo import default_demo_path, ensure_demo_container
 
     path = default_demo_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        click.echo(f"colictl: writing the demo model to {path}", err=True)
-        write_demo_model(path, force=True)
-    return path
+    return ensure_demo_container(path, lambda phase: click.echo(f"colictl: {phase} ({path})", err=True))
 
 
 @click.command()
@@ -106,24 +100,26 @@ def resolve_model(model: str | None) -> str:
 @click.option("--history", "history_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="keep the usage history in DIR/history (read at start, written at the end); default: none")
 @click.option("--history-read-only", is_flag=True, help="read the usage history but never write it")
+@input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        mlock, routing_trace, prefetch, policy, history_dir, history_read_only):
+        mlock, routing_trace, prefetch, policy, history_dir, history_read_only, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
-    from ..engine.registry import load_model
+    from ..engine.registry import load_model, open_model_files
     from ..engine.tokenizer import Tokenizer, eos_ids
     from ..storage.cache import parse_size
     from ..storage.policy import Policy
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop=tuple(stop))
+                            stop=tuple(text_arg(s, input_errors, "--stop") for s in stop))
     params.check()
     budget = parse_size(budget) if budget is not None else None
-    text_in = read_prompt(prompt)
+    text_in = read_prompt(prompt, input_errors)
     path = resolve_model(model_path)
     t0 = time.perf_counter()
+    open_model_files(path, tokenizer=True)  # loading's checks first, in loading's order: no weight read yet
     tok = Tokenizer(path)
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
     model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace,
@@ -160,6 +156,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
         out = {"prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(pieces),
                "finish_reason": done.finish_reason, "stats": stats}
         sys.stdout.write(json.dumps(out) + "\n")
+        if info["precision"].get("lossy"):  # stdout is the object; the warning still goes where people look
+            click.echo(f"[colibri] {describe_precision(info['precision'])}", err=True)
     else:
         sys.stdout.write("\n")
         rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats["decode_tok_s"] else "-"
@@ -242,11 +240,15 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
     streaming experts from disk."""
     from ..engine.registry import build_model
     from ..storage.checkpoint import load_config, open_checkpoint
+    from ..storage.container import is_container
     from ..storage.convert import ConvertError, ExpertPlan
     from ..storage.convert import convert as run_convert
 
     if group_size and dtype not in ("int8", "int4"):
         raise ConvertError("--group-size applies to --dtype int8 or int4")
+    if is_container(src):
+        raise ConvertError(f"{src} is already a colibri container: convert takes a Hugging Face checkpoint "
+                           "(run the container as it is)")
     cfg = load_config(src)
     model = build_model(src, cfg)
     ckpt = open_checkpoint(src)

@@ -5,7 +5,6 @@ value stops the daemon at start with a message naming the key (ConfigError).
 """
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 from ..storage.errors import ColibriError
@@ -61,7 +60,7 @@ class Config:
 
 
 _KINDS = {  # key -> what a valid value is
-    "model": "path", "socket": "path", "operator_socket": "path", "socket_group": "group",
+    "model": "path", "socket": "socket", "operator_socket": "socket", "socket_group": "group",
     "operator_group": "group", "state_dir": "path", "expert_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
@@ -81,6 +80,10 @@ def _valid(kind: str, v) -> str | None:
     is_int = isinstance(v, int) and not isinstance(v, bool)
     if kind == "path":
         return None if v is None or (isinstance(v, str) and v) else "a path or null"
+    if kind == "socket":
+        from .protocol import socket_path_problem
+
+        return None if v is None else socket_path_problem(v)
     if kind == "size":
         from ..storage.cache import BudgetInvalid, parse_size
 
@@ -123,7 +126,8 @@ def _valid(kind: str, v) -> str | None:
 def _check(key: str, value, where: str):
     why = _valid(_KINDS[key], value)
     if why:
-        raise ConfigError(f"{where}: {key} = {value!r} is not valid: it must be {why}")
+        raise ConfigError(f"{where}: {key} = {value!r} is not valid: "
+                          + (why if why.startswith("it ") else f"it must be {why}"))
     return value
 
 
@@ -140,7 +144,12 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the configuration ({e.strerror})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}: not valid YAML{where}: {what}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -159,6 +168,19 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
     return Config(**values)
 
 
+def resolved(cfg: Config) -> dict:
+    """The configuration as the daemon will use it: the model, sockets and state directory
+    that its defaults (null) stand for, spelled out (colibrid --print-config)."""
+    from ..engine.demo import default_demo_path
+    from .protocol import default_socket, operator_socket
+
+    sock = cfg.socket or default_socket()
+    return cfg.as_dict() | {"model": cfg.model or default_demo_path(state_dir(cfg)), "socket": sock,
+                            "operator_socket": cfg.operator_socket or operator_socket(sock),
+                            "state_dir": state_dir(cfg)}
+
+
 def state_dir(cfg: Config) -> str:
-    return cfg.state_dir or os.environ.get("STATE_DIRECTORY", "").split(":")[0] or os.path.join(
-        os.path.expanduser("~"), ".local", "state", "colibri")
+    from ..storage.statefile import default_state_dir
+
+    return cfg.state_dir or default_state_dir()

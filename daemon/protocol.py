@@ -11,7 +11,7 @@ PROTOCOL_VERSION). Replies carry `status` "ok" or "error"; an error has `error`:
 import json
 import os
 
-PROTOCOL_VERSION = "1.1"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.2"  # major.minor: minors only add fields and messages
 
 # numbered errors: (code, name) -> what the client's user can do about it
 ERRORS = {
@@ -27,6 +27,7 @@ ERRORS = {
     "INTERNAL": 10,  # a bug in colibrid: the message says what, the log says more
     "TOO_LARGE": 11,  # (1.1) the request is larger than the daemon's max_message_bytes
     "FORBIDDEN": 12,  # (1.1) an operator request on the user socket
+    "LOADING": 13,  # (1.2) the daemon is still loading its model: retry, or wait (status shows the phase)
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
@@ -48,8 +49,13 @@ class ProtocolError(Exception):
 
 
 def encode(msg: dict) -> bytes:
-    """One message as the frame that carries it."""
-    return json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    """One message as the frame that carries it. A string that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escapes can carry in) is sent escaped, never raised on."""
+    text = json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(msg, separators=(",", ":")).encode("ascii")
 
 
 def decode(frame: bytes) -> dict:
@@ -117,5 +123,19 @@ def operator_socket(user_socket: str) -> str:
                                                                       OPERATOR_SOCKET_NAME)
 
 
+def socket_path_problem(path) -> str | None:
+    """Why `path` cannot be a colibri socket, or None. Sockets are filesystem paths only:
+    anything with a scheme (tcp://, ipc://, ...) is refused, so the daemon never listens on
+    a network address."""
+    if not isinstance(path, str) or not path:
+        return "a socket is a filesystem path"
+    if "://" in path:
+        return "it is not a filesystem path: colibri sockets are Unix socket files, never network addresses"
+    if "\0" in path:
+        return "a socket path cannot contain a NUL byte"
+    return None
+
+
 def endpoint(socket_path: str) -> str:
-    return socket_path if socket_path.startswith(("ipc://", "tcp://", "inproc://")) else f"ipc://{socket_path}"
+    """The ZeroMQ endpoint of a socket file."""
+    return f"ipc://{socket_path}"

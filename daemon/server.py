@@ -13,6 +13,11 @@ Threads:
   it hands the I/O thread (identity, frame) pairs over an inproc PUSH/PULL pair.
 ZMQ sockets stay in the thread that made them; requests go to the engine thread through
 a queue.
+
+Start-up: the sockets are bound first (after checking that no other daemon answers on
+them), then the engine thread loads the model while the I/O thread already answers:
+ping, status and stats report the phase and its progress, requests that need the model
+get LOADING. READY=1 goes to systemd once the model is placed.
 """
 
 import logging
@@ -32,8 +37,14 @@ from .notify import notify, watchdog_interval_s
 log = logging.getLogger("colibri.daemon")
 
 EVENTS = "inproc://colibri-events"
+EXIT_STUCK = 1
 RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
             "(colictl convert) to stream them under a budget")
+NEEDS_MODEL = ("generate", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
+
+
+class Stopped(Exception):
+    """The daemon was told to stop while it was loading."""
 
 
 class Server:
@@ -52,6 +63,10 @@ class Server:
         self._saved_steps = None  # the usage history's step count at its last write
         self.counters = {"accepted": 0, "served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self.boot: dict = {}
+        self.model = None  # set by the engine thread once placed
+        self.phase, self.progress = "starting", None  # what loading does now, (done, total) of it
+        self.load_error: BaseException | None = None
+        self._status_at = 0.0
         self.socket_path = cfg.socket or P.default_socket()
         self.operator_path = cfg.operator_socket or P.operator_socket(self.socket_path)
         self.routers: dict[bytes, zmq.Socket] = {}  # b"U": user socket, b"O": operator socket
@@ -80,40 +95,64 @@ class Server:
         self.boot["numa"] = set_numa(self.cfg.numa_node)
         self.boot["io_threads"] = {"asked": self.cfg.io_threads, "got": self.cfg.io_threads}
 
+    def set_phase(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        """Loading's progress, for status and the log (a new phase) and systemd's STATUS= (at
+        most twice a second). Raises Stopped when the daemon is stopping, so a load ends at
+        its next step."""
+        if self.stopping.is_set():
+            raise Stopped()
+        new = phase != self.phase
+        self.phase, self.progress = phase, (done, total) if total else None
+        if new:
+            log.info("%s", phase)
+        now = time.monotonic()
+        if new or now - self._status_at >= 0.5:
+            self._status_at = now
+            notify(f"STATUS={self.phase_text()}")
+        if new and phase == "reading dense weights" and os.environ.get("COLIBRI_TEST_LOAD_DELAY_S"):
+            # a test hook (like COLIBRI_FAULTS): a load slow enough to watch from a client
+            end = time.monotonic() + float(os.environ["COLIBRI_TEST_LOAD_DELAY_S"])
+            log.warning("COLIBRI_TEST_LOAD_DELAY_S is set: loading waits on purpose")
+            while time.monotonic() < end:
+                if self.stopping.wait(0.05):
+                    raise Stopped()
+
+    def phase_text(self) -> str:
+        if self.progress:
+            done, total = self.progress
+            return f"{self.phase}: {done}/{total}"
+        return self.phase
+
     def load(self) -> None:
+        """On the engine thread: the model placed, its kernels compiled. Raises the model's
+        errors (ColibriError, OSError), Stopped."""
         from ..engine import layers
-        from ..engine.demo import write_demo_model
+        from ..engine.demo import default_demo_path, ensure_demo_container
         from ..engine.registry import load_model
         from ..engine.tokenizer import Tokenizer, eos_ids
         from ..storage.cache import parse_size
         from ..storage.checkpoint import load_config
-
-        path = self.cfg.model
-        if path is None:
-            path = os.path.join(state_dir(self.cfg), "demo-model")
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                notify("STATUS=writing the demo model")
-                log.info("no model configured: writing the demo model to %s", path)
-                write_demo_model(path, force=True)
-        notify(f"STATUS=loading {path}")
-        t0 = time.perf_counter()
-        n = self.cfg.compute_threads or len(os.sched_getaffinity(0))
         from ..storage.container import is_container
 
+        path = self.cfg.model or default_demo_path(state_dir(self.cfg))
+        if self.cfg.model is None:
+            ensure_demo_container(path, self.set_phase)
+        self.set_phase("checking the model's files")
+        t0 = time.perf_counter()
+        n = self.cfg.compute_threads or len(os.sched_getaffinity(0))
         budget = parse_size(self.cfg.expert_cache) if is_container(path) else None
         history = self.cfg.history
-        self.model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
-                                hugetlb=self.cfg.hugepages, policy=self.cfg.cache_policy(),
-                                state_dir=state_dir(self.cfg) if history else None,
-                                history_read_only=history == "read-only",
-                                history_half_life=self.cfg.history_half_life, verify=self.cfg.verify,
-                                mirror=self.cfg.mirror)
-        self.tokenizer = Tokenizer(path)
-        self.eos = eos_ids(path, load_config(path), self.tokenizer)
-        layers.init(n)
-        self.model_path = path
+        model = load_model(path, budget=budget, io_threads=self.cfg.io_threads, mlock=self.cfg.mlock,
+                           hugetlb=self.cfg.hugepages, policy=self.cfg.cache_policy(),
+                           state_dir=state_dir(self.cfg) if history else None,
+                           history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
+                           verify=self.cfg.verify, mirror=self.cfg.mirror, progress=self.set_phase)
+        tokenizer = Tokenizer(path)
+        self.eos = eos_ids(path, load_config(path), tokenizer)
+        layers.init(n, self.set_phase)
+        self.tokenizer, self.model_path = tokenizer, path
         self.boot["compute_threads"] = {"asked": self.cfg.compute_threads or "all", "got": n}
-        experts = self.model.experts.describe()
+        experts = model.experts.describe()
         if "mlock" in experts:
             self.boot["mlock_experts"] = {"asked": self.cfg.mlock, "got": experts["mlock"]}
             self.boot["hugepages"] = {"asked": "reserved" if self.cfg.hugepages else "transparent",
@@ -121,9 +160,11 @@ class Server:
         if self.cfg.mlock:
             from .boot import lock_arrays
 
-            dense = list(self.model.glob.values()) + [a for L in self.model.layers for a in L.values()]
+            dense = list(model.glob.values()) + [a for L in model.layers for a in L.values()]
             self.boot["mlock_dense"] = lock_arrays(dense, "dense weights")
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
+        self.model = model  # the I/O thread serves requests that need it from here on
+        self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
 
     def bind(self, ctx: zmq.Context, path: str, group: str | None) -> zmq.Socket:
@@ -166,27 +207,29 @@ class Server:
     # ---- main loop -------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Place the model, serve until told to stop, return the exit code."""
+        """Bind the sockets, place the model while answering, serve until told to stop,
+        return the exit code. Raises ColibriError (a socket that cannot be set up, another
+        daemon on it), and what loading the model raised."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_hup)
-        notify("STATUS=placing")
-        self.place()
-        self.load()
+        notify("STATUS=starting")
         ctx = zmq.Context()
-        self.routers = {b"U": self.bind(ctx, self.socket_path, self.cfg.socket_group)}
         try:
+            self.routers = {b"U": self.bind(ctx, self.socket_path, self.cfg.socket_group)}
             self.routers[b"O"] = self.bind(ctx, self.operator_path, self.cfg.operator_group)
         except Exception:
-            self.routers[b"U"].close(0)
-            os.unlink(self.socket_path)
+            for tag, router in self.routers.items():
+                router.close(0)
+                os.unlink(self.socket_path if tag == b"U" else self.operator_path)
+            ctx.term()
             raise
+        log.info("listening on %s (operators: %s); placing the model", self.socket_path, self.operator_path)
+        self.place()
         events = ctx.socket(zmq.PULL)
         events.bind(EVENTS)
         engine = threading.Thread(target=self.engine_loop, args=(ctx,), name="colibri-engine", daemon=True)
         engine.start()
-        notify("READY=1", f"STATUS=serving {self.model_path} on {self.socket_path}")
-        log.info("serving on %s (operators: %s)", self.socket_path, self.operator_path)
         watchdog = watchdog_interval_s(self.cfg.watchdog_s)
         last_ping = 0.0
         poller = zmq.Poller()
@@ -222,13 +265,18 @@ class Server:
             for router in self.routers.values():
                 router.close(0)
             events.close(0)
-            ctx.term()
             for path in (self.socket_path, self.operator_path):
                 try:
                     os.unlink(path)
                 except OSError:
                     pass
+            if engine.is_alive():  # stuck in a kernel or a read: nothing left to save
+                log.warning("the engine thread did not stop in 10 s; exiting without it")
+                os._exit(EXIT_STUCK)
+            ctx.term()
             log.info("stopped")
+        if self.load_error is not None:
+            raise self.load_error
         return 0
 
     def _on_stop_signal(self, signum, frame):
@@ -294,6 +342,8 @@ class Server:
     def on_frames(self, tag: bytes, frames: list[bytes]) -> None:
         identity, payload = tag + frames[0], frames[-1]
         if len(payload) > self.cfg.max_message_bytes:
+            log.warning("refused a message of %d bytes on the %s socket: above max_message_bytes (%d)", len(payload),
+                        "user" if tag == b"U" else "operator", self.cfg.max_message_bytes)
             self.send(identity, P.error("unknown", None, "TOO_LARGE", f"a request of {len(payload)} bytes is above "
                                                                       f"this daemon's max_message_bytes of "
                                                                       f"{self.cfg.max_message_bytes}"))
@@ -322,6 +372,11 @@ class Server:
         if not isinstance(rid, str):
             self.send(identity, P.error(kind, None, "BAD_MESSAGE", "a request needs a string 'id'"))
             return
+        if self.model is None and kind in NEEDS_MODEL:
+            self.send(identity, P.error(kind, rid, "LOADING", f"colibrid is still loading its model "
+                                                              f"({self.phase_text()}); retry when `colictl status` "
+                                                              "says serving (generate --wait waits)"))
+            return
         try:
             reply = handler(identity, rid, msg)
         except Exception as e:  # a bug must cost one request, never the daemon
@@ -348,7 +403,9 @@ class Server:
             self.gone.add(key)
             self.inbox.put(("cancel", key))
 
-    def model_summary(self) -> dict:
+    def model_summary(self) -> dict | None:
+        if self.model is None:
+            return None
         info = self.model.describe()
         return {"path": self.model_path, "type": info["model_type"], "precision": info["precision"],
                 "placement": info["experts"], "n_layer": info["n_layer"], "n_expert": info["n_expert"],
@@ -361,7 +418,12 @@ class Server:
         from .. import __version__
 
         return P.ok("hello", rid, protocol=P.PROTOCOL_VERSION, server=f"colibrid {__version__}",
-                    model=self.model_summary())
+                    model=self.model_summary(), max_message_bytes=self.cfg.max_message_bytes, **self.loading())
+
+    def loading(self) -> dict:
+        """`phase` (loading's step, or serving) and `progress` ({done, total} or null)."""
+        p = self.progress
+        return {"phase": self.phase, "progress": {"done": p[0], "total": p[1]} if p else None}
 
     def on_ping(self, identity, rid, msg):
         return P.ok("ping", rid, t=time.time())
@@ -371,26 +433,29 @@ class Server:
                     socket=self.socket_path, operator_socket=self.operator_path, model=self.model_summary(),
                     boot=self.boot,
                     requests={"active": len(self.inflight), "queued": self.inbox.qsize()},
-                    config=self.cfg.as_dict())
+                    config=self.cfg.as_dict(), **self.loading())
 
     def on_stats(self, identity, rid, msg):
-        experts = self.model.experts
+        experts = self.model.experts if self.model is not None else None
         extra = {"policy": experts.policy.name, "history": experts.history.describe()} \
             if hasattr(experts, "policy") else {"policy": None}
-        return P.ok("stats", rid, experts=experts.stats.as_dict(), requests=dict(self.counters),
-                    uptime_s=round(time.time() - self.t_start, 3), **extra)
+        return P.ok("stats", rid, experts=experts.stats.as_dict() if experts is not None else None,
+                    requests=dict(self.counters), uptime_s=round(time.time() - self.t_start, 3), **self.loading(),
+                    **extra)
 
     def on_policy(self, identity, rid, msg):
         from ..storage.policy import PolicyInvalid
 
         experts = self.model.experts
-        if not hasattr(experts, "set_policy"):
-            return P.error("policy", rid, "INVALID_REQUEST", RESIDENT)
         action = msg.get("action")
+        if action not in ("show", "set"):
+            return P.error("policy", rid, "BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
+        if not hasattr(experts, "set_policy"):  # all resident: nothing to choose, but a query is answered
+            if action == "show":
+                return P.ok("policy", rid, policy={"policy": "resident"}, history=None)
+            return P.error("policy", rid, "INVALID_REQUEST", RESIDENT)
         if action == "show":
             return P.ok("policy", rid, policy=experts.policy.as_dict(), history=experts.history.describe())
-        if action != "set":
-            return P.error("policy", rid, "BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
         settings = msg.get("settings")
         if not isinstance(settings, dict) or not settings:
             return P.error("policy", rid, "BAD_MESSAGE", "'settings' must be a non-empty object of KEY: VALUE")
@@ -482,6 +547,18 @@ class Server:
     def engine_loop(self, ctx: zmq.Context) -> None:
         from ..engine.generate import Batcher
 
+        try:
+            self.load()
+        except Stopped:
+            log.info("stopped while loading")
+            return
+        except BaseException as e:  # the main thread re-raises it once the sockets are closed
+            self.load_error = e
+            self.phase, self.progress = "failed", None
+            self.stopping.set()
+            return
+        notify("READY=1", f"STATUS=serving {self.model_path} on {self.socket_path}")
+        log.info("serving %s", self.model_path)
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(EVENTS)
@@ -489,6 +566,7 @@ class Server:
         saved_at = time.monotonic()
         waiting: list = []
         state: dict = {}  # key -> (request, token ids, text pieces)
+        by_client: set = set()  # requests their client cancelled (the others a stop cancels)
 
         def out(key, msg):
             push.send_multipart([key[0], P.encode(msg)])
@@ -534,6 +612,7 @@ class Server:
                             key = item[1]
                             if key in state:
                                 state[key][0].cancelled = True
+                                by_client.add(key)
                             elif any(k == key for k, _ in waiting):
                                 waiting = [(k, m) for k, m in waiting if k != key]
                                 out(key, P.error("generate", key[1], "CANCELLED", "cancelled before it started"))
@@ -590,12 +669,16 @@ class Server:
                     del state[key]
                     if ev.finish_reason == "cancelled":
                         self.counters["cancelled"] += 1
-                        out(key, P.error("generate", key[1], "CANCELLED", "the request was cancelled") |
-                            {"token_ids": ids, "text": "".join(pieces)})
+                        reply = P.error("generate", key[1], "CANCELLED", "the request was cancelled") \
+                            if key in by_client else \
+                            P.error("generate", key[1], "SHUTTING_DOWN", "colibrid is stopping: the request was "
+                                                                         "cut short (retry when it is back)")
+                        by_client.discard(key)
+                        out(key, reply | {"token_ids": ids, "text": "".join(pieces)})
                     else:
                         self.counters["served"] += 1
-                        out(key, P.ok("generate", key[1], token_ids=ids, text="".join(pieces),
-                                      finish_reason=ev.finish_reason, stats=ev.stats))
+                        out(key, P.ok("generate", key[1], prompt_token_ids=req.prompt_ids, token_ids=ids,
+                                      text="".join(pieces), finish_reason=ev.finish_reason, stats=ev.stats))
         except Exception:
             log.exception("the engine thread failed; stopping")
             self.stopping.set()
@@ -605,7 +688,7 @@ class Server:
 
     def save_history(self) -> None:
         """Write the usage history (atomically) from the engine thread; a failure is logged."""
-        history = getattr(self.model.experts, "history", None)
+        history = getattr(self.model.experts, "history", None) if self.model is not None else None
         if history is None or history.steps == self._saved_steps:
             return  # nothing new since the last write
         self._saved_steps = history.steps
@@ -688,6 +771,13 @@ def check_generate(msg: dict, max_tokens_limit: int) -> tuple[str, str] | None:
     stop = msg.get("stop")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         return "type", "'stop' must be a list of strings"
+    texts = [("prompt", prompt)] if prompt is not None else \
+        [(f"messages[{i}].{k}", m[k]) for i, m in enumerate(messages) for k in ("role", "content")]
+    for name, text in texts + [(f"stop[{i}]", s) for i, s in enumerate(stop or ())]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's \ud800 escapes can carry a lone surrogate in
+            return "type", f"'{name}' is not valid Unicode: a lone surrogate at character {e.start}"
     if msg.get("max_tokens", 1) > max_tokens_limit:
         return "value", f"max_tokens {msg['max_tokens']} is above this daemon's limit of {max_tokens_limit}"
     return None

@@ -151,7 +151,38 @@ def write_demo_model(path: str, force: bool = False, **overrides) -> str:
     return path
 
 
-def default_demo_path() -> str:
-    """Where `colictl run` keeps the demo model when no --model is given."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "colibri", "demo-qwen3_moe")
+def default_demo_path(state_dir: str | None = None) -> str:
+    """The one place of the demo model, for the daemon and `colictl run` alike: demo-model
+    in the state directory (`state_dir`, else $STATE_DIRECTORY, else ~/.local/state/colibri)."""
+    from ..storage.statefile import default_state_dir
+
+    return os.path.join(state_dir or default_state_dir(), "demo-model")
+
+
+def ensure_demo_container(path: str, progress=None) -> str:
+    """The demo model as a container at `path` (written, then converted, the first time;
+    an older demo checkpoint there is replaced), so that every command of the daemon's
+    walkthrough (cache, pin, policy) works on it. `progress(phase)` hears each step.
+    Returns the path. Raises OSError."""
+    from ..storage.checkpoint import load_config, open_checkpoint
+    from ..storage.container import is_container
+    from ..storage.convert import ExpertPlan, convert
+    from .registry import build_model
+
+    path = os.path.abspath(path)
+    if is_container(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    src = tempfile.mkdtemp(prefix=".demo-checkpoint-", dir=os.path.dirname(path))
+    try:
+        if progress:
+            progress("writing the demo model")
+        write_demo_model(src, force=True)
+        if progress:
+            progress("converting the demo model to a container")
+        model = build_model(src, load_config(src))
+        convert(open_checkpoint(src), path, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names),
+                force=True)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return path

@@ -2,6 +2,7 @@
 SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 """
 
+import functools
 import math
 import os
 import threading
@@ -18,35 +19,45 @@ from . import kernels
 _F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
 
 
-def init(n_threads: int | None = None) -> None:
+def init(n_threads: int | None = None, progress=None) -> None:
     """Start-up work for the kernels: the f16 table, the compute threads (default: the CPUs
     this process may run on), and one call of each kernel on tiny arrays so that compiling
     (or loading the compiled cache) happens here, not in the first request's timings.
-    Call once before forward."""
+    `progress(phase, done, total)` hears each kernel group. Call once before forward."""
     global _F16_LUT
     if n_threads is not None or _COMPUTE_POOL is None:
         set_threads(n_threads or len(os.sched_getaffinity(0)))
     if _F16_LUT.shape[0] == 65536:
         return
-    _F16_LUT = kernels.f16_table()
     x = np.ones((1, 4), np.float32)
-    for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
-        kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
-    kernels.matmul_f32_par(x, np.ones((2, 4), np.float32), np.empty((1, 2), np.float32))
-    for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
-              QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
-        linear(x, w)
     x64 = np.ones((1, 128), np.float32)
-    for g in kernels.LINEAR_Q4:
+    q, kv = np.ones((1, 1, 4), np.float32), np.ones((1, 1, 1, 4), np.float32)
+
+    def dense():
+        for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
+            kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
+        kernels.matmul_f32_par(x, np.ones((2, 4), np.float32), np.empty((1, 2), np.float32))
+        for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
+                  QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
+            linear(x, w)
+
+    def experts(g):
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
         swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
         swiglu(x64, q4, q4, q4, prompt=True)
-    rmsnorm(x, np.ones(4, np.float32), 1e-6)
-    q = np.ones((1, 1, 4), np.float32)
-    kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
-    kv = np.ones((1, 1, 1, 4), np.float32)
-    kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), np.empty_like(q))
-    kernels.silu_mul(x, x, np.empty_like(x))
+
+    def attention():
+        rmsnorm(x, np.ones(4, np.float32), 1e-6)
+        kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+        kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), np.empty_like(q))
+        kernels.silu_mul(x, x, np.empty_like(x))
+
+    steps = [dense, *(functools.partial(experts, g) for g in kernels.LINEAR_Q4), attention]
+    _F16_LUT = kernels.f16_table()
+    for i, step in enumerate(steps):
+        if progress:
+            progress("compiling kernels", i, len(steps))
+        step()
 
 
 def to_f32(a: np.ndarray) -> np.ndarray:

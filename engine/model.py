@@ -161,15 +161,21 @@ class MoEModel:
                     for name, shape in zip(self.expert_names(il, ie), per_expert.values()):
                         src.expect(name, shape)
 
-    def load(self, src, experts: ExpertSource | None = None) -> "MoEModel":
+    def load(self, src, experts: ExpertSource | None = None, progress=None) -> "MoEModel":
         """Check, then read the dense weights from src; routed experts come from `experts`,
-        or, when None, are all read from src into RAM. Returns self.
-        Raises what check and src.read raise."""
+        or, when None, are all read from src into RAM. `progress(phase, done, total)` hears
+        each tensor read. Returns self. Raises what check and src.read raise."""
         self.check(src, with_experts=experts is None)
         glob, per_layer, _ = self.shapes()
+        total = len(glob) + sum(len(per_layer(il)) for il in range(self.n_layer))
+        done = 0
 
         def read(key: str, name: str) -> np.ndarray:
+            nonlocal done
+            if progress:
+                progress("reading dense weights", done, total)
             a = src.read(name)
+            done += 1
             return to_f32(a) if key in F32_KEYS else a
 
         self.glob = {key: read(key, self.NAMES[key]) for key in glob}

@@ -341,11 +341,12 @@ class ExpertCache:
         self.stats.repins += len(moves)
         return len(moves)
 
-    def warm_start(self) -> int:
+    def warm_start(self, progress=None) -> int:
         """Read in what the usage history says is hot (several reads at a time): for
         `lru+pinned` the hot set into the free pinned slots, for `learned` the hottest experts
         into the free slots of the main region. The start from what the box learned before.
-        Returns the experts read. Raises ExpertReadError."""
+        `progress(phase, done, total)` hears each read land. Returns the experts read.
+        Raises ExpertReadError."""
         reads = []
         if self.policy.learns:
             want = [k for k in self.history.hottest(len(self.pinned) + len(self.pin_free)) if k not in self.pinned]
@@ -367,7 +368,9 @@ class ExpertCache:
                 reads.append((key, self.main_free.popleft(), False))
         futures = [(key, slot, pin, self._submit(key, slot)) for key, slot, pin in reads]
         failed = None
-        for key, slot, pin, fut in futures:
+        for i, (key, slot, pin, fut) in enumerate(futures):
+            if progress:
+                progress("warming the expert cache", i, len(futures))
             try:
                 fut.result()
             except ExpertReadError as e:

@@ -140,6 +140,24 @@ class Container:
                 r["layer"], r["expert"], file, r["offset"], r["length"], r["crc32"])
         self.moe_layers = sorted({il for il, _ in self.records})
 
+    def check_index(self, moe_layers: list[int], n_expert: int) -> None:
+        """Every expert of the model's MoE layers indexed exactly once, no two records
+        overlapping. Raises ContainerInvalid saying what is wrong."""
+        want = {(il, ie) for il in moe_layers for ie in range(n_expert)}
+        n_index = len(self.manifest["experts"]["index"])
+        missing, extra = sorted(want - set(self.records)), sorted(set(self.records) - want)
+        spans: dict = {}
+        for rec in self.records.values():
+            spans.setdefault(rec.file, []).append((rec.offset, rec.offset + rec.length))
+        overlaps = 0
+        for s in spans.values():
+            s.sort()
+            overlaps += sum(1 for a, b in zip(s, s[1:]) if b[0] < a[1])
+        if missing or extra or overlaps or n_index != len(self.records):
+            raise ContainerInvalid(f"{self.path}/{MANIFEST}: {len(missing)} experts missing (first: {missing[:3]}), "
+                                   f"{len(extra)} not in the model, {n_index - len(self.records)} indexed twice, "
+                                   f"{overlaps} overlapping records")
+
     def expert_views(self, record: np.ndarray) -> tuple:
         """(gate, up, down) over one record's bytes, zero-copy: arrays in their storage dtype,
         or QuantWeight when the experts are quantized."""

@@ -17,6 +17,13 @@ import time
 log = logging.getLogger("colibri.storage")
 
 
+def default_state_dir() -> str:
+    """Where colibri keeps its state (usage history, the demo model) when nothing says:
+    $STATE_DIRECTORY (systemd's StateDirectory=), else ~/.local/state/colibri."""
+    return os.environ.get("STATE_DIRECTORY", "").split(":")[0] or os.path.join(
+        os.path.expanduser("~"), ".local", "state", "colibri")
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Replace `path` with `data`, atomically and durably. Raises OSError."""
     folder = os.path.dirname(os.path.abspath(path))

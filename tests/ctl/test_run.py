@@ -189,11 +189,20 @@ def test_chat_without_template(broken):
     one_line_error(colictl("run", "--model", broken, "--chat", "x"), exitcodes.MODEL, "chat_template")
 
 
-def test_demo_is_the_default_model(tmp_path):
-    r = colictl("run", "--max-tokens", 4, "--json", "hi", env={"XDG_CACHE_HOME": str(tmp_path)})
+def test_demo_is_the_default_model_in_the_daemons_place(tmp_path):
+    from colibri.daemon.config import Config, resolved
+    from colibri.storage.container import is_container
+
+    env = {"STATE_DIRECTORY": str(tmp_path)}
+    r = colictl("run", "--max-tokens", 4, "--json", "hi", env=env)
     assert r.returncode == 0, r.stderr
-    assert os.path.isfile(tmp_path / "colibri" / "demo-qwen3_moe" / "config.json")
+    assert is_container(str(tmp_path / "demo-model"))  # a container, so the cache commands work on it
     assert len(json.loads(r.stdout)["token_ids"]) == 4
+    os.environ["STATE_DIRECTORY"], old = str(tmp_path), os.environ.get("STATE_DIRECTORY")
+    try:
+        assert resolved(Config())["model"] == str(tmp_path / "demo-model")  # the daemon's demo: the same one
+    finally:
+        os.environ.pop("STATE_DIRECTORY") if old is None else os.environ.update(STATE_DIRECTORY=old)
 
 
 def test_client_path_does_not_load_numpy():
