@@ -25,3 +25,7 @@ if [ "${1:-}" = "--test" ]; then
 else
     $PY -m pip install -q -e .
 fi
+
+# compile the kernels now, into numba's cache (keyed by the source files and this CPU, so a
+# new version or another CPU compiles afresh): the daemon's first start does not wait for it
+$PY -m colibri.daemon --compile-only

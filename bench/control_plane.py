@@ -40,11 +40,12 @@ def wait_ready(sock: str, proc, timeout=900) -> None:
     while time.time() < end:
         if proc.poll() is not None:
             raise SystemExit("colibrid exited")
-        try:
-            Client(sock, timeout_s=1).connect().call("ping")
-            return
+        try:  # the socket answers while the model loads: ready is the phase "serving"
+            if Client(sock, timeout_s=1).connect().call("status").get("phase", "serving") == "serving":
+                return
         except Exception:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     raise SystemExit("colibrid did not start")
 
 

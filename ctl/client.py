@@ -64,12 +64,24 @@ class Client:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.monitor = None
+        self.connected = False
+        self.wait_s = 0.0  # how long the first send waits for a daemon that is starting
         self.ids = (f"{os.getpid()}-{i}" for i in itertools.count(1))
 
-    def connect(self) -> "Client":
+    def connect(self, wait_s: float = 0) -> "Client":
         """Raises BadSocket for a path with a scheme, DaemonDown when nothing listens on
-        the socket file (none, or a stale one a killed daemon left), PermissionDenied when
-        this user may not use it."""
+        the socket file (none, or a stale one a killed daemon left) and none does within
+        `wait_s` (a daemon starting), PermissionDenied when this user may not use it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._connect()
+            except DaemonDown:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _connect(self) -> "Client":
         why = P.socket_path_problem(self.path)
         if why:
             raise BadSocket(f"{self.path!r}: {why}")
@@ -94,6 +106,7 @@ class Client:
         self._probe()
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(P.endpoint(self.path))
+        self.connected = True
         return self
 
     def _probe(self) -> None:
@@ -114,8 +127,11 @@ class Client:
             s.close()
 
     def send(self, kind: str, **fields) -> str:
-        """Send one request; returns its id. Raises TooLarge (nothing sent) for a request
-        above the daemon's limit."""
+        """Send one request (connecting first, within `wait_s`, if not yet connected);
+        returns its id. Raises TooLarge (nothing sent) for a request above the daemon's
+        limit, and what connect raises."""
+        if not self.connected:
+            self.connect(self.wait_s)
         rid = next(self.ids)
         frame = P.encode(P.request(kind, rid, **fields))
         if self.max_message_bytes and len(frame) > self.max_message_bytes:

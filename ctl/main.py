@@ -61,8 +61,11 @@ def fail(message: str, code: int):
     raise SystemExit(code)
 
 
+START_WAIT_S = 60  # --wait: how long a daemon may take to bind its socket
+
+
 def with_client(fn=None, operator: bool = False):
-    """Give the command a connected Client (to the operator socket with `operator`);
+    """Give the command a Client (to the operator socket with `operator`; it connects at its first request);
     daemon down, permission denied and error replies become one line and an exit code."""
     if fn is None:
         return functools.partial(with_client, operator=operator)
@@ -73,8 +76,9 @@ def with_client(fn=None, operator: bool = False):
         from .client import BadSocket, Client, DaemonDown, PermissionDenied, ReplyError, TooLarge
 
         client = Client(ctx.obj["socket"], operator=operator, operator_path=ctx.obj["operator"])
-        try:
-            return fn(client.connect(), *args, **kwargs)
+        client.wait_s = START_WAIT_S if kwargs.get("wait") else 0
+        try:  # the client connects at its first request: a command checks its input before that
+            return fn(client, *args, **kwargs)
         except BadSocket as e:
             fail(str(e), exitcodes.USAGE)
         except (NoPrompt, BadInput) as e:
@@ -97,9 +101,10 @@ def with_client(fn=None, operator: bool = False):
 
 
 @cli.command()
+@click.option("--wait", is_flag=True, help="wait for colibrid to start (a minute at most for its socket)")
 @with_client
-def ping(client):
-    """Check that colibrid answers; prints the round trip."""
+def ping(client, wait):
+    """Check that colibrid answers; prints the round trip. It answers while loading too."""
     t0 = time.perf_counter()
     client.call("ping")
     click.echo(f"pong from {client.path} in {(time.perf_counter() - t0) * 1e3:.2f} ms")
@@ -302,7 +307,8 @@ def reload(client):
 @sampling_options(max_tokens=512)
 @click.option("--system", metavar="TEXT", help="a system message to start the conversation")
 @input_errors_option
-@click.option("--wait", is_flag=True, help="if colibrid is still loading its model, wait for it")
+@click.option("--wait", is_flag=True, help="wait for colibrid to start (a minute for its socket) and to load its "
+                                         "model")
 @with_client
 def chat(client, max_tokens, temperature, top_k, top_p, seed, system, input_errors, wait):
     """Talk with the model: each line you type is a user message; the conversation is kept
@@ -394,7 +400,8 @@ def shutdown(client):
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @input_errors_option
-@click.option("--wait", is_flag=True, help="if colibrid is still loading its model, wait for it (else exit 9)")
+@click.option("--wait", is_flag=True, help="wait for colibrid to start (a minute for its socket) and to load its "
+                                         "model, instead of exit 5 or 9")
 @click.argument("prompt", required=False)
 @with_client
 def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, input_errors, wait, prompt):
@@ -438,3 +445,11 @@ def main():
     except KeyboardInterrupt:
         click.echo("colictl: interrupted", err=True)
         raise SystemExit(exitcodes.INTERRUPTED) from None
+    except Exception as e:  # a bug: one line for the user; COLIBRI_DEBUG=1 shows the traceback
+        import os
+
+        if os.environ.get("COLIBRI_DEBUG"):
+            raise
+        click.echo(f"colictl: internal error: {type(e).__name__}: {e} (a bug: please report it; COLIBRI_DEBUG=1 "
+                   "shows where)", err=True)
+        raise SystemExit(exitcodes.INTERNAL) from None

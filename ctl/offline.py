@@ -36,12 +36,27 @@ def error_code(e: Exception) -> int:
     return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
 
 
+def setup_logging() -> None:
+    """The engine's and storage's warnings as they happen, one line each on stderr. Their
+    errors are not printed here: each also ends the command as an exception, which
+    `guarded` prints once."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("colictl: %(levelname)s %(message)s"))
+    handler.addFilter(lambda record: record.levelno < logging.ERROR)
+    root = logging.getLogger("colibri")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+
+
 def guarded(fn):
     """Run a command body: named errors become one line and an exit code, never a traceback."""
     import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        setup_logging()
         try:
             return fn(*args, **kwargs)
         except SystemExit:

@@ -241,6 +241,8 @@ class Server:
         try:
             while not self.stopping.is_set() or self.inflight:
                 if self.stopping.is_set() and not engine.is_alive():
+                    while events.poll(0):  # its last events (SHUTTING_DOWN replies) still go out
+                        self.deliver(*events.recv_multipart())
                     break
                 for sock, _ in poller.poll(100):
                     if sock is not events:
@@ -263,7 +265,7 @@ class Server:
             self.stopping.set()
             engine.join(timeout=10)
             for router in self.routers.values():
-                router.close(0)
+                router.close(linger=1000)  # the last replies (SHUTTING_DOWN) still reach their clients
             events.close(0)
             for path in (self.socket_path, self.operator_path):
                 try:
@@ -684,7 +686,7 @@ class Server:
             self.stopping.set()
         finally:
             self.save_history()
-            push.close()
+            push.close(linger=1000)  # its last events reach the I/O thread
 
     def save_history(self) -> None:
         """Write the usage history (atomically) from the engine thread; a failure is logged."""

@@ -490,8 +490,9 @@ class ExpertCache:
                 return time.perf_counter() - t0
             self.stats.read_errors += 1
             failed.append(f"{where} {path}: {why}")
+        said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]  # the same twice: once
         msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
-               + "; ".join(failed))
+               + "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said))
         self.bad[key] = msg
         log.error("%s", msg)
         raise ExpertReadError(msg)
