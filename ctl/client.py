@@ -140,9 +140,9 @@ class Client:
         self.sock.send(frame)
         return rid
 
-    def recv(self, timeout_ms: int) -> dict:
-        """The next message. Raises DaemonDown when none comes within timeout_ms or the
-        daemon closes the connection."""
+    def recv(self, timeout_ms: int | None) -> dict:
+        """The next message. Raises DaemonDown when none comes within timeout_ms (None:
+        no limit) or the daemon closes the connection."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         if self.monitor is not None:

@@ -88,7 +88,7 @@ def test_start_up_answers_while_loading_and_a_second_daemon_stops_before_loading
     notify = Notify(tmp_path / "notify")
     sock = str(tmp_path / "c.sock")
     env = {**os.environ, "NOTIFY_SOCKET": notify.path, "STATE_DIRECTORY": str(tmp_path / "state"),
-           "COLIBRI_TEST_LOAD_DELAY_S": "6"}
+           "COLIBRI_TEST_LOAD_DELAY_S": "8"}
     log = open(tmp_path / "colibrid.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", str(demo), "--socket", sock],
                             env=env, stderr=log)
