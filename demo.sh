@@ -9,7 +9,7 @@ pid=$!
 trap 'kill "$pid" 2>/dev/null || true' EXIT
 # the first start writes the demo model and converts it to a container; --wait waits for
 # the socket and the load (colictl status shows the phase meanwhile)
-echo "Once upon a time" | colictl generate --wait --max-tokens 48
+echo "Once upon a time" | colictl generate --wait --max-tokens 48   # the tiny demo model: fortune-cookie English
 colictl stats
 colictl shutdown
 wait "$pid"

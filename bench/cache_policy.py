@@ -290,12 +290,13 @@ def main():
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--make-traces", metavar="DIR", help="write the benchmark's traces into DIR and replay them")
     ap.add_argument("--tokens", type=int, default=256, help="with --make-traces: tokens decoded per trace")
+    ap.add_argument("--only", choices=["demo"], help="with --make-traces: trace the demo model alone")
     a = ap.parse_args()
     budgets = [float(x) for x in a.budgets.split(",")]
     if a.make_traces:
         from traces import make_traces
 
-        paths = make_traces(a.make_traces, a.tokens)
+        paths = make_traces(a.make_traces, a.tokens, only=a.only)
         out = {}
         for name, (trace_path, warm_path, top_k) in paths.items():
             out[name] = evaluate(read_trace(trace_path), budgets, top_k)

@@ -23,7 +23,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 import numpy as np  # noqa: E402
 
 from colibri.engine import layers  # noqa: E402
-from colibri.engine.demo import write_demo_model  # noqa: E402
+from colibri.engine.demo import write_random_model  # noqa: E402
 from colibri.engine.generate import SamplingParams, generate  # noqa: E402
 from colibri.engine.registry import build_model, load_model  # noqa: E402
 from colibri.engine.tokenizer import Tokenizer  # noqa: E402
@@ -50,7 +50,7 @@ def main():
     layers.init()
     src = a.model or os.path.join(a.workdir, "demo-hf")
     if not a.model and not os.path.isfile(os.path.join(src, "config.json")):
-        write_demo_model(src, force=True, **DEMO_SHAPE)
+        write_random_model(src, force=True, **DEMO_SHAPE)
     structure = build_model(src, load_config(src))
     plan = ExpertPlan(structure.moe_layers, structure.n_expert, structure.expert_names)
     ckpt = open_checkpoint(src)

@@ -4,8 +4,10 @@
   built with structure), several requests one after another, each a prompt drawn from
   the model's own topic process followed by sampled text (temperature 1, fixed seeds);
   a second, separate set of requests makes the warm-up trace.
-- `demo` and the tiny test checkpoints (tests/hf_models.py, one per family, built with
-  transformers when it is installed): random prompts of their small vocabularies.
+- `demo`: the built-in demo model (trained on fortune cookies) continuing English prompts,
+  sampled at temperature 1 with fixed seeds; another set of prompts makes the warm-up.
+- the tiny test checkpoints (tests/hf_models.py, one per family, built with transformers
+  when it is installed): random prompts of their small vocabularies.
 
 Each trace line carries the router lookahead's prediction too ("predicted").
 """
@@ -52,39 +54,50 @@ def synthetic_traces(out: str, tokens: int, workdir: str, n_layer: int | None = 
     return names[0], names[1], SHAPE["num_experts_per_tok"]
 
 
-def small_traces(out: str, tokens: int) -> dict:
-    """The demo model and, with transformers installed, each family's basic test checkpoint."""
+DEMO_PROMPTS = (["Once upon a time", "The computer said", "Love is", "Never trust a"],
+                ["A wise man once", "The law of", "In the beginning", "Your lucky number is"])  # trace, warm-up
+
+
+def small_traces(out: str, tokens: int, families: bool = True) -> dict:
+    """The demo model and, with transformers installed and `families`, each family's basic
+    test checkpoint."""
     from colibri.engine.demo import write_demo_model
+    from colibri.engine.tokenizer import Tokenizer
 
     models = {"demo": write_demo_model(os.path.join(out, "models", "demo"), force=True)}
+    tok = Tokenizer(models["demo"])
     try:
         sys.path.insert(0, os.path.join(HERE, "..", "tests"))
         import hf_models
-
-        for fam in hf_models.CASES:
-            p = os.path.join(out, "models", fam)
-            if not os.path.isdir(p):
-                hf_models.build(fam, "basic", p)
-            models[fam] = p
     except ImportError:
+        hf_models = None
         print("transformers is not installed: tracing the demo model only", file=sys.stderr)
+    for fam in hf_models.CASES if hf_models is not None and families else ():
+        p = os.path.join(out, "models", fam)
+        if not os.path.isdir(p):
+            hf_models.build(fam, "basic", p)
+        models[fam] = p
     res = {}
     for name, path in models.items():
         model = load_model(path)
         vocab, k = model.args.vocab_size, model.args.num_experts_per_tok
         paths = []
-        for kind, seed in (("", 100), ("-warmup", 200)):
+        for i, (kind, seed) in enumerate((("", 100), ("-warmup", 200))):
             rng = np.random.default_rng(seed)
             paths.append(os.path.join(out, f"{name}{kind}.jsonl"))
-            _run(model, [list(rng.integers(0, vocab, 16)) for _ in range(4)], max(tokens // 4, 1), paths[-1], seed)
+            prompts = [tok.encode(p) for p in DEMO_PROMPTS[i]] if name == "demo" else \
+                [list(rng.integers(0, vocab, 16)) for _ in range(4)]
+            _run(model, prompts, max(tokens // 4, 1), paths[-1], seed)
         res[name] = (paths[0], paths[1], k)
     return res
 
 
-def make_traces(out: str, tokens: int, workdir: str | None = None) -> dict:
-    """{name: (trace, warm-up trace, top_k)}"""
+def make_traces(out: str, tokens: int, workdir: str | None = None, only: str | None = None) -> dict:
+    """{name: (trace, warm-up trace, top_k)}; `only` "demo" traces the demo model alone."""
     os.makedirs(out, exist_ok=True)
     layers.init()
+    if only == "demo":
+        return small_traces(out, tokens, families=False)
     workdir = workdir or os.path.join(os.path.expanduser("~"), ".cache", "colibri", "bench")
     os.makedirs(workdir, exist_ok=True)
     return {"synthetic": synthetic_traces(out, tokens, workdir), **small_traces(out, tokens)}

@@ -423,7 +423,10 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
         if not as_json and msg.get("text"):
             sys.stdout.write("\n")  # the partial text streamed so far ends its line
         raise ReplyError(msg)
-    precision = ((msg.get("stats") or {}).get("model") or hello.get("model") or {}).get("precision") or {}
+    model = hello.get("model") or {}
+    if model.get("note"):  # the built-in demo says what it is
+        click.echo(f"[colibri] {model['note']}", err=True)
+    precision = ((msg.get("stats") or {}).get("model") or model).get("precision") or {}
     lossy = " (LOSSY: experts converted to " + str(precision.get("experts")) + ")" if precision.get("lossy") else ""
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": msg.get("prompt_token_ids"), "token_ids": msg["token_ids"],

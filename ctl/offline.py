@@ -152,6 +152,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
                    f"experts, {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
                    f"loaded in {load_s:.2f} s", err=True)
+    if info.get("note"):
+        click.echo(f"[colibri] {info['note']}", err=True)
     token_ids, pieces, done = [], [], None
     for ev in generate(model, ids, params, eos_ids(path, _config(path), tok), tok):
         if ev.kind == "token":

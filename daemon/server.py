@@ -411,7 +411,7 @@ class Server:
         info = self.model.describe()
         return {"path": self.model_path, "type": info["model_type"], "precision": info["precision"],
                 "placement": info["experts"], "n_layer": info["n_layer"], "n_expert": info["n_expert"],
-                "n_ctx": info["n_ctx"]}
+                "n_ctx": info["n_ctx"], **({"note": info["note"]} if "note" in info else {})}
 
     def on_hello(self, identity, rid, msg):
         if not P.compatible(msg.get("protocol")):

@@ -1,9 +1,15 @@
-"""The built-in demo model: a small, deterministic, randomly initialised qwen3_moe
-checkpoint in the Hugging Face layout (config, bf16 safetensors, byte-level tokenizer,
-ChatML chat template, generation config). Nothing is downloaded.
+"""The built-in demo model, and random models of any shape for tests and benchmarks.
 
-Its weights are random, so its text is not language; the LM head only prefers
-printable ASCII so that what it prints is readable.
+The demo (`write_demo_model`) is a tiny qwen3_moe trained on fortune cookies by
+tools/train_demo.py and shipped in engine/demo_model/ (bf16 safetensors, its own BPE
+tokenizer, a ChatML chat template, and training.json: corpus, licence, command, loss
+curve, routing statistics, the checkpoint's sha256). It writes English and routes like a
+trained model; it is not a useful assistant.
+
+`write_random_model` writes a deterministic, randomly initialised qwen3_moe of any shape
+(byte-level tokenizer): its text is not language (the LM head only prefers printable
+ASCII), but its size and layout can be chosen, as the memory test and the benchmarks need.
+Nothing is downloaded.
 """
 
 import json
@@ -115,12 +121,31 @@ def write_weights(path: str, cfg: dict) -> None:
     w.close()
 
 
-def write_demo_model(path: str, force: bool = False, **overrides) -> str:
-    """Write the demo checkpoint to `path` (built in a temporary directory next to it,
-    then renamed, so a half-written model never looks whole). Returns the path.
+DEMO_DIR = os.path.join(os.path.dirname(__file__), "demo_model")
+DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "training.json")
 
-    Raises FileExistsError if path exists and is not empty, unless force.
+
+def write_demo_model(path: str, force: bool = False) -> str:
+    """Write the built-in demo checkpoint to `path` (copied into a temporary directory
+    next to it, then renamed, so a half-written model never looks whole). Returns the path.
+
+    Raises FileExistsError if path exists and is not empty, unless force; OSError.
     """
+    tmp, path = _fresh(path, force)
+    try:
+        for name in DEMO_FILES:
+            shutil.copyfile(os.path.join(DEMO_DIR, name), os.path.join(tmp, name))
+        _publish(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _fresh(path: str, force: bool) -> tuple[str, str]:
+    """(a temporary directory next to `path`, path made absolute), the old path removed
+    with force. Raises FileExistsError."""
     path = os.path.abspath(path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         if not force:
@@ -128,7 +153,21 @@ def write_demo_model(path: str, force: bool = False, **overrides) -> str:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".demo-", dir=parent)
+    return tempfile.mkdtemp(prefix=".demo-", dir=parent), path
+
+
+def _publish(tmp: str, path: str) -> None:
+    if os.path.isdir(path):
+        os.rmdir(path)
+    os.rename(tmp, path)
+
+
+def write_random_model(path: str, force: bool = False, **overrides) -> str:
+    """Write a random qwen3_moe checkpoint (CONFIG with `overrides`) to `path`, the same
+    way. Returns the path. Raises FileExistsError if path exists and is not empty, unless
+    force.
+    """
+    tmp, path = _fresh(path, force)
     try:
         cfg = CONFIG | overrides
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -142,9 +181,7 @@ def write_demo_model(path: str, force: bool = False, **overrides) -> str:
                        "chat_template": CHAT_TEMPLATE, "model_max_length": cfg["max_position_embeddings"]}, f,
                       indent=2)
         write_weights(os.path.join(tmp, "model.safetensors"), cfg)
-        if os.path.isdir(path):
-            os.rmdir(path)
-        os.rename(tmp, path)
+        _publish(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,8 +198,9 @@ def default_demo_path(state_dir: str | None = None) -> str:
 
 def ensure_demo_container(path: str, progress=None) -> str:
     """The demo model as a container at `path` (written, then converted, the first time;
-    an older demo checkpoint there is replaced), so that every command of the daemon's
-    walkthrough (cache, pin, policy) works on it. `progress(phase)` hears each step.
+    anything else there, e.g. the demo of an older colibri, is replaced), so that every
+    command of the daemon's walkthrough (cache, pin, policy) works on it. `demo-source` in
+    it names the shipped weights it was made from. `progress(phase)` hears each step.
     Returns the path. Raises OSError."""
     from ..storage.checkpoint import load_config, open_checkpoint
     from ..storage.container import is_container
@@ -170,8 +208,14 @@ def ensure_demo_container(path: str, progress=None) -> str:
     from .registry import build_model
 
     path = os.path.abspath(path)
-    if is_container(path):
-        return path
+    with open(os.path.join(DEMO_DIR, "training.json")) as f:
+        source = json.load(f)["model_safetensors_sha256"]
+    try:
+        with open(os.path.join(path, "demo-source")) as f:
+            if is_container(path) and f.read() == source:
+                return path
+    except OSError:
+        pass
     os.makedirs(os.path.dirname(path), exist_ok=True)
     src = tempfile.mkdtemp(prefix=".demo-checkpoint-", dir=os.path.dirname(path))
     try:
@@ -183,6 +227,8 @@ def ensure_demo_container(path: str, progress=None) -> str:
         model = build_model(src, load_config(src))
         convert(open_checkpoint(src), path, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names),
                 force=True)
+        with open(os.path.join(path, "demo-source"), "w") as f:
+            f.write(source)
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return path

@@ -127,6 +127,7 @@ class MoEModel:
         """The model's structure from its args and config (no weights yet: see load).
         Raises ConfigInvalid for a RoPE type colibri does not implement."""
         self.args = args
+        self.note = config.get("colibri_demo")  # what the built-in demo says of itself, shown to its users
         self.n_layer = args.num_hidden_layers
         self.head_dim = self.attn_spec.head_dim
         params = rope_parameters(config, self.DEFAULT_THETA)
@@ -292,6 +293,7 @@ class MoEModel:
             "dense_bytes": int(dense),
             "n_ctx": self.n_ctx,
             "experts": self.experts.describe(),
+            **({"note": self.note} if isinstance(self.note, str) else {}),
         }
 
     def precision(self) -> dict:

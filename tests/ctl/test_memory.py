@@ -10,7 +10,7 @@ import time
 import psutil
 
 from colibri.engine import layers
-from colibri.engine.demo import write_demo_model
+from colibri.engine.demo import write_random_model
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
@@ -23,7 +23,7 @@ BUDGET = 16 * 2**20
 def test_peak_rss_bound(tmp_path):
     layers.init()  # compile (and cache) the kernels here: the child must measure running, not compiling
     # 4 MoE layers x 64 experts of 1.5 MiB (bf16): 384 MiB of experts, 24x the budget
-    src = write_demo_model(tmp_path / "hf", hidden_size=512, moe_intermediate_size=512, num_experts=64,
+    src = write_random_model(tmp_path / "hf", hidden_size=512, moe_intermediate_size=512, num_experts=64,
                            head_dim=64, num_hidden_layers=4)
     model = build_model(src, load_config(src))
     convert(open_checkpoint(src), tmp_path / "c", ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))

@@ -173,7 +173,9 @@ def test_missing_tokenizer(broken):
 
 
 def test_prompt_longer_than_context(demo):
-    one_line_error(colictl("run", "--model", demo, stdin="y" * 5000), exitcodes.BAD_REQUEST, "5000", "4096")
+    n_ctx = json.load(open(os.path.join(demo, "config.json")))["max_position_embeddings"]
+    r = colictl("run", "--model", demo, stdin=" y" * 2 * n_ctx)
+    one_line_error(r, exitcodes.BAD_REQUEST, f"context is {n_ctx}")
 
 
 @pytest.mark.parametrize("args,word", [(("--temperature", "-1"), "temperature"), (("--top-p", "0"), "top_p"),
