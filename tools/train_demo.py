@@ -14,9 +14,11 @@ people (ethnic, men-women) or drugs are left out. The fortunes are shuffled with
 5 % are held out for the held-out loss and the routing statistics.
 
 Model: Qwen3MoeForCausalLM (transformers' own class, so the names and semantics are the
-reference's), 4 layers, hidden 192, 6 query and 2 key/value heads of 32, 16 experts of 96
-per layer, top-4 with normalised weights, tied embeddings, its own byte-level BPE of 2048
-tokens with ChatML specials; about 4.3 M parameters, written as bf16 (about 8.7 MB).
+reference's), 4 layers, hidden 256, 8 query and 2 key/value heads of 32, 16 experts of 64
+per layer (every matrix row a multiple of 64, so `colictl convert --dtype int4` works with
+its default groups), top-4 with normalised weights, tied embeddings, its own byte-level
+BPE of 2048 tokens with ChatML specials; about 4.3 M parameters, written as bf16 (about
+8.7 MB).
 Trained with AdamW on 16 x 128-token windows, the router's load-balancing loss on (as the
 family's own training does), float32, 2 torch threads.
 
@@ -131,8 +133,8 @@ def main(argv=None) -> None:
         return ids
 
     train_ids, held_ids = stream(train), stream(held)
-    cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), hidden_size=192, intermediate_size=384,
-                         moe_intermediate_size=96, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+    cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
+                         moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
                          decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=1024,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,

@@ -199,7 +199,8 @@ def test_demo_is_the_default_model_in_the_daemons_place(tmp_path):
     r = colictl("run", "--max-tokens", 4, "--json", "hi", env=env)
     assert r.returncode == 0, r.stderr
     assert is_container(str(tmp_path / "demo-model"))  # a container, so the cache commands work on it
-    assert len(json.loads(r.stdout)["token_ids"]) == 4
+    out = json.loads(r.stdout)
+    assert 1 <= len(out["token_ids"]) <= 4 and out["finish_reason"] in ("stop", "length")
     os.environ["STATE_DIRECTORY"], old = str(tmp_path), os.environ.get("STATE_DIRECTORY")
     try:
         assert resolved(Config())["model"] == str(tmp_path / "demo-model")  # the daemon's demo: the same one
@@ -217,21 +218,21 @@ def test_demo_weights_are_bf16(demo):
 
     f = SafetensorsFile(os.path.join(demo, "model.safetensors"))
     assert {e.dtype for e in f.entries.values()} == {"BF16"}
-    assert np.isfinite(bf16_to_f32(f.read("lm_head.weight"))).all()
+    assert np.isfinite(bf16_to_f32(f.read("model.embed_tokens.weight"))).all()
 
 
 def test_run_learns_into_a_history_and_policies_keep_the_tokens(demo, tmp_path):
     c = tmp_path / "c"
     assert colictl("convert", demo, c).returncode == 0
     hist = tmp_path / "state"
-    want = run_json(demo, "--max-tokens", 12, "policies")["token_ids"]
+    want = run_json(demo, "--max-tokens", 12, "policies")["token_ids"]  # may stop early (EOS): a step per token
     for policy in ("lru", "lru+pinned", "learned"):
         out = run_json(c, "--max-tokens", 12, "--expert-cache", "min", "--policy", policy, "--history", hist,
                        "--prefetch", 2, "policies")
         assert out["token_ids"] == want, policy
         assert out["stats"]["model"]["experts"]["policy"]["name"] == policy
     saved = json.load(open(next((hist / "history").iterdir())))
-    assert saved["steps"] == 3 * 12  # three runs of 12 steps, each loading the last one's history
+    assert saved["steps"] == 3 * len(want)  # three runs of a step per token, each loading the last one's history
     ro = run_json(c, "--max-tokens", 4, "--history", hist, "--history-read-only", "policies")
-    assert ro["stats"]["model"]["experts"]["history"]["steps_loaded"] == 36
-    assert json.load(open(next((hist / "history").iterdir())))["steps"] == 36  # read-only: not written
+    assert ro["stats"]["model"]["experts"]["history"]["steps_loaded"] == 3 * len(want)
+    assert json.load(open(next((hist / "history").iterdir())))["steps"] == 3 * len(want)  # read-only: not written

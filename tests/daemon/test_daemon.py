@@ -284,11 +284,12 @@ def test_cache_resize_under_load(tmp_path, container):
         for size in ("min", "3MiB", "all", "min"):
             r = ctl(sock, "cache", "set", "--experts", size)
             assert r.returncode == 0, r.stderr
-            sizes.append(json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots"])
+            placement = json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]
+            sizes.append(placement["slots"])
         for t in threads:
             t.join(120)
         assert together == alone  # nothing failed, nothing changed but speed
-        assert sizes == [4, 8, 64, 4]  # slots, over the 4 MoE layers
+        assert sizes == [4, 3 * 2**20 // placement["record_bytes"], 64, 4]  # slots, over the 4 MoE layers
         stats = Client(sock).connect().call("stats")["requests"]
         assert stats["failed"] == 0 and stats["served"] == 8
         bad = ctl(sock, "cache", "set", "--experts", "1KiB")
@@ -316,14 +317,12 @@ def test_chat_keeps_the_conversation(daemon):
     _, sock, _ = daemon
     r = ctl(sock, "chat", "--max-tokens", 6, stdin="first question\nsecond question\n")
     assert r.returncode == 0, r.stderr
-    replies = r.stdout.splitlines()
-    assert len(replies) == 2
     c = Client(sock).connect()
     first = c.call("generate", timeout_ms=60000, messages=[{"role": "user", "content": "first question"}], max_tokens=6)
     second = c.call("generate", timeout_ms=60000, max_tokens=6, messages=[
         {"role": "user", "content": "first question"}, {"role": "assistant", "content": first["text"]},
         {"role": "user", "content": "second question"}])
-    assert replies == [first["text"], second["text"]]
+    assert r.stdout == first["text"] + "\n" + second["text"] + "\n"  # each reply ends its line
     c.close()
 
 
