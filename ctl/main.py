@@ -424,18 +424,20 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
             sys.stdout.write("\n")  # the partial text streamed so far ends its line
         raise ReplyError(msg)
     model = hello.get("model") or {}
-    if model.get("note"):  # the built-in demo says what it is
-        click.echo(f"[colibri] {model['note']}", err=True)
     precision = ((msg.get("stats") or {}).get("model") or model).get("precision") or {}
     lossy = " (LOSSY: experts converted to " + str(precision.get("experts")) + ")" if precision.get("lossy") else ""
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": msg.get("prompt_token_ids"), "token_ids": msg["token_ids"],
                                "text": msg["text"], "finish_reason": msg["finish_reason"], "stats": msg["stats"]}))
+    else:
+        sys.stdout.write("\n")  # the streamed text's line ends before stderr speaks
+        sys.stdout.flush()
+    if model.get("note"):  # the built-in demo says what it is
+        click.echo(f"[colibri] {model['note']}", err=True)
+    if as_json:
         if lossy:
             click.echo(f"[colibri] precision{lossy}", err=True)
         return
-    sys.stdout.write("\n")
-    sys.stdout.flush()
     s = msg["stats"]
     rate = f"{s['decode_tok_s']:.1f} tok/s" if s.get("decode_tok_s") else "-"
     click.echo(f"[colibri] {s['n_prompt_tokens']} prompt tokens, {s['n_generated_tokens']} generated ({rate}), "
