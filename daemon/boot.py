@@ -41,7 +41,7 @@ def set_numa(node: int | None) -> dict:
     if numa.numa_run_on_node(node) != 0:
         return {"asked": node, "got": "any", "fallback": f"numa_run_on_node failed: {os.strerror(ctypes.get_errno())}"}
     numa.numa_set_preferred(node)
-    return {"asked": node, "got": node, "cpus": sorted(os.sched_getaffinity(0))}
+    return {"asked": node, "got": node, "node_cpus": sorted(os.sched_getaffinity(0))}
 
 
 def lock_arrays(arrays, what: str) -> dict:

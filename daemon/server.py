@@ -38,6 +38,7 @@ log = logging.getLogger("colibri.daemon")
 
 EVENTS = "inproc://colibri-events"
 EXIT_STUCK = 1
+EXIT_ENGINE_FAILED = 1  # non-zero, so systemd's Restart=on-failure restarts the daemon
 RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
             "(colictl convert) to stream them under a budget")
 NEEDS_MODEL = ("generate", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
@@ -66,6 +67,8 @@ class Server:
         self.model = None  # set by the engine thread once placed
         self.phase, self.progress = "starting", None  # what loading does now, (done, total) of it
         self.load_error: BaseException | None = None
+        self.engine_failed = False
+        self.engine_beat = time.monotonic()  # when the engine thread last moved (see engine_progresses)
         self._status_at = 0.0
         self.socket_path = cfg.socket or P.default_socket()
         self.operator_path = cfg.operator_socket or P.operator_socket(self.socket_path)
@@ -91,8 +94,10 @@ class Server:
         """Boot-time placement before the model loads: CPUs, NUMA node (daemon/boot.py)."""
         from .boot import set_cpus, set_numa
 
-        self.boot["cpus"] = set_cpus(self.cfg.cpus)
+        # the node first: numa_run_on_node sets the affinity to all of the node's CPUs, which
+        # would undo the CPUs asked for if it came second
         self.boot["numa"] = set_numa(self.cfg.numa_node)
+        self.boot["cpus"] = set_cpus(self.cfg.cpus)
         self.boot["io_threads"] = {"asked": self.cfg.io_threads, "got": self.cfg.io_threads}
 
     def set_phase(self, phase: str, done: int | None = None, total: int | None = None) -> None:
@@ -101,6 +106,7 @@ class Server:
         its next step."""
         if self.stopping.is_set():
             raise Stopped()
+        self.engine_beat = time.monotonic()
         new = phase != self.phase
         self.phase, self.progress = phase, (done, total) if total else None
         if new:
@@ -243,6 +249,9 @@ class Server:
                 if self.stopping.is_set() and not engine.is_alive():
                     while events.poll(0):  # its last events (SHUTTING_DOWN replies) still go out
                         self.deliver(*events.recv_multipart())
+                    for identity, rid in list(self.inflight):  # the engine died with them: each still gets one
+                        self.deliver(identity, P.encode(P.error("generate", rid, "INTERNAL", "colibrid's engine "
+                                                                "failed (a bug: see its log); it is stopping")))
                     break
                 for sock, _ in poller.poll(100):
                     if sock is not events:
@@ -257,7 +266,7 @@ class Server:
                     except ColibriError as e:
                         log.error("SIGHUP: reload refused, keeping the running configuration: %s", e)
                 now = time.monotonic()
-                if watchdog and now - last_ping >= watchdog:
+                if watchdog and now - last_ping >= watchdog and self.engine_progresses(engine, now, watchdog):
                     notify("WATCHDOG=1")
                     last_ping = now
         finally:
@@ -279,7 +288,15 @@ class Server:
             log.info("stopped")
         if self.load_error is not None:
             raise self.load_error
-        return 0
+        return EXIT_ENGINE_FAILED if self.engine_failed else 0
+
+    def engine_progresses(self, engine: threading.Thread, now: float, interval: float) -> bool:
+        """Whether the watchdog may be fed: the engine thread is alive and has moved (an
+        idle loop, a step, a layer, a loading phase) within the interval (at least 1 s), so
+        a step hung on a stalled drive or a stuck kernel stops the pings and systemd
+        restarts the daemon."""
+        beat = max(self.engine_beat, getattr(self.model, "beat", 0.0))
+        return engine.is_alive() and now - beat < max(interval, 1.0)
 
     def _on_stop_signal(self, signum, frame):
         self.signals += 1
@@ -431,9 +448,11 @@ class Server:
         return P.ok("ping", rid, t=time.time())
 
     def on_status(self, identity, rid, msg):
+        # what the process has now, read back from the kernel, not what boot once got
+        boot = self.boot | {"cpus": self.boot.get("cpus", {}) | {"got": sorted(os.sched_getaffinity(0))}}
         return P.ok("status", rid, pid=os.getpid(), uptime_s=round(time.time() - self.t_start, 3),
                     socket=self.socket_path, operator_socket=self.operator_path, model=self.model_summary(),
-                    boot=self.boot,
+                    boot=boot,
                     requests={"active": len(self.inflight), "queued": self.inbox.qsize()},
                     config=self.cfg.as_dict(), **self.loading())
 
@@ -583,6 +602,7 @@ class Server:
                     waiting.clear()
                     if not batcher.active:
                         return
+                self.engine_beat = time.monotonic()
                 idle = not batcher.active and not waiting
                 block = idle and not self.stopping.is_set()
                 gather_until = None  # an idle engine's first request waits for those sent with it
@@ -636,6 +656,8 @@ class Server:
                         continue
                     batcher.add(req)
                     state[key] = (req, [], [])
+                    if os.environ.get("COLIBRI_TEST_ENGINE_CRASH"):  # a test hook: a bug in the loop itself
+                        raise RuntimeError("COLIBRI_TEST_ENGINE_CRASH is set")
                 if time.monotonic() - saved_at >= self.cfg.history_save_s:
                     self.save_history()
                     saved_at = time.monotonic()
@@ -683,6 +705,7 @@ class Server:
                                       text="".join(pieces), finish_reason=ev.finish_reason, stats=ev.stats))
         except Exception:
             log.exception("the engine thread failed; stopping")
+            self.engine_failed = True
             self.stopping.set()
         finally:
             self.save_history()

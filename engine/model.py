@@ -7,6 +7,7 @@ tensors each layer has (`shapes`) and writes out one decoder layer (`block`).
 """
 
 import dataclasses
+import time
 import types
 import typing
 
@@ -141,6 +142,7 @@ class MoEModel:
         self.experts: ExpertSource | None = None
         self.container = None  # the Container, when the experts stream from one
         self.prefetch_reads = 0  # router lookahead: most reads to start for the next MoE layer (0: off)
+        self.beat = 0.0  # time.monotonic() when forward last finished a layer
 
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
         """Checkpoint names of expert ie of layer il: (gate, up, down)."""
@@ -259,6 +261,7 @@ class MoEModel:
             self.lookahead(self.moe_layers[0], h)
         for il in range(self.n_layer):
             h = self.block(il, h, step)
+            self.beat = time.monotonic()  # progress a watchdog can see, a layer at a time
             if lookahead and il + 1 < self.n_layer and self.is_moe(il + 1):
                 self.lookahead(il + 1, h)
         for sg in segments:

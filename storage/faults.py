@@ -7,18 +7,21 @@ Enabled only by tests (ExpertCache(faults=...)) or by the documented debug setti
     COLIBRI_FAULTS="eio@3:17,short@3:18x1,corrupt@4:2,eio@mirror:4:2"
 
 Each item is KIND@LAYER:EXPERT[xCOUNT]: KIND is `eio` (the read fails with EIO),
-`short` (the file ends in the middle of the record) or `corrupt` (bytes of the record
-come back flipped); COUNT is how many reads fail before the expert reads cleanly
+`short` (the file ends in the middle of the record), `corrupt` (bytes of the record
+come back flipped) or `stall` (the read hangs STALL_S seconds, then succeeds: a drive
+that stops answering for a while, which the daemon's watchdog must notice); COUNT is how many reads fail before the expert reads cleanly
 (default: every read). `@mirror:` targets the mirror's copy instead of the primary's.
 """
 
 import errno
 import re
+import time
 from dataclasses import dataclass
 
 from .errors import ColibriError
 
-KINDS = ("eio", "short", "corrupt")
+KINDS = ("eio", "short", "corrupt", "stall")
+STALL_S = 3.0
 
 
 class FaultSpecInvalid(ColibriError):
@@ -71,6 +74,9 @@ def inject(kind: str, buf, done: int) -> int | None:
         raise OSError(errno.EIO, "Input/output error (injected)")
     if kind == "short":
         return 0  # the file seems to end here
+    if kind == "stall":
+        time.sleep(STALL_S)
+        return None
     if kind == "corrupt":
         n = len(buf)
         for i in range(0, n, max(n // 7, 1)):

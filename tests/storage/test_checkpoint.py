@@ -224,3 +224,22 @@ def test_writer_roundtrip_and_alignment(tmp_path):
 def test_never_unpickles_even_beside_safetensors(ckpt):
     (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04garbage that would crash pickle")
     assert open_checkpoint(str(ckpt)).has(TENSOR)
+
+
+def test_our_files_and_the_reference_librarys_read_each_other(tmp_path):
+    """The safetensors library (a test dependency) and storage/safetensors.py agree on the
+    format, both ways, for every dtype colibri writes."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from colibri.storage.safetensors import SafetensorsFile, write_safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": rng.standard_normal(7).astype(np.float16),
+               "i8": rng.integers(-128, 127, (4, 4)).astype(np.int8), "u8": rng.integers(0, 255, 9).astype(np.uint8)}
+    write_safetensors(str(tmp_path / "ours.safetensors"), tensors)
+    theirs = load_file(str(tmp_path / "ours.safetensors"))
+    assert set(theirs) == set(tensors) and all(np.array_equal(theirs[k], v) for k, v in tensors.items())
+    save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    f = SafetensorsFile(str(tmp_path / "theirs.safetensors"))
+    assert all(np.array_equal(f.read(k), v) for k, v in tensors.items())
