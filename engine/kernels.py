@@ -225,9 +225,13 @@ def rmsnorm(x, w, eps, out):
 
 @nb.njit(**JIT)
 def rope(x, cos, sin):
-    # x [T, H, hd] f32 rotated in place (rotate-half convention); cos, sin [T, hd/2]
+    # x [T, H, hd] f32 rotated in place (rotate-half convention); cos, sin [T, rot/2]. A
+    # partial rotary (rot < hd, partial_rotary_factor) turns the first rot dims and passes
+    # the rest, as transformers does; the table's width, not hd, bounds the loop.
     T, H, hd = x.shape
-    half = hd // 2
+    half = cos.shape[1]
+    if 2 * half > hd or cos.shape[0] < T or sin.shape[0] < T or sin.shape[1] != half:
+        raise ValueError("rope: the cos/sin table does not fit the heads")
     for t in range(T):
         for h in range(H):
             for i in range(half):

@@ -24,10 +24,12 @@ def ref_rmsnorm(x, w, eps):
 
 
 def ref_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    # transformers' rotate-half, partial when the table is narrower than the head
+    rot = 2 * cos.shape[-1]
+    half = rot // 2
+    x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
 
 
 def ref_attention(q, k, v, pos0, window, scale):
@@ -94,6 +96,25 @@ def test_rope(T, H, hd):
     want = ref_rope(x, cos, sin)
     kernels.rope(x, cos, sin)
     np.testing.assert_allclose(x, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.25])
+def test_partial_rope_turns_only_the_tables_width(factor):
+    """partial_rotary_factor: rope_inv_freq makes a narrower table; the kernel must turn
+    that many dims and pass the rest (it used to read past the table's end)."""
+    from colibri.engine.layers import rope_inv_freq
+
+    hd, T = 64, 5
+    inv_freq, _ = rope_inv_freq({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": factor}, hd, 128)
+    assert 2 * len(inv_freq) == int(hd * factor)
+    ang = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)  # [T, rot/2]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    x = rand(T, 3, hd)
+    want = ref_rope(x, cos, sin)
+    kernels.rope(x, cos, sin)
+    np.testing.assert_allclose(x, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        kernels.rope(rand(T, 3, 8), cos, sin)  # a table wider than the head
 
 
 @pytest.mark.parametrize("T,pos0,Hq,Hkv,hd,window", [(1, 0, 2, 1, 8, 0), (7, 0, 4, 2, 16, 0), (1, 12, 6, 3, 10, 0),
