@@ -1,11 +1,10 @@
-"""The families: every module of this folder with a `Model` class, named after the
-`model_type` of config.json, plus a small alias dict for names that share a file."""
+"""The families: every module of engine/models/, named after the `model_type` of
+config.json, plus a small alias dict for names that share a file."""
 
 import importlib
 import logging
 import os
 import pkgutil
-from pathlib import Path
 
 from ..storage.checkpoint import load_config, open_checkpoint
 from ..storage.container import ContainerInvalid
@@ -14,12 +13,13 @@ from .model import MoEModel, parse_args
 
 log = logging.getLogger("colibri.engine")
 MODEL_REMAPPING: dict[str, str] = {}  # model_type -> family file, where a name shares another's code
-_NOT_FAMILIES = {"kernels", "layers", "model", "registry", "generate", "tokenizer", "demo", "errors", "sampling"}
 
 
 def supported() -> list[str]:
-    """The model_type names colibri implements."""
-    here = [m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name not in _NOT_FAMILIES]
+    """The model_type names colibri implements: the modules of the families folder."""
+    from . import models
+
+    here = [m.name for m in pkgutil.iter_modules(models.__path__) if not m.name.startswith("_")]
     return sorted(set(here) | set(MODEL_REMAPPING))
 
 
@@ -30,7 +30,7 @@ def family(model_type) -> object:
         raise UnsupportedModelType(
             f"model_type {model_type!r} is not supported; supported: {', '.join(supported())}"
         )
-    return importlib.import_module(f"{__package__}.{name}")
+    return importlib.import_module(f"{__package__}.models.{name}")
 
 
 def build_model(path: str, cfg: dict) -> MoEModel:

@@ -95,3 +95,24 @@ def test_half_precision_checkpoint(tmp_path, family, dtype):
         ref_logits = ref(torch.tensor(ids)[None]).logits[0].numpy()
     np.testing.assert_allclose(ours.forward(ids, ours.new_cache(16), all_logits=True), ref_logits, atol=1e-4)
     assert our_greedy(ours, ids, 16) == hf_greedy(ref, ids, 16)
+
+
+def test_a_family_module_in_the_folder_is_found_with_no_edit_elsewhere(tmp_path, monkeypatch):
+    """The registry is the families folder: a module dropped into it (here a folder added
+    to the package's path) is a supported model_type at once."""
+    import json
+    import sys
+
+    import colibri.engine.models as models
+    from colibri.engine.registry import build_model, supported
+
+    (tmp_path / "tinyfam.py").write_text(
+        "from colibri.engine.models.qwen3_moe import Model as _Base, ModelArgs  # noqa: F401\n"
+        "class Model(_Base):\n    MODEL_TYPE = 'tinyfam'\n")
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "colibri.engine.models.tinyfam", raising=False)
+    assert "tinyfam" in supported() and {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"} <= set(supported())
+    build("qwen3_moe", "basic", tmp_path / "m", seed=1)
+    cfg = json.load(open(tmp_path / "m" / "config.json"))
+    model = build_model(str(tmp_path / "m"), cfg | {"model_type": "tinyfam"})
+    assert model.MODEL_TYPE == "tinyfam"

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
-from .model import HF_NAMES, MoEModel, check_moe_args, require
+from ..layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
+from ..model import HF_NAMES, MoEModel, check_moe_args, require
 
 MODEL_TYPE = "qwen2_moe"
 ALIASES = {"num_experts": ("num_local_experts",)}

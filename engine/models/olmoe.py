@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
-from .model import HF_NAMES, MoEModel, check_moe_args
+from ..layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
+from ..model import HF_NAMES, MoEModel, check_moe_args
 
 MODEL_TYPE = "olmoe"
 ALIASES = {"num_experts": ("num_local_experts",)}
