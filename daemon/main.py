@@ -3,33 +3,15 @@ supervises it)."""
 
 import logging
 import os
-import sys
 
 import click
 
 from ..storage.errors import ColibriError
+from .logs import setup_logging
 
 EXIT_CONFIG = 2  # a bad configuration or flag
 EXIT_START = 3  # the model or the socket could not be set up
 EXIT_INTERNAL = 1  # a bug
-
-
-def setup_logging(level: str) -> None:
-    """To the journal under systemd, to stderr otherwise."""
-    handler: logging.Handler
-    if os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"):
-        try:
-            from systemd.journal import JournalHandler
-
-            handler = JournalHandler(SYSLOG_IDENTIFIER="colibrid")
-        except ImportError:
-            handler = logging.StreamHandler(sys.stderr)
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("colibrid: %(levelname)s %(message)s"))
-    root = logging.getLogger("colibri")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -92,6 +92,11 @@ def ok(kind: str, rid, **fields) -> dict:
     return {"type": f"{kind}_reply", "id": rid, "v": PROTOCOL_VERSION, "status": "ok", **fields}
 
 
+def stream(rid: str, token_id: int, text: str) -> dict:
+    """One generated token of request `rid`: a generate_stream event."""
+    return {"type": "generate_stream", "id": rid, "v": PROTOCOL_VERSION, "token_id": token_id, "text": text}
+
+
 def error(kind: str, rid, name: str, message: str) -> dict:
     """An error reply; `name` is a key of ERRORS."""
     return {"type": f"{kind}_reply", "id": rid, "v": PROTOCOL_VERSION, "status": "error",

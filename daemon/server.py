@@ -317,7 +317,7 @@ class Server:
         while running; say what needs a restart. A bad file changes nothing.
         Raises ConfigError."""
         from .config import load
-        from .main import setup_logging
+        from .logs import setup_logging
 
         new = load(self.config_path, self.overrides)
         old = self.cfg
@@ -686,8 +686,7 @@ class Server:
                         ids.append(ev.token_id)
                         pieces.append(ev.text)
                         self.counters["tokens"] += 1
-                        out(key, {"type": "generate_stream", "id": key[1], "v": P.PROTOCOL_VERSION,
-                                  "token_id": ev.token_id, "text": ev.text})
+                        out(key, P.stream(key[1], ev.token_id, ev.text))
                         continue
                     pieces.append(ev.text)
                     del state[key]

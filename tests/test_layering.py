@@ -47,3 +47,23 @@ def test_imports_flow_one_way():
             if extra:
                 bad.append(f"{rel} imports {sorted(extra)}")
     assert not bad, bad
+
+
+def test_no_module_imports_back_a_module_that_imports_it():
+    """Within a package, imports (at the top or inside functions) form no cycle: e.g. the
+    daemon's command line imports the server, never the other way round."""
+    graph = {}
+    for package in ALLOWED:
+        for f in sorted((ROOT / package).rglob("*.py")):
+            mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            deps = set()
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                    deps.add(".".join(f.relative_to(ROOT).parts[:-1] + (node.module.split(".")[0],)))
+            graph[mod] = deps - {mod}
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph.get(a, ()))
+
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert not cycles, cycles
