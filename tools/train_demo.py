@@ -36,15 +36,11 @@ import random
 import sys
 import time
 
+# the same ChatML specials and chat template as engine/demo.py's random models
+from colibri.engine.demo import CHAT_TEMPLATE, SPECIALS
+
 CORPUS_DIR = "/usr/share/games/fortunes"
 LEFT_OUT = {"ascii-art", "translate-me", "zippy", "ethnic", "men-women", "drugs"}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 DESCRIPTION = ("colibri's built-in demo: a tiny mixture-of-experts model (4.3 M parameters) trained on fortune "
                "cookies to show streaming experts; not a useful assistant")
 
