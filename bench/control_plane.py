@@ -143,9 +143,10 @@ def main():
         print(json.dumps(out["configs"][-1]), file=sys.stderr)
 
     # time to first token in process, same prompt, warm, as the daemon's was
+    from synthetic import load_model
+
     from colibri.engine import layers
     from colibri.engine.generate import Batcher, Request, SamplingParams
-    from colibri.engine.registry import load_model
     from colibri.engine.tokenizer import Tokenizer
 
     layers.init()

@@ -40,11 +40,10 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from synthetic import build, prompt  # noqa: E402
+from synthetic import build, load_model, prompt  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
 from colibri.engine.generate import SamplingParams, generate  # noqa: E402
-from colibri.engine.registry import load_model  # noqa: E402
 from colibri.storage.policy import POLICIES, Policy  # noqa: E402
 
 
@@ -118,7 +117,7 @@ def ab(a, path: str) -> dict:
     prompts = [prompt(np.random.default_rng(300 + i), a.prompt_tokens) for i in range(2)]
     warm_dir = tempfile.mkdtemp(prefix="colibri-ab-history-")
     probe = load_model(path, budget="min", state_dir=warm_dir)
-    c = probe.container
+    c = probe.experts.c
     for i in range(2):  # the warm-up: other prompts of the same process, recorded into the history
         run(probe, prompt(np.random.default_rng(400 + i), a.prompt_tokens), a.tokens, seed=50 + i)
     probe.experts.history.save()
@@ -187,7 +186,7 @@ def main():
     for frac in [float(x) for x in a.budgets.split(",")]:
         cold = drop_caches()
         probe = load_model(path, budget="min")
-        c = probe.container
+        c = probe.experts.c
         budget = int(c.expert_bytes * frac)
         del probe
         if budget + 3e9 > psutil.virtual_memory().available:

@@ -22,13 +22,16 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from synthetic import load_model  # noqa: E402
+
 from colibri.engine import layers  # noqa: E402
-from colibri.engine.demo import write_random_model  # noqa: E402
 from colibri.engine.generate import SamplingParams, generate  # noqa: E402
-from colibri.engine.registry import build_model, load_model  # noqa: E402
+from colibri.engine.registry import build_model  # noqa: E402
 from colibri.engine.tokenizer import Tokenizer  # noqa: E402
 from colibri.storage.checkpoint import load_config, open_checkpoint  # noqa: E402
 from colibri.storage.convert import ExpertPlan, convert  # noqa: E402
+from colibri.storage.demo import write_random_model  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "def fibonacci(n):", "Dear colleagues, the meeting on",
            "In 1969 the first humans", "Mixture-of-experts models route each token"]
@@ -80,7 +83,7 @@ def main():
            "results": [{"dtype": d, "mean_kl_nats": round(float(np.mean(kl[d])), 6),
                         "max_kl_nats": round(float(np.max(kl[d])), 6),
                         "top1_agreement": round(float(np.mean(agree[d])), 4),
-                        "expert_bytes": models[d].container.expert_bytes} for d in ("int8", "int4")]}
+                        "expert_bytes": models[d].experts.c.expert_bytes} for d in ("int8", "int4")]}
     json.dump(out, sys.stdout, indent=2)
     print()
 

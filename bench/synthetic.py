@@ -40,9 +40,9 @@ import zlib
 
 import numpy as np
 
-from colibri.engine.demo import _tokenizer_json
 from colibri.engine.registry import build_model
 from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.demo import _tokenizer_json
 from colibri.storage.quant import QuantWeight, quantized_shapes
 from colibri.storage.safetensors import TensorEntry, f32_to_bf16
 
@@ -169,3 +169,10 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None) -> str:
         json.dump(cfg | {"recipe": RECIPE}, f)
     print(f"\nbuilt in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return path
+
+
+def load_model(path, **placement):
+    """The model at `path` placed as `placement` says (storage.placement.Placement's fields)."""
+    from colibri.storage.placement import Placement, open_model
+
+    return open_model(str(path), Placement(**placement), build_model).model

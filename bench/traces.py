@@ -19,9 +19,10 @@ import numpy as np
 
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
-from colibri.engine.registry import load_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from synthetic import load_model  # noqa: E402
 
 
 def _run(model, prompts, tokens: int, path: str, seed: int) -> None:
@@ -61,8 +62,8 @@ DEMO_PROMPTS = (["Once upon a time", "The computer said", "Love is", "Never trus
 def small_traces(out: str, tokens: int, families: bool = True) -> dict:
     """The demo model and, with transformers installed and `families`, each family's basic
     test checkpoint."""
-    from colibri.engine.demo import write_demo_model
     from colibri.engine.tokenizer import Tokenizer
+    from colibri.storage.demo import write_demo_model
 
     models = {"demo": write_demo_model(os.path.join(out, "models", "demo"), force=True)}
     tok = Tokenizer(models["demo"])

@@ -33,18 +33,27 @@ class Report:
 
 
 def check_model(r: Report, path: str, deep: bool) -> dict:
-    """The model directory, by the checks loading makes (engine.registry.open_model_files,
-    one line each); returns facts for the box checks (dense and expert bytes, a file to
-    probe O_DIRECT on)."""
-    from ..engine.registry import open_model_files
+    """The model directory, by the checks placing makes (storage.placement.check_model,
+    one line each), then its tokenizer; returns facts for the box checks (dense and expert
+    bytes, a file to probe O_DIRECT on)."""
+    from ..engine.registry import build_model
+    from ..engine.tokenizer import Tokenizer
+    from ..storage import placement
     from ..storage.container import Container
     from ..storage.errors import ColibriError
 
     facts: dict = {}
     try:
-        _, _, store = open_model_files(path, tokenizer=True, report=lambda name, detail: r.add(OK, name, detail))
+        _, store = placement.check_model(path, build_model, report=lambda name, detail: r.add(OK, name, detail))
     except ColibriError as e:
         r.add(FAIL, getattr(e, "check", "model"), str(e))
+        return facts
+    try:
+        tok = Tokenizer(path)
+        r.add(OK, "tokenizer", "tokenizer.json loads" + ("" if tok.chat_template else
+                                                         "; no chat template (--chat and colictl chat will not work)"))
+    except ColibriError as e:
+        r.add(FAIL, "tokenizer", str(e))
         return facts
     if not isinstance(store, Container):
         facts.update(dense=sum(sf.file_bytes for sf in store.files.values()), experts=0)
@@ -99,7 +108,8 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
 
     from ..daemon import protocol as P
     from ..daemon.config import state_dir
-    from ..storage.cache import fmt_bytes, meminfo, parse_size
+    from ..storage.arena import meminfo
+    from ..storage.sizes import fmt_bytes, parse_size
 
     if facts.get("probe"):
         try:
@@ -179,7 +189,7 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
 def doctor(ctx, model_path, config_path, deep, as_json):
     """Check a model and this box, read-only: one line per check, exit 7 if any fails."""
     from ..daemon.config import load, state_dir
-    from ..engine.demo import default_demo_path
+    from ..storage.demo import default_demo_path
 
     cfg = load(config_path)
     path = model_path or cfg.model or default_demo_path(state_dir(cfg))

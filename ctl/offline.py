@@ -27,9 +27,8 @@ def error_code(e: Exception) -> int:
     """The exit code for a named error (the first matching class, most specific first)."""
     from ..daemon.config import ConfigError
     from ..engine.errors import InvalidRequest
-    from ..storage.cache import BudgetInvalid, ExpertReadError
     from ..storage.convert import ConvertError
-    from ..storage.errors import CheckpointError
+    from ..storage.errors import BudgetInvalid, CheckpointError, ExpertReadError
 
     table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
              (ConvertError, exitcodes.USAGE), (ConfigError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
@@ -87,10 +86,11 @@ def resolve_model(model: str | None) -> str:
     in the same place the daemon keeps it)."""
     if model:
         return model
-    from ..engine.demo import default_demo_path, ensure_demo_container
+    from ..engine.registry import build_model
+    from ..storage.demo import default_demo_path, ensure_demo_container
 
     path = default_demo_path()
-    return ensure_demo_container(path, lambda phase: click.echo(f"colictl: {phase} ({path})", err=True))
+    return ensure_demo_container(path, build_model, lambda phase: click.echo(f"colictl: {phase} ({path})", err=True))
 
 
 @click.command()
@@ -122,10 +122,11 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
-    from ..engine.registry import load_model, open_model_files
+    from ..engine.registry import build_model
     from ..engine.tokenizer import Tokenizer, eos_ids
-    from ..storage.cache import parse_size
+    from ..storage.placement import Placement, faults_from_env, open_model
     from ..storage.policy import Policy
+    from ..storage.sizes import parse_size
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop=tuple(text_arg(s, input_errors, "--stop") for s in stop))
@@ -134,12 +135,13 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     text_in = read_prompt(prompt, input_errors)
     path = resolve_model(model_path)
     t0 = time.perf_counter()
-    open_model_files(path, tokenizer=True)  # loading's checks first, in loading's order: no weight read yet
-    tok = Tokenizer(path)
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
-    model = load_model(path, budget=budget, io_threads=io_threads, mlock=mlock, trace=trace,
-                       policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
-                       history_read_only=history_read_only)
+    placement = Placement(budget=budget, io_threads=io_threads, mlock=mlock, trace=trace,
+                          policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
+                          history_read_only=history_read_only, faults=faults_from_env())
+    tokenizers = []  # loaded once the files' checks pass, before a weight is read
+    placed = open_model(path, placement, build_model, checked=lambda: tokenizers.append(Tokenizer(path)))
+    model, tok = placed.model, tokenizers[0]
     layers.init()  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
@@ -165,9 +167,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
                 sys.stdout.flush()
         if ev.kind == "done":
             done = ev
-    history = getattr(model.experts, "history", None)
-    if history is not None:
-        history.save()  # when it has a path and is not read-only
+    if placed.history is not None:
+        placed.history.save()  # when it has a path and is not read-only
     stats = done.stats | {"load_s": round(load_s, 3), "model": info}
     if as_json:
         out = {"prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(pieces),
@@ -213,7 +214,7 @@ def describe_placement(e: dict) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    from ..storage.cache import fmt_bytes as fmt
+    from ..storage.sizes import fmt_bytes as fmt
 
     return fmt(n)
 
@@ -229,7 +230,7 @@ def _config(path: str) -> dict:
 @click.option("--force", is_flag=True, help="replace DIRECTORY if it exists")
 def demo_model(directory, force):
     """Write the built-in demo model (small, random, deterministic) to DIRECTORY."""
-    from ..engine.demo import write_demo_model
+    from ..storage.demo import write_demo_model
 
     try:
         path = write_demo_model(directory, force=force)

@@ -85,7 +85,8 @@ def _valid(kind: str, v) -> str | None:
 
         return None if v is None else socket_path_problem(v)
     if kind == "size":
-        from ..storage.cache import BudgetInvalid, parse_size
+        from ..storage.errors import BudgetInvalid
+        from ..storage.sizes import parse_size
 
         try:
             parse_size(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else parse_size("?")
@@ -171,7 +172,7 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
 def resolved(cfg: Config) -> dict:
     """The configuration as the daemon will use it: the model, sockets and state directory
     that its defaults (null) stand for, spelled out (colibrid --print-config)."""
-    from ..engine.demo import default_demo_path
+    from ..storage.demo import default_demo_path
     from .protocol import default_socket, operator_socket
 
     sock = cfg.socket or default_socket()

@@ -9,6 +9,7 @@ PROTOCOL_VERSION). Replies carry `status` "ok" or "error"; an error has `error`:
 """
 
 import json
+import logging
 import os
 
 PROTOCOL_VERSION = "1.2"  # major.minor: minors only add fields and messages
@@ -41,11 +42,13 @@ OPERATOR_SOCKET_NAME = "colibri-operator.sock"
 
 
 class ProtocolError(Exception):
-    """A message that cannot be decoded; `name` is the ERRORS key to reply with."""
+    """A request that cannot be served as sent: a frame that does not decode, or what a
+    daemon handler refuses. `name` is the ERRORS key to reply with, `fields` go into the
+    error reply beside it (answer() builds it)."""
 
-    def __init__(self, name: str, message: str):
+    def __init__(self, name: str, message: str, **fields):
         super().__init__(message)
-        self.name = name
+        self.name, self.fields = name, fields
 
 
 def encode(msg: dict) -> bytes:
@@ -97,10 +100,31 @@ def stream(rid: str, token_id: int, text: str) -> dict:
     return {"type": "generate_stream", "id": rid, "v": PROTOCOL_VERSION, "token_id": token_id, "text": text}
 
 
-def error(kind: str, rid, name: str, message: str) -> dict:
-    """An error reply; `name` is a key of ERRORS."""
+def error(kind: str, rid, name: str, message: str, **fields) -> dict:
+    """An error reply; `name` is a key of ERRORS; `fields` ride along (e.g. the tokens a
+    cancelled generate had made)."""
     return {"type": f"{kind}_reply", "id": rid, "v": PROTOCOL_VERSION, "status": "error",
-            "error": {"code": ERRORS[name], "name": name, "message": message}}
+            "error": {"code": ERRORS[name], "name": name, "message": message}, **fields}
+
+
+def refusal(kind: str, rid, e: ProtocolError) -> dict:
+    """The error reply that says `e`."""
+    return error(kind, rid, e.name, str(e), **e.fields)
+
+
+def answer(kind: str, rid, handle) -> dict | None:
+    """The reply to request `rid` of `kind`, from `handle()`: the fields of an ok reply, or
+    None when the reply comes later (the daemon's engine thread sends it). A ProtocolError
+    becomes its error reply; any other exception is a bug in the daemon: logged, and an
+    INTERNAL error reply, so that a bad request costs one reply, never the daemon."""
+    try:
+        fields = handle()
+    except ProtocolError as e:
+        return refusal(kind, rid, e)
+    except Exception as e:
+        logging.getLogger("colibri.daemon").exception("handling a %s request", kind)
+        return error(kind, rid, "INTERNAL", f"{type(e).__name__}: {e}")
+    return None if fields is None else ok(kind, rid, **fields)
 
 
 def default_socket() -> str:

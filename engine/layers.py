@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..storage.quant import QuantWeight
-from ..storage.safetensors import bf16_to_f32
+from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32
 from . import kernels
 
 _F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
@@ -450,13 +449,7 @@ def run_shared(items: list, fn) -> None:
         f.result()
 
 
-def int4_group(experts) -> int | None:
-    """The int4 group size of a source's experts (a container's, quantized so), else None."""
-    c = getattr(experts, "c", None)
-    return getattr(c, "group_size", None) if getattr(c, "expert_dtype", None) == "int4" else None
-
-
-def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, step: Step | None = None) -> np.ndarray:
+def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
     T, A = ids.shape
@@ -467,7 +460,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
     for sg in segments:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
     any_prompt, all_prompt = any(sg.n > 1 for sg in segments), all(sg.n > 1 for sg in segments)
-    g = int4_group(experts)
+    g = experts.int4_group
     session = getattr(_SESSION, "crew", None)  # the forward step's crew, else one for this call
     crew = session if session is not None and session.g == g else Crew(g, share=True) if g and not all_prompt else None
 
@@ -500,9 +493,9 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
                 ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]
 
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
-        experts.stats.routed += sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
+        routed = sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
     else:
-        experts.stats.routed += len(union)
+        routed = len(union)
     try:
         for batch in experts.stream(il, union):  # in any order
             # int4 experts whose rows are all decode rows: one job for the crew; the rest one by
@@ -534,5 +527,5 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts, il: int, s
             crew.close()
     out = np.empty_like(x)
     kernels.sum_slots(ys, A, out)  # slot by slot, a fixed order: the same sum whatever order the experts came in
-    experts.stats.moe_s += time.perf_counter() - t0
+    experts.layer_done(il, routed, time.perf_counter() - t0)
     return out

@@ -21,7 +21,6 @@ from .layers import (
     Segment,
     Step,
     crew_session,
-    int4_group,
     linear,
     rmsnorm,
     rope_inv_freq,
@@ -30,11 +29,6 @@ from .layers import (
 )
 
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
-
-# keys widened to float32 at load (small vectors and the routers); everything else keeps
-# the checkpoint's precision
-F32_KEYS = {"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias", "o_bias",
-            "router", "shared_gate"}
 
 
 # our weight key -> checkpoint tensor name, as Llama-descended families spell them
@@ -123,6 +117,10 @@ class MoEModel:
 
     NAMES: dict[str, str] = {}
     DEFAULT_THETA = 10000.0
+    # keys widened to float32 at load (small vectors and the routers); everything else keeps
+    # the checkpoint's precision. A family with other small tensors names its own set.
+    F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
+                          "o_bias", "router", "shared_gate"})
 
     def __init__(self, args, config: dict, where: str = "config.json"):
         """The model's structure from its args and config (no weights yet: see load).
@@ -140,8 +138,8 @@ class MoEModel:
         self.glob: dict[str, np.ndarray] = {}
         self.layers: list[dict[str, np.ndarray]] = []
         self.experts: ExpertSource | None = None
-        self.container = None  # the Container, when the experts stream from one
-        self.prefetch_reads = 0  # router lookahead: most reads to start for the next MoE layer (0: off)
+        self.source_precision: dict | None = None  # a container's precision, as its manifest says
+        self.beat = 0.0  # when the last layer finished (time.monotonic): progress a watchdog can see
         self.beat = 0.0  # time.monotonic() when forward last finished a layer
 
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
@@ -164,11 +162,12 @@ class MoEModel:
                     for name, shape in zip(self.expert_names(il, ie), per_expert.values()):
                         src.expect(name, shape)
 
-    def load(self, src, experts: ExpertSource | None = None, progress=None) -> "MoEModel":
-        """Check, then read the dense weights from src; routed experts come from `experts`,
-        or, when None, are all read from src into RAM. `progress(phase, done, total)` hears
-        each tensor read. Returns self. Raises what check and src.read raise."""
-        self.check(src, with_experts=experts is None)
+    def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None):
+        """Read the dense weights from src (checked first: storage/placement.py does);
+        routed experts come from `experts`, or, when None, are all read from src into RAM.
+        `precision` is the container's, when the weights come from one. `progress(phase,
+        done, total)` hears each tensor read. Returns self. Raises what src.read raises."""
+        self.source_precision = precision
         glob, per_layer, _ = self.shapes()
         total = len(glob) + sum(len(per_layer(il)) for il in range(self.n_layer))
         done = 0
@@ -179,7 +178,7 @@ class MoEModel:
                 progress("reading dense weights", done, total)
             a = src.read(name)
             done += 1
-            return to_f32(a) if key in F32_KEYS else a
+            return to_f32(a) if key in self.F32_KEYS else a
 
         self.glob = {key: read(key, self.NAMES[key]) for key in glob}
         self.layers = [
@@ -199,6 +198,19 @@ class MoEModel:
 
     def is_moe(self, il: int) -> bool:
         return True
+
+    def router(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x [T, D], layer il's MoE input -> (expert ids [T, A], weights [T, A]) by the
+        family's pure route(); the block and the lookahead both call it."""
+        raise NotImplementedError
+
+    def moe_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        # h [T, D] residual stream -> layer il's MoE input [T, D]: its pre-MoE norm
+        return rmsnorm(h, self.layers[il]["post_norm"], self.args.rms_norm_eps)
+
+    @property
+    def n_expert_used(self) -> int:
+        return self.args.num_experts_per_tok
 
     def block(self, il: int, h: np.ndarray, step: Step) -> np.ndarray:
         raise NotImplementedError
@@ -240,7 +252,7 @@ class MoEModel:
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
         # one step (see _forward_batch), its parallel work on one crew of threads (layers.Crew)
-        with crew_session(int4_group(self.experts)):
+        with crew_session(self.experts.int4_group):
             return self._forward_batch(seqs, all_logits)
 
     def _forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool) -> list[np.ndarray]:
@@ -256,7 +268,7 @@ class MoEModel:
         step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
         h = to_f32(self.glob["embed"][ids])  # [T, D]
         self.experts.begin_step()
-        lookahead = self.prefetch_reads or getattr(self.experts, "wants_predictions", False)
+        lookahead = self.experts.lookahead
         if lookahead and self.moe_layers:  # the first MoE layer's, from the embeddings
             self.lookahead(self.moe_layers[0], h)
         for il in range(self.n_layer):
@@ -278,11 +290,8 @@ class MoEModel:
         # runs. Only data moves: the real router decides. (Predicting two and three layers ahead
         # from the same h, while the next layer reads little, kept the disk busier but read 60 %
         # more unused experts and was not faster: measured, dropped.)
-        L = self.layers[il]
-        logits = linear(rmsnorm(h, L["post_norm"], self.args.rms_norm_eps), L["router"])  # [T, E]
-        k = self.args.num_experts_per_tok
-        top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [T, k] softmax keeps the order
-        self.experts.prefetch(il, np.unique(top).tolist(), self.prefetch_reads)
+        ids, _ = self.router(il, self.moe_input(il, h))  # [T, A]: the family's own route()
+        self.experts.prefetch(il, np.unique(ids).tolist())
 
     def describe(self) -> dict:
         """Facts about the loaded model for stats and `colictl run --json`."""
@@ -301,7 +310,7 @@ class MoEModel:
 
     def precision(self) -> dict:
         """The weights' precision in use, and whether it is lossy against the source checkpoint."""
-        if self.container is not None:
-            return self.container.precision()
+        if self.source_precision is not None:
+            return self.source_precision
         dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
         return {"dense": dt, "experts": dt, "group_size": None, "lossy": False}

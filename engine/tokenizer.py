@@ -4,7 +4,7 @@
 import json
 import os
 
-from ..storage.checkpoint import read_json
+from ..storage.errors import read_json
 from .errors import ChatTemplateError, TokenizerMissing
 
 

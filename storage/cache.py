@@ -1,9 +1,8 @@
 """The expert cache: routed experts streamed from a container into RAM slots under a
 byte budget.
 
-- One arena is allocated at start (anonymous mmap, page aligned; transparent hugepages
-  asked for with madvise; mlock'ed when asked and the limit allows) and cut into
-  record-sized slots. Nothing is allocated per read.
+- One arena (arena.py) per budget, cut into record-sized slots. Nothing is allocated
+  per read.
 - The slots are split as the policy says (policy.py): a pinned part (hand pins, and
   `lru+pinned`'s learned hot set) holds experts of any layer that are never evicted;
   for `lru` and `lru+pinned` each MoE layer owns an equal share of the rest and keeps
@@ -14,103 +13,32 @@ byte budget.
   `repin_every` steps the learned hot set is revised between steps (memory copies of
   experts already resident, no reads).
 - `stream(il, ids)` serves one layer's step: the union of the experts its tokens chose
-  (batch-union: each read once). Misses are read with O_DIRECT preadv from a small
-  thread pool, started before the resident experts are handed out, so the engine
+  (batch-union: each read once). Misses are read by the reader (reader.py: O_DIRECT,
+  checksums, retry, mirror) on its small thread pool, started before the resident experts are handed out, so the engine
   computes the hits while the misses land (the kernels release the GIL). A slot
   used in this step is not reused until the engine has computed with it, which is
   why one slot per layer is enough: a layer's experts then stream through it.
 """
 
 import logging
-import mmap
-import os
-import re
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
-from .container import Container, ExpertRecord, crc32
-from .errors import ColibriError
+from .arena import Arena, allocate
+from .container import Container
+from .errors import BudgetInvalid, ExpertReadError
 from .experts import ExpertStats
-from .faults import FaultPlan, inject
+from .faults import FaultPlan
 from .history import UsageHistory
 from .policy import Policy, learned_slots, plan_repin, victim
+from .reader import ExpertReader
+from .sizes import fmt_bytes
 
 log = logging.getLogger("colibri.storage")
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value; Python 3.11 lacks the name
-MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # likewise
-HUGEPAGE = 2 * 2**20
-
-
-def meminfo(key: str) -> int:
-    """A /proc/meminfo field (kB; HugePages_* are page counts), 0 when absent."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 2**20, "mb": 10**6, "mib": 2**20,
-          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
-class BudgetInvalid(ColibriError):
-    """An expert budget that cannot be parsed, or is too small to run the model."""
-
-
-class ExpertReadError(ColibriError):
-    """Reading an expert record from disk failed (after the retry and the mirror): the
-    message names the layer, the expert, the file and the offset."""
-
-
-VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
-
-
-def parse_size(text: str) -> int | str:
-    """'512MiB', '2GiB', '100k', '123456' -> bytes; 'min' and 'all' are returned as is.
-    Raises BudgetInvalid."""
-    t = str(text).strip().lower()
-    if t in ("min", "all"):
-        return t
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", t)
-    if not m or m.group(2) not in _UNITS:
-        raise BudgetInvalid(f"cannot read {text!r} as a size: use bytes or KiB/MiB/GiB (e.g. 512MiB), min or all")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _transparent_hugepages(mm: mmap.mmap) -> str:
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return "transparent hugepages not available"
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-        return "transparent (madvise)"
-    except OSError as e:
-        return f"transparent hugepages refused: {e.strerror}"
-
-
-def _mlock(buf: mmap.mmap) -> str:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf))) != 0:
-        return f"mlock failed: {os.strerror(ctypes.get_errno())} (raise RLIMIT_MEMLOCK / LimitMEMLOCK=)"
-    return "locked"
 
 
 class ExpertCache:
@@ -130,7 +58,7 @@ class ExpertCache:
         self.top_k = top_k  # experts per token: the LRU part keeps this many slots per layer when pinning
         self.policy = (policy or Policy(name="lru")).check()
         self.history = history or UsageHistory(container.moe_layers, container.n_expert)
-        self._mm = None
+        self._arena: Arena | None = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
         self.pinned: dict[tuple[int, int], int] = {}  # (il, ie) -> slot, by hand (pin) or by policy
         self.hand_pins: set[tuple[int, int]] = set()  # pinned by hand: never repinned away
@@ -141,27 +69,7 @@ class ExpertCache:
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
         self.stats = ExpertStats()
-        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
-        self.io_threads = io_threads
-        self._io_lock = threading.Lock()  # guards the two below (engine and I/O threads)
-        self._io_busy, self._io_since = 0, 0.0  # reads submitted and not finished; since when some are
-        self.fds: dict[str, int] = {}
-        self.direct, self.fallback_reason = direct, None
-        for file in sorted({r.file for r in container.records.values()}):
-            self.fds[file] = self._open(file)
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}")
-        self.verify, self.faults = verify, faults
-        self.verified: set[tuple[int, int]] = set()  # experts whose bytes matched the manifest this start
-        self.bad: dict[tuple[int, int], str] = {}  # experts whose last read failed, and why
-        self.mirror, self.mirror_fds = mirror, {}
-        if mirror:
-            for file in self.fds:
-                copy = os.path.join(mirror, os.path.basename(file))
-                try:
-                    self.mirror_fds[file] = self._open(copy)
-                except OSError as e:
-                    log.warning("mirror %s: %s; reads of %s have no fallback", copy, e.strerror, file)
+        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
         """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""
@@ -203,20 +111,8 @@ class ExpertCache:
         budget_bytes = int(total)
         n_lru = per_layer * len(layers)
         n_slots = n_lru + n_pin
-        mm = self._reserved_hugepages(n_slots * rb) if self.hugetlb_asked else None
-        if mm is None:
-            mm = mmap.mmap(-1, n_slots * rb, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            thp = _transparent_hugepages(mm)
-            self.hugepages = f"{thp}; {self.hugepages}" if self.hugetlb_asked else thp
-        arena = np.frombuffer(mm, np.uint8)[: n_slots * rb].reshape(n_slots, rb)  # [slots, record_bytes]
-        # make every page now: a first read into a fresh page costs a fault and halves early read
-        # bandwidth; the arena is the budget, so RSS is what was asked for. MADV_POPULATE_WRITE
-        # (Linux 5.14) does it in the kernel, 25x faster than touching each page from here.
-        try:
-            mm.madvise(MADV_POPULATE_WRITE)
-        except OSError:
-            arena.reshape(-1)[:: mmap.PAGESIZE] = 0
-        self.mlock = _mlock(mm) if self.mlock_asked else "not asked"
+        new = allocate(n_slots, rb, self.hugetlb_asked, self.mlock_asked)
+        arena = new.slots  # [slots, record_bytes]
         n_main = 0
         if self.policy.windowed:  # a recency window per layer, the rest one region kept by usage
             window = max(1, min(self.top_k, per_layer, per_layer // 4))
@@ -251,33 +147,15 @@ class ExpertCache:
             slot = pin_slots.popleft()
             arena[slot] = self.arena[old_slot]
             pinned[key] = slot
-        old = self._mm
-        self._mm, self.arena, self.free, self.lru, self._views = mm, arena, free, lru, {}
+        old = self._arena
+        self._arena, self.arena, self.free, self.lru, self._views = new, arena, free, lru, {}
         self.slot_row, self.slot_ie, self.slot_main = slot_row, slot_ie, slot_main
         self.main, self.main_free, self.main_slots = main, main_free, n_main
         self.pinned, self.pin_free, self.pinned_bytes = pinned, pin_slots, n_pin * rb
         self.n_slots, self.slots_per_layer = n_slots, per_layer
         self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
         if old is not None:
-            try:
-                old.close()
-            except BufferError:  # a view of it is still alive somewhere: the GC unmaps it later
-                pass
-
-    def _reserved_hugepages(self, n_bytes: int):
-        """An anonymous mapping on the reserved 2 MiB hugepages, or None (and the reason in
-        self.hugepages) when the pool cannot hold it."""
-        size = -(-n_bytes // HUGEPAGE) * HUGEPAGE
-        try:
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
-        except OSError as e:
-            free = meminfo("HugePages_Free")
-            self.hugepages = (f"fallback from reserved hugepages: {e.strerror}; {free} free of 2 MiB, "
-                              f"{size // HUGEPAGE} needed (sysctl vm.nr_hugepages)")
-            log.warning("expert arena: %s", self.hugepages)
-            return None
-        self.hugepages = f"reserved ({size // HUGEPAGE} x 2 MiB)"
-        return mm
+            old.close()
 
     def resize(self, budget: int | str, pinned_bytes: int | str | None = None) -> dict:
         """Change the budget and its pinned part (bytes; "auto": what the policy's hot set
@@ -415,7 +293,7 @@ class ExpertCache:
             self.main_free.append(old)
         else:
             try:
-                self._read(rec, slot)
+                self.reader.read(rec, self.arena[slot])
             except ExpertReadError:
                 self.pin_free.appendleft(slot)
                 raise
@@ -428,22 +306,8 @@ class ExpertCache:
         self.pin_free.append(self.pinned.pop((il, ie)))
         self.hand_pins.discard((il, ie))
 
-    def _open(self, file: str) -> int:
-        if self.direct:
-            try:
-                return os.open(file, os.O_RDONLY | os.O_DIRECT)
-            except OSError as e:
-                self.direct = False
-                self.fallback_reason = f"O_DIRECT refused on {file} ({e.strerror}); using buffered reads"
-                log.warning(self.fallback_reason)
-        return os.open(file, os.O_RDONLY)
-
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        for fd in [*self.fds.values(), *self.mirror_fds.values()]:
-            os.close(fd)
-        self.fds.clear()
-        self.mirror_fds.clear()
+        self.reader.close()
 
     def views(self, slot: int) -> tuple:
         v = self._views.get(slot)
@@ -452,77 +316,7 @@ class ExpertCache:
         return v
 
     def _submit(self, key: tuple[int, int], slot: int) -> Future:
-        """Start reading expert `key` into `slot` on the I/O threads. `io_wall_s` counts the
-        time during which at least one submitted read has not finished, prefetches included."""
-        with self._io_lock:
-            if not self._io_busy:
-                self._io_since = time.perf_counter()
-            self._io_busy += 1
-        return self.pool.submit(self._read_counted, self.c.records[key], slot)
-
-    def _read_counted(self, rec: ExpertRecord, slot: int) -> float:
-        try:
-            return self._read(rec, slot)
-        finally:
-            with self._io_lock:
-                self._io_busy -= 1
-                if not self._io_busy:
-                    self.stats.io_wall_s += time.perf_counter() - self._io_since
-
-    def _read(self, rec: ExpertRecord, slot: int) -> float:
-        """Read one record into `slot`, verified against the manifest's checksum (as
-        `verify` says); a failed or corrupted read is tried once more, then on the mirror.
-        Raises ExpertReadError naming the layer, expert, file and offset: the slot's bytes
-        are then not to be used. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        key = (rec.layer, rec.expert)
-        tries = [("primary", self.fds[rec.file], rec.file)] * 2
-        if rec.file in self.mirror_fds:
-            tries.append(("mirror", self.mirror_fds[rec.file], os.path.join(self.mirror, os.path.basename(rec.file))))
-        failed = []
-        for where, fd, path in tries:
-            why = self._read_once(rec, slot, where, fd)
-            if why is None:
-                if failed:
-                    log.warning("layer %d expert %d: read from the %s after %s", rec.layer, rec.expert, where,
-                                "; ".join(failed))
-                self.bad.pop(key, None)
-                return time.perf_counter() - t0
-            self.stats.read_errors += 1
-            failed.append(f"{where} {path}: {why}")
-        said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]  # the same twice: once
-        msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
-               + "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said))
-        self.bad[key] = msg
-        log.error("%s", msg)
-        raise ExpertReadError(msg)
-
-    def _read_once(self, rec: ExpertRecord, slot: int, where: str, fd: int) -> str | None:
-        """One attempt; why it failed, or None."""
-        buf, row = memoryview(self.arena[slot]), self.arena[slot]
-        fault = self.faults.take(where, rec.layer, rec.expert) if self.faults else None
-        done = 0
-        while done < rec.length:
-            try:
-                n = os.preadv(fd, [buf[done:]], rec.offset + done)
-                if fault:  # a drill (faults.py): this read fails as told
-                    forced, fault = inject(fault, row, done), None
-                    n = n if forced is None else forced
-            except OSError as e:
-                return e.strerror or str(e)
-            if n <= 0:
-                return f"short read, {done} of {rec.length} bytes"
-            done += n
-        key = (rec.layer, rec.expert)
-        if self.verify == "always" or (self.verify == "first" and key not in self.verified):
-            t = time.perf_counter()
-            crc = crc32(row)
-            self.stats.verify_s += time.perf_counter() - t
-            self.stats.verified += 1
-            if crc != rec.crc32:
-                return f"checksum mismatch (crc32 {crc:08x}, the manifest says {rec.crc32:08x})"
-            self.verified.add(key)
-        return None
+        return self.reader.submit(key, self.arena[slot])
 
     def _keep(self, il: int, ie: int, slot: int, oldest: bool = False) -> None:
         """Expert ie of layer il is resident in LRU slot `slot` (the most recent, or the oldest)."""
@@ -714,13 +508,27 @@ class ExpertCache:
         for il in list(self.unchosen):
             self._settle_unchosen(il)
 
-    def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
+    @property
+    def int4_group(self) -> int | None:
+        return self.c.group_size if self.c.expert_dtype == "int4" else None
+
+    @property
+    def lookahead(self) -> bool:
+        return self.policy.prefetch_reads > 0
+
+    def layer_done(self, il: int, routed: int, moe_s: float) -> None:
+        self.stats.routed += routed
+        self.stats.moe_s += moe_s
+
+    def prefetch(self, il: int, ids: list[int], max_reads: int | None = None) -> int:
         """Start reading experts `ids` of layer il that are not resident, at most `max_reads`,
         into that layer's free or least recently used slots; stream() picks them up, and
         leaves the reads of experts it was not asked for to land in the background (kept at
         the layer's next step). The prediction only moves data: stream() still serves
         exactly what it is asked for.
-        Call between the layers of a step. Returns the reads started."""
+        Call between the layers of a step. `max_reads` None: the policy's prefetch_reads.
+        Returns the reads started."""
+        max_reads = self.policy.prefetch_reads if max_reads is None else max_reads
         self._settle_unchosen(il)
         lru, ahead = self.lru[il], self.prefetched.setdefault(il, {})
         protect = set(ids) | set(ahead)  # a predicted expert that is resident must not make room for another
@@ -743,8 +551,7 @@ class ExpertCache:
                 "window_slots_per_layer": self.slots_per_layer if self.main_slots else None, "pinned_bytes": self.pinned_bytes,
                 "pinned": sorted(f"{il}:{ie}" for il, ie in self.hand_pins), "learned_pins": len(self.pinned) - len(
                     self.hand_pins), "pinned_size_by": "operator" if self.pinned_set_by_hand else "policy",
-                "history": self.history.describe(), "verify": self.verify, "mirror": self.mirror,
-                "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())], "budget_bytes": self.budget_bytes, "arena_bytes": self.arena_bytes, "slots": self.n_slots,
-                "slots_per_layer": self.slots_per_layer, "record_bytes": self.record_bytes,
-                "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
-                "mlock": self.mlock, "hugepages": self.hugepages}
+                "history": self.history.describe(), "budget_bytes": self.budget_bytes,
+                "arena_bytes": self.arena_bytes, "slots": self.n_slots, "slots_per_layer": self.slots_per_layer,
+                "record_bytes": self.record_bytes, **self.reader.describe(), "mlock": self._arena.mlock,
+                "hugepages": self._arena.hugepages}

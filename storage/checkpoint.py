@@ -5,14 +5,12 @@ safetensors.SafetensorsFile) before any weight is read. Families then ask for ea
 tensor they need with `expect`, which checks presence, dtype and shape.
 """
 
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import (
-    ConfigInvalid,
     ConfigMissing,
     IndexInvalid,
     ModelNotFound,
@@ -21,23 +19,12 @@ from .errors import (
     TensorShapeMismatch,
     UnsupportedDtype,
     WeightsMissing,
+    read_json,
 )
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-def read_json(path: str, error=ConfigInvalid) -> dict:
-    """Load a JSON object from path; raise `error` naming the file if it is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise error(f"{path}: expected a JSON object, found {type(obj).__name__}")
-    return obj
 
 
 @dataclass

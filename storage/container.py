@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checkpoint import Checkpoint, read_json
-from .errors import CheckpointError, ConfigInvalid
+from .checkpoint import Checkpoint
+from .errors import CheckpointError, ConfigInvalid, read_json
 from .quant import QuantWeight
 from .safetensors import DTYPES, SafetensorsFile
 

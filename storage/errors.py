@@ -1,9 +1,12 @@
-"""Named errors for everything that can be wrong with a model on disk.
+"""Named errors for everything that can be wrong with a model on disk, and the strict
+JSON reader that raises them (every floor reads a model directory's JSON files with it).
 
 One class per way a checkpoint can be wrong, so callers (and tests) can tell them
 apart; every message names the file and, where there is one, the tensor. The
 command line maps the base class to one exit code and prints the message alone.
 """
+
+import json
 
 
 class ColibriError(Exception):
@@ -76,3 +79,26 @@ class TensorMissing(CheckpointError):
 
 class TensorShapeMismatch(CheckpointError):
     """A tensor's shape is not the one the config implies."""
+
+
+class BudgetInvalid(ColibriError):
+    """An expert budget that cannot be parsed, or is too small to run the model."""
+
+
+class ExpertReadError(ColibriError):
+    """Reading an expert record from disk failed (after the retry and the mirror): the
+    message names the layer, the expert, the file and the offset."""
+
+
+def read_json(path: str, error=None) -> dict:
+    """Load a JSON object from path; raise `error` (default ConfigInvalid) naming the file if
+    it is not one."""
+    error = error or ConfigInvalid
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj

@@ -4,8 +4,9 @@ The engine asks for the union of one layer's selected experts at once
 (`stream(il, ids)`), so a source reads each expert once per step however many tokens
 route to it. The source hands them out in batches, in any order: the resident ones
 first, the rest as they arrive from disk. A batch's weights stay valid until the engine
-asks for the next batch, so the engine may compute a batch's experts in parallel. `ResidentExperts` keeps every expert in RAM; the expert
-cache (cache.py) streams them from a container under a byte budget.
+asks for the next batch, so the engine may compute a batch's experts in parallel.
+`ResidentExperts` keeps every expert in RAM; the expert cache (cache.py) streams them
+from a container under a byte budget. This module is the engine's one door into storage.
 """
 
 import json
@@ -13,9 +14,14 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-import numpy as np
+from .quant import QuantWeight
+from .safetensors import bf16_to_f32
 
-# (gate [I, D], up [I, D], down [D, I]): arrays in storage precision, or QuantWeight
+__all__ = ["ExpertSource", "ExpertStats", "ExpertWeights", "QuantWeight", "ResidentExperts", "TracedSource",
+           "bf16_to_f32"]  # the engine's one door into storage: the weights' types come through it too
+
+# (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see
+# bf16_to_f32), or QuantWeight
 ExpertWeights = tuple
 
 
@@ -60,14 +66,33 @@ class ExpertStats:
 
 
 class ExpertSource(Protocol):
+    """Everything the engine asks of its experts, and nothing more."""
+
     stats: ExpertStats
+    int4_group: int | None  # the group size when the experts are int4 (the engine's kernels follow it)
+    lookahead: bool  # whether the engine should predict the next MoE layer's experts and call prefetch
 
     def begin_step(self) -> None:
-        """A new forward step starts (for stats and traces)."""
+        """A new forward step starts (for stats, the usage history and traces)."""
 
     def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Batches of (id, weights) covering each of `ids` (unique) of layer il once, in any
         order; a batch's weights are valid until the next batch is asked for."""
+        ...
+
+    def prefetch(self, il: int, ids: list[int]) -> int:
+        """The router lookahead predicts `ids` for layer il: start what reads the source
+        wants to (data moves only; stream still serves exactly what it is asked).
+        Returns the reads started."""
+        ...
+
+    def layer_done(self, il: int, routed: int, moe_s: float) -> None:
+        """The engine finished layer il's experts: `routed` experts were asked for, each
+        sequence's own set counted (routed / experts is the batch-union saving), in `moe_s`
+        seconds, waiting included."""
+
+    def describe(self) -> dict:
+        """Facts about the placement for status and stats."""
         ...
 
 
@@ -84,8 +109,18 @@ class ResidentExperts:
         }
         self.stats = ExpertStats()
 
+    int4_group = None  # a checkpoint's experts are bf16, f16 or f32
+    lookahead = False  # nothing to read ahead
+
     def begin_step(self) -> None:
         self.stats.steps += 1
+
+    def prefetch(self, il: int, ids: list[int]) -> int:
+        return 0
+
+    def layer_done(self, il: int, routed: int, moe_s: float) -> None:
+        self.stats.routed += routed
+        self.stats.moe_s += moe_s
 
     def stream(self, il: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         self.stats.fetches += 1
@@ -108,11 +143,12 @@ class TracedSource:
     "predicted": [...] when the router lookahead predicted that layer's experts (the
     model computes the prediction whenever it is traced, prefetching or not)."""
 
-    wants_predictions = True
+    lookahead = True
 
-    def __init__(self, inner, out):
+    def __init__(self, inner: ExpertSource, out):
         self.inner, self.out, self.step = inner, out, -1
         self.predicted: dict[int, list[int]] = {}
+        self.int4_group = inner.int4_group
 
     @property
     def stats(self) -> ExpertStats:
@@ -123,9 +159,9 @@ class TracedSource:
         self.predicted.clear()
         self.inner.begin_step()
 
-    def prefetch(self, il: int, ids: list[int], max_reads: int) -> int:
+    def prefetch(self, il: int, ids: list[int]) -> int:
         self.predicted[il] = [int(i) for i in ids]
-        return self.inner.prefetch(il, ids, max_reads) if max_reads and hasattr(self.inner, "prefetch") else 0
+        return self.inner.prefetch(il, ids) if self.inner.lookahead else 0
 
     def stream(self, il: int, ids: list[int]):
         line = {"step": self.step, "layer": il, "experts": [int(i) for i in ids]}
@@ -134,8 +170,8 @@ class TracedSource:
         self.out.write(json.dumps(line) + "\n")
         return self.inner.stream(il, ids)
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def layer_done(self, il: int, routed: int, moe_s: float) -> None:
+        self.inner.layer_done(il, routed, moe_s)
 
-
-_ = np  # ExpertWeights hold numpy arrays
+    def describe(self) -> dict:
+        return self.inner.describe()

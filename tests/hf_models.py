@@ -146,3 +146,12 @@ def served(cache, il, ids):
     import numpy as np
 
     return {ie: [np.array(a, copy=True) for a in w] for batch in cache.stream(il, ids) for ie, w in batch}
+
+
+def load_model(path, **placement):
+    """The model at `path` placed as `placement` says (storage.placement.Placement's
+    fields), the way colictl run and the daemon place it."""
+    from colibri.engine.registry import build_model
+    from colibri.storage.placement import Placement, open_model
+
+    return open_model(str(path), Placement(**placement), build_model).model

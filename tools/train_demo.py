@@ -1,6 +1,6 @@
 """Train colibri's built-in demo model: a tiny qwen3_moe that writes English.
 
-    python tools/train_demo.py [--steps 2000] [--seed 20261201] [--out engine/demo_model]
+    python tools/train_demo.py [--steps 2000] [--seed 20261201] [--out storage/demo_model]
 
 A development tool (it needs torch and transformers, the test dependencies); colibri
 never runs it: the weights it writes are shipped in the repository and copied by
@@ -36,8 +36,8 @@ import random
 import sys
 import time
 
-# the same ChatML specials and chat template as engine/demo.py's random models
-from colibri.engine.demo import CHAT_TEMPLATE, SPECIALS
+# the same ChatML specials and chat template as storage/demo.py's random models
+from colibri.storage.demo import CHAT_TEMPLATE, SPECIALS
 
 CORPUS_DIR = "/usr/share/games/fortunes"
 LEFT_OUT = {"ascii-art", "translate-me", "zippy", "ethnic", "men-women", "drugs"}
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "engine", "demo_model"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "storage", "demo_model"))
     a = ap.parse_args(argv)
 
     import torch

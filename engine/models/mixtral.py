@@ -68,10 +68,14 @@ class Model(MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(a.intermediate_size)
 
+    def router(self, il, x):
+        # x [T, D] -> ids, weights [T, A]
+        return route(linear(x, self.layers[il]["router"]), self.args.num_experts_per_tok)
+
     def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
         h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il, self.window)
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
-        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok)  # [T, A]
+        ids, w = self.router(il, x)  # [T, A]
         return h + moe(x, ids, w, self.experts, il, step)

@@ -93,6 +93,10 @@ class Model(MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(a.moe_intermediate_size)
 
+    def router(self, il, x):
+        # x [T, D] -> ids, weights [T, A]
+        return route(linear(x, self.layers[il]["router"]), self.args.num_experts_per_tok, self.args.norm_topk_prob)
+
     def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
@@ -100,7 +104,7 @@ class Model(MoEModel):
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         if not self.is_moe(il):
             return h + swiglu(x, L["gate"], L["up"], L["down"])
-        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
+        ids, w = self.router(il, x)  # [T, A]
         shared = swiglu(x, L["shared_gate_proj"], L["shared_up"], L["shared_down"])  # [T, D]
         gate = 1.0 / (1.0 + np.exp(-linear(x, L["shared_gate"])))  # [T, 1]
         return h + moe(x, ids, w, self.experts, il, step) + gate * shared

@@ -76,6 +76,10 @@ class Model(MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(a.moe_intermediate_size)
 
+    def router(self, il, x):
+        # x [T, D] -> ids, weights [T, A]
+        return route(linear(x, self.layers[il]["router"]), self.args.num_experts_per_tok, self.args.norm_topk_prob)
+
     def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
@@ -83,5 +87,5 @@ class Model(MoEModel):
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         if not self.is_moe(il):
             return h + swiglu(x, L["gate"], L["up"], L["down"])
-        ids, w = route(linear(x, L["router"]), a.num_experts_per_tok, a.norm_topk_prob)  # [T, A]
+        ids, w = self.router(il, x)  # [T, A]
         return h + moe(x, ids, w, self.experts, il, step)

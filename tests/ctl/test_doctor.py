@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from colibri.ctl import exitcodes
-from colibri.engine.demo import write_demo_model
 from colibri.storage.container import open_container
+from colibri.storage.demo import write_demo_model
 
 
 def colictl(*args, env=None):

@@ -10,11 +10,11 @@ import time
 import psutil
 
 from colibri.engine import layers
-from colibri.engine.demo import write_random_model
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
 from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.demo import write_random_model
 
 OVERHEAD_BYTES = 256 * 2**20  # Python, numpy, the compiled kernels, tokenizer, a short KV cache (README)
 BUDGET = 16 * 2**20

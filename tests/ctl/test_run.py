@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from colibri.ctl import exitcodes
-from colibri.engine.demo import write_demo_model
 from colibri.engine.tokenizer import Tokenizer
+from colibri.storage.demo import write_demo_model
 
 from hf_models import REFERENCE, rewrite_config
 

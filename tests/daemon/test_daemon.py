@@ -17,7 +17,7 @@ import pytest
 from colibri.ctl import exitcodes
 from colibri.ctl.client import Client, ReplyError
 from colibri.daemon import protocol as P
-from colibri.engine.demo import write_demo_model
+from colibri.storage.demo import write_demo_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -17,7 +17,7 @@ from test_daemon import Notify, ctl, serving, start
 from colibri.ctl import exitcodes
 from colibri.ctl.client import Client, ConnectionClosed, DaemonDown, ReplyError
 from colibri.daemon import protocol as P
-from colibri.engine.demo import write_demo_model
+from colibri.storage.demo import write_demo_model
 
 
 @pytest.fixture(scope="module")

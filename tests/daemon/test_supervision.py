@@ -13,12 +13,13 @@ from test_daemon import ctl, start
 
 from colibri.ctl import exitcodes
 from colibri.ctl.client import Client
-from colibri.engine.demo import ensure_demo_container
+from colibri.engine.registry import build_model
+from colibri.storage.demo import ensure_demo_container
 
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    return ensure_demo_container(str(tmp_path_factory.mktemp("demo") / "c"))
+    return ensure_demo_container(str(tmp_path_factory.mktemp("demo") / "c"), build_model)
 
 
 def test_an_engine_crash_is_a_failed_exit_and_its_request_gets_an_answer(tmp_path, container):

@@ -6,11 +6,11 @@ import pytest
 
 from colibri.engine import layers
 from colibri.engine.generate import Batcher, Request, SamplingParams, generate
-from colibri.engine.registry import build_model, load_model
+from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.convert import ExpertPlan, convert
 
-from hf_models import build
+from hf_models import build, load_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from colibri.engine import layers
-from colibri.engine.demo import DEMO_DIR, ensure_demo_container, write_demo_model
 from colibri.engine.generate import SamplingParams, generate
-from colibri.engine.registry import load_model
+from colibri.engine.registry import build_model
 from colibri.engine.tokenizer import Tokenizer, eos_ids
 from colibri.storage.checkpoint import load_config
+from colibri.storage.demo import DEMO_DIR, ensure_demo_container, write_demo_model
 
-from hf_models import REFERENCE
+from hf_models import REFERENCE, load_model
 
 WORDS = "/usr/share/dict/words"  # Debian's wamerican (./setup.sh --test installs it)
 PROMPTS = ["Once upon a time", "The best thing about computers is", "Love is", "A wise man once said"]
@@ -71,7 +71,7 @@ def test_tokens_are_transformers_own_and_the_same_at_the_minimum_budget(demo, tm
         want = ref.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert continuation(ours, tok, PROMPTS[0], 24) == want
-    container = ensure_demo_container(str(tmp_path / "c"))
+    container = ensure_demo_container(str(tmp_path / "c"), build_model)
     streamed = load_model(container, budget="min")
     assert continuation(streamed, tok, PROMPTS[0], 24) == want
     sampled = [continuation(m, tok, PROMPTS[1], 24, temperature=0.8, top_p=0.95, seed=5) for m in (ours, ours, streamed)]
@@ -80,10 +80,10 @@ def test_tokens_are_transformers_own_and_the_same_at_the_minimum_budget(demo, tm
 
 
 def test_an_old_demo_container_is_rebuilt_from_the_shipped_weights(tmp_path):
-    path = ensure_demo_container(str(tmp_path / "c"))
+    path = ensure_demo_container(str(tmp_path / "c"), build_model)
     with open(os.path.join(path, "demo-source"), "w") as f:
         f.write("an older demo")
-    again = ensure_demo_container(path)
+    again = ensure_demo_container(path, build_model)
     assert open(os.path.join(again, "demo-source")).read() == json.load(
         open(os.path.join(DEMO_DIR, "training.json")))["model_safetensors_sha256"]
     assert np.isfinite(load_model(again).forward(np.array([1, 2, 3]), load_model(again).new_cache(8))).all()

@@ -7,9 +7,8 @@ import torch
 
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
-from colibri.engine.registry import load_model
 
-from hf_models import ALL_CASES, build, hub_spelling, rewrite_config
+from hf_models import ALL_CASES, build, hub_spelling, load_model, rewrite_config
 
 LOGITS_ATOL = 1e-4  # fp32 checkpoints
 N_NEW = 32

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from colibri.engine import kernels, layers
-from colibri.storage.experts import ExpertStats
+from colibri.storage.experts import ExpertStats, ResidentExperts
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
 
 rng = np.random.default_rng(0)
@@ -138,7 +138,7 @@ def test_silu_mul():
 def test_moe_dispatch_matches_dense_loop():
     """The batch-union dispatch equals summing each token's experts one by one."""
 
-    class Source:
+    class Source(ResidentExperts):  # the experts of a list, handed out one by one, in either order
         def __init__(self, experts, reverse=False):
             self.experts, self.calls, self.reverse = experts, [], reverse
             self.stats = ExpertStats()

@@ -10,13 +10,14 @@ import torch
 
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
-from colibri.engine.registry import build_model, load_model
-from colibri.storage.cache import BudgetInvalid, parse_size
+from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.errors import BudgetInvalid
 from colibri.storage.policy import POLICIES, Policy
+from colibri.storage.sizes import parse_size
 
-from hf_models import ALL_CASES, build
+from hf_models import ALL_CASES, build, load_model
 
 N_NEW = 32
 
@@ -38,7 +39,7 @@ def greedy(model, ids, n=N_NEW):
 
 def budgets(path):
     probe = load_model(path, budget="min")
-    rb, n_moe, n_exp = probe.container.record_bytes, len(probe.moe_layers), probe.n_expert
+    rb, n_moe, n_exp = probe.experts.c.record_bytes, len(probe.moe_layers), probe.n_expert
     return {"one slot per layer": "min", "half": rb * n_moe * max(n_exp // 2, 1), "all": "all"}
 
 
@@ -84,7 +85,7 @@ def test_budget_limits_and_words(tmp_path):
     build("qwen3_moe", "basic", tmp_path / "hf", seed=1)
     path = to_container(tmp_path / "hf", tmp_path / "c")
     m = load_model(path, budget="min")
-    rb, n_moe = m.container.record_bytes, len(m.moe_layers)
+    rb, n_moe = m.experts.c.record_bytes, len(m.moe_layers)
     assert m.experts.n_slots == n_moe
     with pytest.raises(BudgetInvalid, match=f"minimum is .*{n_moe * rb} bytes"):
         load_model(path, budget=n_moe * rb - 1)
@@ -109,7 +110,7 @@ def test_batch_union_reads_each_expert_once_per_step(tmp_path):
     assert union < 40 * 2 * len(model.moe_layers)  # the tokens share experts
     st = model.experts.stats
     assert st.misses == union and st.hits == 0  # each unique expert of the step read once
-    assert st.bytes_read == union * model.container.record_bytes
+    assert st.bytes_read == union * model.experts.inner.record_bytes
     before = st.misses
     model.forward(ids[:1], model.new_cache(4))  # everything is resident now: no reads
     assert model.experts.stats.misses == before
@@ -166,7 +167,7 @@ def test_tokens_identical_with_every_policy(tmp_path, family, case):
         hf = ref.generate(torch.tensor(ids)[None], max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     top_k, n_moe = probe.args.num_experts_per_tok, len(probe.moe_layers)
-    budget = probe.container.record_bytes * n_moe * (top_k + 1)  # the LRU minimum and room for a hot set
+    budget = probe.experts.c.record_bytes * n_moe * (top_k + 1)  # the LRU minimum and room for a hot set
     for name in POLICIES:
         for prefetch in (0, 4):
             policy = Policy(name=name, hot_set=1.0, repin_every=2, prefetch_reads=prefetch)

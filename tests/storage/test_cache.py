@@ -8,8 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from colibri.storage import cache as cache_mod
-from colibri.storage.cache import ExpertCache, ExpertReadError
+from colibri.storage import reader as reader_mod
+from colibri.storage.cache import ExpertCache
+from colibri.storage.errors import BudgetInvalid, ExpertReadError
 
 from hf_models import build_container, served
 
@@ -21,7 +22,7 @@ def container(tmp_path_factory):
 
 def test_o_direct_by_default(container):
     c = ExpertCache(container, "min")
-    assert c.direct and c.fallback_reason is None
+    assert c.reader.direct and c.reader.fallback_reason is None
     assert c.arena.ctypes.data % 4096 == 0 and c.record_bytes % 4096 == 0
 
 
@@ -33,10 +34,10 @@ def test_buffered_fallback_when_o_direct_is_refused(container, monkeypatch, capl
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(cache_mod.os, "open", no_direct)
+    monkeypatch.setattr(reader_mod.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="colibri.storage"):
         c = ExpertCache(container, "all")
-    assert not c.direct and "O_DIRECT refused" in c.fallback_reason
+    assert not c.reader.direct and "O_DIRECT refused" in c.reader.fallback_reason
     assert len([r for r in caplog.records if "O_DIRECT" in r.message]) == 1  # logged once
     monkeypatch.undo()
     ref = ExpertCache(container, "all")
@@ -66,7 +67,7 @@ def test_read_time_counts_reads_started_ahead(container):
     assert c.prefetch(il, [0, 1, 2], max_reads=3) == 3
     for _, fut in c.prefetched[il].values():
         fut.result()
-    assert c.stats.io_wall_s > 0 and c._io_busy == 0
+    assert c.stats.io_wall_s > 0 and c.reader._io_busy == 0
     before = c.stats.io_wall_s
     served(c, il, [0, 1, 2])  # all three were read ahead: nothing more is in flight
     assert c.stats.io_wall_s == before and c.stats.bytes_read == 3 * c.record_bytes
@@ -83,11 +84,11 @@ def test_a_predicted_expert_the_router_did_not_choose_is_not_waited_for(containe
     real = os.preadv
 
     def preadv(fd, bufs, offset):
-        if fd == c.fds[rec.file] and offset == rec.offset and not landed.wait(5):
+        if fd == c.reader.fds[rec.file] and offset == rec.offset and not landed.wait(5):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, bufs, offset)
 
-    monkeypatch.setattr(cache_mod.os, "preadv", preadv)  # a slow disk cannot be made here
+    monkeypatch.setattr(reader_mod.os, "preadv", preadv)  # a slow disk cannot be made here
     assert c.prefetch(il, [5], max_reads=1) == 1
     assert 1 in served(c, il, [1])  # 5 predicted, 1 chosen: returns with 5's read still in flight
     assert c.stats.prefetch_wasted == 1
@@ -118,7 +119,7 @@ def test_read_error_names_the_expert_and_frees_the_slot(container, monkeypatch):
     def eio(fd, bufs, offset):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(cache_mod.os, "preadv", eio)  # a failing disk cannot be made here either
+    monkeypatch.setattr(reader_mod.os, "preadv", eio)  # a failing disk cannot be made here either
     with pytest.raises(ExpertReadError, match=f"layer {il} expert 4 from .*experts-.* at offset"):
         served(c, il, [4])
     monkeypatch.undo()
@@ -147,7 +148,7 @@ def test_resize_keeps_the_most_recent_and_their_bytes(container):
     for ie in range(4):
         for x, y in zip(got[ie], ref[ie]):
             np.testing.assert_array_equal(x, y)
-    with pytest.raises(cache_mod.BudgetInvalid, match="minimum"):
+    with pytest.raises(BudgetInvalid, match="minimum"):
         c.resize(rb)
     assert c.slots_per_layer == container.n_expert  # a refused resize changes nothing
 
@@ -158,7 +159,7 @@ def test_reserved_hugepages_and_the_fallback(container):
     need = -(-container.expert_bytes // (2 * 2**20))
     c = ExpertCache(container, "all", hugetlb=True)
     if before < need:  # the pool cannot hold it: transparent hugepages, and the reason
-        assert "fallback from reserved hugepages" in c.hugepages and "vm.nr_hugepages" in c.hugepages
+        assert "fallback from reserved hugepages" in c.describe()["hugepages"] and "vm.nr_hugepages" in c.describe()["hugepages"]
     try:  # reserve the pages (root can) and get them
         with open("/proc/sys/vm/nr_hugepages", "w") as f:
             f.write(str(before + need))
@@ -166,9 +167,9 @@ def test_reserved_hugepages_and_the_fallback(container):
         pytest.skip("cannot reserve hugepages here")
     try:
         c2 = ExpertCache(container, "all", hugetlb=True)
-        if c2.hugepages.startswith("fallback"):
-            pytest.skip(f"the kernel gave no hugepages: {c2.hugepages}")
-        assert c2.hugepages.startswith("reserved")
+        if c2.describe()["hugepages"].startswith("fallback"):
+            pytest.skip(f"the kernel gave no hugepages: {c2.describe()['hugepages']}")
+        assert c2.describe()["hugepages"].startswith("reserved")
         il = container.moe_layers[0]
         got, ref = served(c2, il, [0, 1]), served(ExpertCache(container, "all"), il, [0, 1])
         for ie in got:
@@ -187,9 +188,9 @@ def test_pins_stay_resident_and_count_against_the_budget(container):
     layers_ = container.moe_layers
     il, n_moe, rb = layers_[0], len(layers_), container.record_bytes
     c = ExpertCache(container, 2 * n_moe * rb)  # 2 LRU slots per layer
-    with pytest.raises(cache_mod.BudgetInvalid, match="no room to pin"):
+    with pytest.raises(BudgetInvalid, match="no room to pin"):
         c.pin(il, 5)
-    with pytest.raises(cache_mod.BudgetInvalid, match="at most"):
+    with pytest.raises(BudgetInvalid, match="at most"):
         c.resize(2 * n_moe * rb, pinned_bytes=2 * n_moe * rb)  # nothing left for the LRU
     c.resize(3 * n_moe * rb, pinned_bytes=n_moe * rb)  # room for n_moe pins, 2 LRU slots per layer
     assert c.slots_per_layer == 2 and c.pinned_bytes == n_moe * rb

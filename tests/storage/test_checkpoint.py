@@ -8,12 +8,11 @@ import shutil
 import numpy as np
 import pytest
 
-from colibri.engine.registry import load_model
 from colibri.storage import errors
 from colibri.storage.checkpoint import open_checkpoint
 from colibri.storage.safetensors import SafetensorsFile, write_safetensors
 
-from hf_models import build, rewrite_config
+from hf_models import build, load_model, rewrite_config
 
 TENSOR = "model.layers.0.self_attn.q_proj.weight"
 

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from colibri.storage.cache import ExpertCache, ExpertReadError
+from colibri.storage.cache import ExpertCache
+from colibri.storage.errors import ExpertReadError
 from colibri.storage.faults import FaultPlan, FaultSpecInvalid
 
 from hf_models import build_container, served
@@ -49,7 +50,7 @@ def test_a_failing_read_is_retried_once(container, kind):
     c = ExpertCache(container, "all", faults=FaultPlan.parse(f"{kind}@{il}:3x1"))
     ref = ExpertCache(container, "all")
     same(served(c, il, [3])[3], served(ref, il, [3])[3])
-    assert c.stats.read_errors == 1 and not c.bad
+    assert c.stats.read_errors == 1 and not c.reader.bad
 
 
 @pytest.mark.parametrize("kind,why", [("eio", "Input/output error"), ("short", "short read"),
@@ -63,7 +64,7 @@ def test_a_bad_expert_is_a_named_error_and_the_rest_still_serve(container, kind,
     msg = str(e.value)
     assert f"layer {il} expert 5" in msg and rec.file in msg and f"offset {rec.offset}" in msg and why in msg
     assert msg.count(why) == 1 and "(2 tries)" in msg  # the read and its retry, said once
-    assert list(c.bad) == [(il, 5)] and "5" in c.describe()["bad_experts"][0]
+    assert list(c.reader.bad) == [(il, 5)] and "5" in c.describe()["bad_experts"][0]
     assert 5 not in c.lru[il]  # never kept: its bytes failed
     ref = ExpertCache(container, "all")
     for ie in (4, 6, 7):  # the rest of the layer, through the same single slot
@@ -77,7 +78,7 @@ def test_the_mirror_takes_over(container, mirror):
     got = served(c, il, [2, 3])
     for ie in (2, 3):
         same(got[ie], served(ref, il, [ie])[ie])
-    assert c.stats.read_errors == 4 and not c.bad
+    assert c.stats.read_errors == 4 and not c.reader.bad
     both = ExpertCache(container, "all", mirror=mirror, faults=FaultPlan.parse(f"eio@{il}:1,short@mirror:{il}:1"))
     with pytest.raises(ExpertReadError, match="primary .*Input/output error.*mirror .*short read"):
         served(both, il, [1])

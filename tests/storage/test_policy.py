@@ -4,7 +4,8 @@ a repinned expert's bytes are still its own."""
 import numpy as np
 import pytest
 
-from colibri.storage.cache import BudgetInvalid, ExpertCache
+from colibri.storage.cache import ExpertCache
+from colibri.storage.errors import BudgetInvalid
 from colibri.storage.history import UsageHistory
 from colibri.storage.policy import Policy, PolicyInvalid, learned_slots, plan_repin, victim
 

@@ -1,7 +1,7 @@
 """The built-in demo model, and random models of any shape for tests and benchmarks.
 
 The demo (`write_demo_model`) is a tiny qwen3_moe trained on fortune cookies by
-tools/train_demo.py and shipped in engine/demo_model/ (bf16 safetensors, its own BPE
+tools/train_demo.py and shipped in storage/demo_model/ (bf16 safetensors, its own BPE
 tokenizer, a ChatML chat template, and training.json: corpus, licence, command, loss
 curve, routing statistics, the checkpoint's sha256). It writes English and routes like a
 trained model; it is not a useful assistant.
@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from ..storage.safetensors import SafetensorsWriter, f32_to_bf16
+from .safetensors import SafetensorsWriter, f32_to_bf16
 
 SEED = 20261130
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -191,21 +191,21 @@ def write_random_model(path: str, force: bool = False, **overrides) -> str:
 def default_demo_path(state_dir: str | None = None) -> str:
     """The one place of the demo model, for the daemon and `colictl run` alike: demo-model
     in the state directory (`state_dir`, else $STATE_DIRECTORY, else ~/.local/state/colibri)."""
-    from ..storage.statefile import default_state_dir
+    from .statefile import default_state_dir
 
     return os.path.join(state_dir or default_state_dir(), "demo-model")
 
 
-def ensure_demo_container(path: str, progress=None) -> str:
+def ensure_demo_container(path: str, build, progress=None) -> str:
     """The demo model as a container at `path` (written, then converted, the first time;
     anything else there, e.g. the demo of an older colibri, is replaced), so that every
     command of the daemon's walkthrough (cache, pin, policy) works on it. `demo-source` in
-    it names the shipped weights it was made from. `progress(phase)` hears each step.
-    Returns the path. Raises OSError."""
-    from ..storage.checkpoint import load_config, open_checkpoint
-    from ..storage.container import is_container
-    from ..storage.convert import ExpertPlan, convert
-    from .registry import build_model
+    it names the shipped weights it was made from. `build(path, config)` is the engine's
+    registry (placement.py), which knows the family's expert tensor names. `progress(phase)`
+    hears each step. Returns the path. Raises OSError."""
+    from .checkpoint import load_config, open_checkpoint
+    from .container import is_container
+    from .convert import ExpertPlan, convert
 
     path = os.path.abspath(path)
     with open(os.path.join(DEMO_DIR, "training.json")) as f:
@@ -224,7 +224,7 @@ def ensure_demo_container(path: str, progress=None) -> str:
         write_demo_model(src, force=True)
         if progress:
             progress("converting the demo model to a container")
-        model = build_model(src, load_config(src))
+        model = build(src, load_config(src))
         convert(open_checkpoint(src), path, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names),
                 force=True)
         with open(os.path.join(path, "demo-source"), "w") as f:

@@ -1,0 +1,275 @@
+"""The engine thread's loop: continuous batching, and the operator actions applied
+between two steps.
+
+The I/O thread feeds it typed messages through the daemon's inbox (a queue); it sends
+stream events and final replies back as (identity, frame) pairs over an inproc PUSH
+socket. Every active request advances one token per step; a new one joins at the next
+step. An idle engine's first request waits `batch_window_ms` for those sent with it.
+Budget, pin and policy changes run between two steps, so a running request sees them
+only in its speed.
+"""
+
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from ..storage.errors import BudgetInvalid, ColibriError, ExpertReadError
+from . import protocol as P
+from .protocol import ProtocolError
+
+log = logging.getLogger("colibri.daemon")
+
+Key = tuple[bytes, str]  # (client identity with its socket tag, request id)
+
+
+@dataclass(frozen=True)
+class Generate:
+    key: Key
+    msg: dict  # the generate_request, checked by the handler
+
+
+@dataclass(frozen=True)
+class Cancel:
+    key: Key  # a running request leaves at the next step, a waiting one at once
+
+
+@dataclass(frozen=True)
+class Resize:
+    reply_to: Key | None  # None: a reload asked it, nobody waits for the reply
+    budget: int | str
+    pinned: int | str | None  # bytes, "auto", or None: as before
+
+
+@dataclass(frozen=True)
+class Pin:
+    reply_to: Key
+    kind: str  # "pin" or "unpin"
+    il: int
+    ie: int
+
+
+@dataclass(frozen=True)
+class SetPolicy:
+    reply_to: Key | None  # None: a reload asked it
+    policy: object  # storage.policy.Policy
+
+
+class Scheduler:
+    """Runs on the engine thread once the model is placed. `daemon` is the Server: the
+    scheduler reads its cfg (which a reload may replace), model, control, history,
+    tokenizer, eos, inbox, stopping and counters, and moves its engine_beat."""
+
+    def __init__(self, daemon, push: zmq.Socket):
+        from ..engine.generate import Batcher
+
+        self.d, self.push = daemon, push
+        self.batcher = Batcher(daemon.model)
+        self.waiting: list[Generate] = []
+        self.state: dict[Key, tuple] = {}  # key -> (request, token ids, text pieces)
+        self.by_client: set[Key] = set()  # requests their client cancelled (the others a stop cancels)
+        self._saved_steps = None  # the usage history's step count at its last write
+        self.actions = {Generate: self.on_generate, Cancel: self.on_cancel, Resize: self.on_resize,
+                        Pin: self.on_pin, SetPolicy: self.on_policy}
+
+    def out(self, key: Key, msg: dict) -> None:
+        self.push.send_multipart([key[0], P.encode(msg)])
+
+    def run(self) -> None:
+        """Serve until the daemon stops and nothing runs. Raises what a bug in the loop
+        raises (the daemon then exits non-zero, for systemd to restart it)."""
+        d = self.d
+        saved_at = time.monotonic()
+        try:
+            while True:
+                if d.stopping.is_set():  # finish nothing new: cancel what runs and waits
+                    for r in self.batcher.active:
+                        r.cancelled = True
+                    for g in self.waiting:
+                        self.out(g.key, P.error("generate", g.key[1], "SHUTTING_DOWN", "colibrid is stopping"))
+                    self.waiting.clear()
+                    if not self.batcher.active:
+                        return
+                d.engine_beat = time.monotonic()
+                self.take_messages()
+                self.start_waiting()
+                if time.monotonic() - saved_at >= d.cfg.history_save_s:
+                    self.save_history()
+                    saved_at = time.monotonic()
+                if self.batcher.active:
+                    self.step()
+        finally:
+            self.save_history()
+
+    def take_messages(self) -> None:
+        """Apply what the inbox holds; block briefly when idle (an idle engine's first
+        request waits batch_window_ms for those sent with it)."""
+        d = self.d
+        idle = not self.batcher.active and not self.waiting
+        block = idle and not d.stopping.is_set()
+        gather_until = None
+        try:
+            while True:
+                if block:
+                    item = d.inbox.get(timeout=0.1)
+                elif gather_until is not None and len(self.waiting) < d.cfg.max_active and (
+                        left := gather_until - time.monotonic()) > 0:
+                    item = d.inbox.get(timeout=left)
+                else:
+                    item = d.inbox.get_nowait()
+                block = False
+                self.actions[type(item)](item)
+                if isinstance(item, Generate) and idle and gather_until is None:
+                    gather_until = time.monotonic() + d.cfg.batch_window_ms / 1e3
+        except queue.Empty:
+            pass
+
+    def start_waiting(self) -> None:
+        """Waiting requests join the batch while it has room."""
+        from ..engine.generate import Request, SamplingParams
+
+        d = self.d
+        while self.waiting and len(self.batcher.active) < d.cfg.max_active:
+            g = self.waiting.pop(0)
+            key, msg = g.key, g.msg
+            try:
+                if "messages" in msg:
+                    ids = d.tokenizer.encode(d.tokenizer.apply_chat_template(msg["messages"]), special=False)
+                else:
+                    ids = d.tokenizer.encode(msg["prompt"])
+                params = SamplingParams(max_tokens=msg.get("max_tokens", 256),
+                                        temperature=float(msg.get("temperature", 0.0)), top_k=msg.get("top_k", 0),
+                                        top_p=float(msg.get("top_p", 1.0)), seed=msg.get("seed"),
+                                        stop=tuple(msg.get("stop") or ()))
+                req = Request(d.model, ids, params, d.eos, d.tokenizer, rid=key)
+            except ColibriError as e:
+                self.fail(key, "INVALID_REQUEST", str(e))
+                continue
+            except Exception as e:  # a bug must cost this request, never the engine thread
+                log.exception("starting request %s", key[1])
+                self.fail(key, "INTERNAL", f"{type(e).__name__}: {e}")
+                continue
+            self.batcher.add(req)
+            self.state[key] = (req, [], [])
+            if os.environ.get("COLIBRI_TEST_ENGINE_CRASH"):  # a test hook: a bug in the loop itself
+                raise RuntimeError("COLIBRI_TEST_ENGINE_CRASH is set")
+
+    def fail(self, key: Key, name: str, message: str) -> None:
+        self.out(key, P.error("generate", key[1], name, message))
+        self.d.counters["failed"] += 1
+
+    def step(self) -> None:
+        """One forward step of every active request; its events go out."""
+        d = self.d
+        try:
+            events = self.batcher.step()
+        except Exception as e:  # e.g. an expert read failed: fail this step's requests, serve on
+            model_error = isinstance(e, ColibriError)
+            if model_error:
+                log.error("step failed: %s", e)
+            else:
+                log.exception("step failed")
+            for r in self.batcher.active:
+                self.state.pop(r.id, None)
+                self.fail(r.id, "MODEL_ERROR" if model_error else "INTERNAL",
+                          str(e) if model_error else f"{type(e).__name__}: {e}")
+            self.batcher.active.clear()
+            return
+        for req, ev in events:
+            key = req.id
+            _, ids, pieces = self.state[key]
+            if ev.kind == "token":
+                ids.append(ev.token_id)
+                pieces.append(ev.text)
+                d.counters["tokens"] += 1
+                self.out(key, P.stream(key[1], ev.token_id, ev.text))
+                continue
+            pieces.append(ev.text)
+            del self.state[key]
+            made = {"token_ids": ids, "text": "".join(pieces)}
+            if ev.finish_reason == "cancelled":
+                d.counters["cancelled"] += 1
+                if key in self.by_client:
+                    self.by_client.discard(key)
+                    self.out(key, P.error("generate", key[1], "CANCELLED", "the request was cancelled", **made))
+                else:
+                    self.out(key, P.error("generate", key[1], "SHUTTING_DOWN", "colibrid is stopping: the request "
+                                                                               "was cut short (retry when it is "
+                                                                               "back)", **made))
+            else:
+                d.counters["served"] += 1
+                self.out(key, P.ok("generate", key[1], prompt_token_ids=req.prompt_ids, **made,
+                                   finish_reason=ev.finish_reason, stats=ev.stats))
+
+    # ---- the messages ------------------------------------------------------------------------
+
+    def on_generate(self, m: Generate) -> None:
+        self.waiting.append(m)
+
+    def on_cancel(self, m: Cancel) -> None:
+        if m.key in self.state:
+            self.state[m.key][0].cancelled = True
+            self.by_client.add(m.key)
+        elif any(g.key == m.key for g in self.waiting):
+            self.waiting = [g for g in self.waiting if g.key != m.key]
+            self.out(m.key, P.error("generate", m.key[1], "CANCELLED", "cancelled before it started"))
+            self.d.counters["cancelled"] += 1
+
+    def reply(self, kind: str, to: Key | None, handle) -> None:
+        answer = P.answer(kind, to[1] if to else None, handle)
+        if to is not None:
+            self.out(to, answer)
+
+    def on_resize(self, m: Resize) -> None:
+        def resize():
+            t0 = time.perf_counter()
+            try:
+                desc = self.d.control.resize(m.budget, m.pinned)
+            except BudgetInvalid as e:
+                raise ProtocolError("INVALID_REQUEST", str(e)) from None
+            log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)
+            return {"placement": desc, "experts": self.d.model.experts.stats.as_dict()}
+
+        self.reply("cache", m.reply_to, resize)
+
+    def on_pin(self, m: Pin) -> None:
+        def pin():
+            control = self.d.control
+            try:
+                (control.pin if m.kind == "pin" else control.unpin)(m.il, m.ie)
+            except BudgetInvalid as e:
+                raise ProtocolError("INVALID_REQUEST", str(e)) from None
+            except KeyError:
+                raise ProtocolError("NOT_FOUND", f"expert {m.il}:{m.ie} is not pinned") from None
+            except ExpertReadError as e:
+                raise ProtocolError("MODEL_ERROR", str(e)) from None
+            log.info("%sned expert %d:%d", m.kind, m.il, m.ie)
+            return {"pinned": control.describe()["pinned"]}
+
+        self.reply(m.kind, m.reply_to, pin)
+
+    def on_policy(self, m: SetPolicy) -> None:
+        def set_policy():
+            try:
+                desc = self.d.control.set_policy(m.policy)
+            except BudgetInvalid as e:
+                raise ProtocolError("INVALID_REQUEST", str(e)) from None
+            log.info("expert cache policy: %s", m.policy.as_dict())
+            return {"policy": desc["policy"], "history": desc["history"]}
+
+        self.reply("policy", m.reply_to, set_policy)
+
+    def save_history(self) -> None:
+        """Write the usage history (atomically) from the engine thread; a failure is logged."""
+        history = self.d.history
+        if history is None or history.steps == self._saved_steps:
+            return  # nothing new since the last write
+        self._saved_steps = history.steps
+        try:
+            if history.save():
+                log.debug("usage history saved to %s", history.path)
+        except OSError as e:
+            log.warning("could not save the usage history to %s: %s", history.path, e.strerror)

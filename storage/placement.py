@@ -1,0 +1,196 @@
+"""Placement: where a model's weights live while it runs, put together in one place.
+
+`open_model(path, placement, build)` opens a Hugging Face checkpoint or a colibri
+container, checks it fully (the same checks `colictl doctor` reports, in the same
+order), and places it: the dense weights resident, the routed experts either all
+resident (a checkpoint) or behind the expert cache (a container) with its policy, usage
+history, reader, mirror and fault drills. `colictl run` and the daemon both call it.
+
+Storage knows no model family: `build(path, config)` is the engine's registry, and the
+model it returns offers what placement needs (ModelShape). The engine then sees only the
+ExpertSource protocol (experts.py); the runtime control of the cache (resize, pins,
+policy, history) is the separate `control`, None when every expert is resident.
+"""
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, TextIO
+
+from .checkpoint import load_config, open_checkpoint
+from .container import ContainerInvalid, is_container, open_container
+from .errors import BudgetInvalid, ColibriError
+from .experts import ExpertSource, TracedSource
+from .policy import Policy
+
+log = logging.getLogger("colibri.storage")
+
+
+class ModelShape(Protocol):
+    """What placement needs of a model (the engine's MoEModel)."""
+
+    MODEL_TYPE: str
+    n_layer: int
+    moe_layers: list[int]
+    n_expert: int
+    n_expert_used: int  # top-k: the cache keeps at least this many slots per layer
+
+    def expert_names(self, il: int, ie: int) -> tuple[str, str, str]: ...
+
+    def check(self, src, with_experts: bool = True) -> None: ...
+
+    def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None): ...
+
+
+class CacheControl(Protocol):
+    """What an operator may change while a container's model runs (call between steps)."""
+
+    policy: Policy
+
+    def resize(self, budget: int | str, pinned_bytes: int | str | None = None) -> dict: ...
+
+    def set_policy(self, policy: Policy) -> dict: ...
+
+    def pin(self, il: int, ie: int) -> None: ...
+
+    def unpin(self, il: int, ie: int) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How to place a model: colictl run's flags and colibrid's configuration.
+
+    `budget`: the expert cache in bytes, "min", "all", or None for the default (every
+    expert if that fits in half the available memory, else that half); a checkpoint takes
+    no budget. `policy`: storage/policy.py (None: `learned`); `prefetch` overrides its
+    prefetch_reads. The usage history lives in `state_dir`/history (None: in memory only).
+    `verify` (first, always, off) checks expert reads against the manifest's checksums;
+    `mirror` is a directory with copies of the expert files, read when the primary fails.
+    `faults` is a COLIBRI_FAULTS drill spec (faults.py). `trace` receives the routing trace.
+    """
+
+    budget: int | str | None = None
+    io_threads: int = 2
+    direct: bool = True
+    mlock: bool = False
+    hugetlb: bool = False
+    policy: Policy | None = None
+    prefetch: int | None = None
+    state_dir: str | None = None
+    history_read_only: bool = False
+    history_half_life: float | None = None
+    verify: str = "first"
+    mirror: str | None = None
+    faults: str | None = None
+    trace: TextIO | None = None
+
+
+@dataclass
+class Placed:
+    model: ModelShape  # loaded: dense weights resident, experts behind its ExpertSource
+    control: CacheControl | None  # None: every expert is resident, nothing to retune
+    history: object | None  # the usage history (history.py) the daemon saves, or None
+
+
+Build = Callable[[str, dict], ModelShape]
+
+
+def check_model(path: str, build: Build, report=None):
+    """Every check that placing makes before it reads a weight, in its order: the config
+    and its family (`model`), the container's manifest and index against the config or the
+    checkpoint's files (`container`, `index` / `checkpoint`), every dense tensor with its
+    shape (`dense`). `report(name, detail)` hears each check that passed.
+    Returns (model without weights, the Container or Checkpoint).
+
+    Raises the storage errors (ModelNotFound, ConfigMissing, ConfigInvalid, header and
+    tensor errors, ContainerInvalid) and what `build` raises (UnsupportedModelType); each
+    carries `check`, the name of the check that failed."""
+    report = report or (lambda name, detail: None)
+    name = "model"
+    try:
+        model = build(path, load_config(path))
+        report(name, f"{path}: {model.MODEL_TYPE}, {model.n_layer} layers, {model.n_expert} experts per MoE layer")
+        if is_container(path):
+            name = "container"
+            store = open_container(path)
+            p = store.precision()
+            report(name, f"format v{store.manifest['version']}, {len(store.records)} expert records of "
+                         f"{store.record_bytes / 2**20:.2f} MiB in {len({x.file for x in store.records.values()})} "
+                         f"files, dense {p['dense']}, experts {p['experts']}{' (lossy)' if p['lossy'] else ''}")
+            name = "index"
+            if store.moe_layers != model.moe_layers or store.n_expert != model.n_expert:
+                raise ContainerInvalid(f"{path}: the manifest's experts do not match config.json")
+            store.check_index(model.moe_layers, model.n_expert)
+            report(name, f"every expert of {len(model.moe_layers)} MoE layers indexed once, records aligned to "
+                         "4 KiB and inside their files")
+            name = "dense"
+            model.check(store.dense, with_experts=False)
+            report(name, "dense.safetensors has every dense tensor, with the shapes config.json implies")
+        else:
+            name = "checkpoint"
+            store = open_checkpoint(path)
+            model.check(store)
+            size = sum(sf.file_bytes for sf in store.files.values())
+            report(name, f"{len(store.files)} safetensors file(s), {size / 2**30:.2f} GiB, every tensor present with "
+                         "the shape its config implies (experts all resident: no budget)")
+    except ColibriError as e:
+        e.check = name
+        raise
+    return model, store
+
+
+def default_budget(container) -> int:
+    """Without a budget: every expert if that fits in half the available memory, else that half."""
+    import psutil
+
+    return max(min(container.expert_bytes, psutil.virtual_memory().available // 2), 1)
+
+
+def open_model(path: str, placement: Placement, build: Build, progress=None, checked=None) -> Placed:
+    """Check the model directory at `path` (check_model), then place it as `placement`
+    says. `checked()` runs once every check passed, before a weight is read (colictl run
+    loads the tokenizer there, so that a broken one costs no read). `progress(phase, done,
+    total)` hears each dense tensor and each expert of the warm start.
+
+    Raises what check_model raises, BudgetInvalid (a budget for a checkpoint, or too small
+    for the model), FaultSpecInvalid, ExpertReadError (the warm start), OSError."""
+    from .cache import ExpertCache
+    from .faults import FaultPlan
+    from .history import DEFAULT_HALF_LIFE, UsageHistory, history_path
+
+    pl = placement
+    model, store = check_model(path, build)
+    if checked:
+        checked()
+    if not is_container(path):
+        if pl.budget is not None:
+            raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "
+                                f"colictl convert {path} DST, then run --model DST")
+        model.load(store, progress=progress)
+        if pl.trace:
+            model.experts = TracedSource(model.experts, pl.trace)
+        return Placed(model, None, None)
+    c = store
+    policy = pl.policy or Policy()
+    if pl.prefetch is not None:
+        policy = replace(policy, prefetch_reads=pl.prefetch)
+    history = UsageHistory(c.moe_layers, c.n_expert, c.fingerprint,
+                           history_path(pl.state_dir, c.fingerprint) if pl.state_dir else None,
+                           pl.history_half_life or DEFAULT_HALF_LIFE, pl.history_read_only)
+    faults = FaultPlan.parse(pl.faults)
+    if faults:
+        log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
+    cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
+                        pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
+                        mirror=pl.mirror, faults=faults)
+    model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
+    cache.warm_start(progress)
+    return Placed(model, cache, history)
+
+
+def faults_from_env() -> str | None:
+    """The COLIBRI_FAULTS drill spec of this process's environment (a debug setting)."""
+    return os.environ.get("COLIBRI_FAULTS")

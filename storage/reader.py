@@ -1,0 +1,150 @@
+"""The expert reader: one record from a container's expert files into a buffer.
+
+O_DIRECT `preadv` (whole 4 KiB-aligned records into page-aligned slots) from a small
+thread pool, buffered reads where the file system refuses O_DIRECT; each read checked
+against the manifest's crc32 (as `verify` says); a failed or corrupted read is tried once
+more, then on the mirror (a directory with copies of the expert files), then it raises
+ExpertReadError naming the layer, expert, file and offset. COLIBRI_FAULTS drills
+(faults.py) make chosen reads fail.
+"""
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from .container import Container, ExpertRecord, crc32
+from .errors import ExpertReadError
+from .experts import ExpertStats
+from .faults import FaultPlan, inject
+
+log = logging.getLogger("colibri.storage")
+VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
+
+
+class ExpertReader:
+    """Reads `container`'s expert records on `io_threads` threads, counting into `stats`
+    (bytes are counted by the cache, which knows which reads it used).
+
+    Raises ValueError for an unknown verify mode, OSError when an expert file cannot be
+    opened (a mirror file that cannot be opened is logged and left out)."""
+
+    def __init__(self, container: Container, stats: ExpertStats, io_threads: int = 2, direct: bool = True,
+                 verify: str = "first", mirror: str | None = None, faults: FaultPlan | None = None):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}")
+        self.c, self.stats = container, stats
+        self.io_threads, self.verify, self.faults = io_threads, verify, faults
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
+        self._io_lock = threading.Lock()  # guards the two below (engine and I/O threads)
+        self._io_busy, self._io_since = 0, 0.0  # reads submitted and not finished; since when some are
+        self.direct, self.fallback_reason = direct, None
+        self.fds = {file: self._open(file) for file in sorted({r.file for r in container.records.values()})}
+        self.verified: set[tuple[int, int]] = set()  # experts whose bytes matched the manifest this start
+        self.bad: dict[tuple[int, int], str] = {}  # experts whose last read failed, and why
+        self.mirror, self.mirror_fds = mirror, {}
+        if mirror:
+            for file in self.fds:
+                copy = os.path.join(mirror, os.path.basename(file))
+                try:
+                    self.mirror_fds[file] = self._open(copy)
+                except OSError as e:
+                    log.warning("mirror %s: %s; reads of %s have no fallback", copy, e.strerror, file)
+
+    def _open(self, file: str) -> int:
+        if self.direct:
+            try:
+                return os.open(file, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                self.direct = False
+                self.fallback_reason = f"O_DIRECT refused on {file} ({e.strerror}); using buffered reads"
+                log.warning(self.fallback_reason)
+        return os.open(file, os.O_RDONLY)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in [*self.fds.values(), *self.mirror_fds.values()]:
+            os.close(fd)
+        self.fds.clear()
+        self.mirror_fds.clear()
+
+    def submit(self, key: tuple[int, int], buf: np.ndarray) -> Future:
+        """Start reading expert `key` into `buf` on the I/O threads. `io_wall_s` counts the
+        time during which at least one submitted read has not finished, prefetches included.
+        The future raises ExpertReadError."""
+        with self._io_lock:
+            if not self._io_busy:
+                self._io_since = time.perf_counter()
+            self._io_busy += 1
+        return self.pool.submit(self._read_counted, self.c.records[key], buf)
+
+    def _read_counted(self, rec: ExpertRecord, buf: np.ndarray) -> float:
+        try:
+            return self.read(rec, buf)
+        finally:
+            with self._io_lock:
+                self._io_busy -= 1
+                if not self._io_busy:
+                    self.stats.io_wall_s += time.perf_counter() - self._io_since
+
+    def read(self, rec: ExpertRecord, buf: np.ndarray) -> float:
+        """Read one record into `buf` (on the calling thread), verified, retried, then from
+        the mirror. Raises ExpertReadError: the buffer's bytes are then not to be used.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        key = (rec.layer, rec.expert)
+        tries = [("primary", self.fds[rec.file], rec.file)] * 2
+        if rec.file in self.mirror_fds:
+            tries.append(("mirror", self.mirror_fds[rec.file], os.path.join(self.mirror, os.path.basename(rec.file))))
+        failed = []
+        for where, fd, path in tries:
+            why = self._read_once(rec, buf, where, fd)
+            if why is None:
+                if failed:
+                    log.warning("layer %d expert %d: read from the %s after %s", rec.layer, rec.expert, where,
+                                "; ".join(failed))
+                self.bad.pop(key, None)
+                return time.perf_counter() - t0
+            self.stats.read_errors += 1
+            failed.append(f"{where} {path}: {why}")
+        said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]  # the same twice: once
+        msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
+               + "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said))
+        self.bad[key] = msg
+        log.error("%s", msg)
+        raise ExpertReadError(msg)
+
+    def _read_once(self, rec: ExpertRecord, row: np.ndarray, where: str, fd: int) -> str | None:
+        """One attempt; why it failed, or None."""
+        buf = memoryview(row)
+        fault = self.faults.take(where, rec.layer, rec.expert) if self.faults else None
+        done = 0
+        while done < rec.length:
+            try:
+                n = os.preadv(fd, [buf[done:]], rec.offset + done)
+                if fault:  # a drill (faults.py): this read fails as told
+                    forced, fault = inject(fault, row, done), None
+                    n = n if forced is None else forced
+            except OSError as e:
+                return e.strerror or str(e)
+            if n <= 0:
+                return f"short read, {done} of {rec.length} bytes"
+            done += n
+        key = (rec.layer, rec.expert)
+        if self.verify == "always" or (self.verify == "first" and key not in self.verified):
+            t = time.perf_counter()
+            crc = crc32(row)
+            self.stats.verify_s += time.perf_counter() - t
+            self.stats.verified += 1
+            if crc != rec.crc32:
+                return f"checksum mismatch (crc32 {crc:08x}, the manifest says {rec.crc32:08x})"
+            self.verified.add(key)
+        return None
+
+    def describe(self) -> dict:
+        return {"verify": self.verify, "mirror": self.mirror,
+                "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())],
+                "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason}
