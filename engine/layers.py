@@ -5,17 +5,14 @@ SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 import functools
 import math
 import os
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32
-from . import kernels
-
-_F16_LUT = np.zeros(1, np.float32)  # replaced by init() before the first f16 matmul
+from . import crew, kernels, qkernels
+from .kernels import f16_lut
 
 
 def init(n_threads: int | None = None, progress=None) -> None:
@@ -23,10 +20,9 @@ def init(n_threads: int | None = None, progress=None) -> None:
     this process may run on), and one call of each kernel on tiny arrays so that compiling
     (or loading the compiled cache) happens here, not in the first request's timings.
     `progress(phase, done, total)` hears each kernel group. Call once before forward."""
-    global _F16_LUT
-    if n_threads is not None or _COMPUTE_POOL is None:
-        set_threads(n_threads or len(os.sched_getaffinity(0)))
-    if _F16_LUT.shape[0] == 65536:
+    if n_threads is not None or not crew.threads_set():
+        crew.set_threads(n_threads or len(os.sched_getaffinity(0)))
+    if init.done:
         return
     x = np.ones((1, 4), np.float32)
     x64 = np.ones((1, 128), np.float32)
@@ -34,7 +30,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
 
     def dense():
         for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
-            kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, _F16_LUT, np.empty((1, 2), np.float32))
+            kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, f16_lut(), np.empty((1, 2), np.float32))
         kernels.matmul_f32_par(x, np.ones((2, 4), np.float32), np.empty((1, 2), np.float32))
         for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
                   QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
@@ -51,12 +47,15 @@ def init(n_threads: int | None = None, progress=None) -> None:
         kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), np.empty_like(q))
         kernels.silu_mul(x, x, np.empty_like(x))
 
-    steps = [dense, *(functools.partial(experts, g) for g in kernels.LINEAR_Q4), attention]
-    _F16_LUT = kernels.f16_table()
+    steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), attention]
     for i, step in enumerate(steps):
         if progress:
             progress("compiling kernels", i, len(steps))
         step()
+    init.done = True
+
+
+init.done = False
 
 
 def to_f32(a: np.ndarray) -> np.ndarray:
@@ -71,12 +70,12 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
         y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
         scales = w.scales.view(np.uint16)
         if w.kind == "int8":
-            kernels.matmul_q8(x, w.q, scales, w.group_size, _F16_LUT, y)
+            qkernels.matmul_q8(x, w.q, scales, w.group_size, f16_lut(), y)
         else:
-            kernels.LINEAR_Q4[w.group_size](x, w.q, scales, _F16_LUT, y)
-    elif w.size >= kernels.CREW_MIN_ELEMENTS and w.flags.c_contiguous and getattr(_SESSION, "crew", None) is not None:
+            qkernels.LINEAR_Q4[w.group_size](x, w.q, scales, f16_lut(), y)
+    elif w.size >= crew.CREW_MIN_ELEMENTS and w.flags.c_contiguous and crew.session() is not None:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)  # on the step's crew, as matmul_f32 / matmul_u16 below
-        _SESSION.crew.matmul(x, w, y)
+        crew.session().matmul(x, w, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
@@ -86,7 +85,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     else:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
         kernel = kernels.matmul_u16_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_u16
-        kernel(x, w.view(np.uint16), w.dtype == np.uint16, _F16_LUT, y)
+        kernel(x, w.view(np.uint16), w.dtype == np.uint16, f16_lut(), y)
     if bias is not None:
         y += bias
     return y
@@ -107,125 +106,24 @@ def is_int4(gate, up, down) -> bool:
             and gate.kind == up.kind == down.kind == "int4" and gate.group_size == up.group_size == down.group_size)
 
 
-class Crew:
-    """The threads that share a forward step's parallel work (kernels.CREW): this thread and,
-    with `share`, the crew threads, which stay in the kernel between jobs (spinning, so
-    nothing has to wake them: waking a CPU that has gone idle takes 0.1-0.6 ms here, a layer's
-    experts ~2 ms). Each job (`experts`, `matmul`) is published on the board and done by
-    whoever is there; a helper that comes late finds it done. A helper that waited too long
-    leaves, and the next job calls it back. `close` ends the step: the helpers leave. A crew
-    without helpers (`share` False) is the same code on this thread alone."""
-
-    def __init__(self, g: int, share: bool, max_jobs: int = 512):
-        self.g, self.kernel, self.share = g, kernels.CREW[g], share and _CREW_POOL is not None
-        self.MAX_JOBS = max_jobs  # a step's jobs: ~5 per layer
-        self.board = np.zeros(kernels.BOARD_HEAD + kernels.JOB_LEN * max_jobs, np.int64)
-        self.keep: list = []  # every array a descriptor points at, alive while a helper may read it
-        self.jobs = 0
-        self.helpers: list = []  # their futures
-        self.work = np.empty(0, np.float32)  # the expert jobs' scratch
-        self._summon()
-
-    def _summon(self) -> None:
-        if not self.share or self.jobs == self.MAX_JOBS:
-            return
-        self.board[1] = 0  # open (again)
-        if all(f.done() for f in self.helpers):
-            self.helpers = [_CREW_POOL.submit(_serve, self.kernel, self.board, self.jobs, self.keep) for _ in range(_N_HELPERS)]
-
-    def _run(self, describe, args: tuple, keep: tuple) -> None:
-        # publish a job (its descriptor written by `describe(board, job, *args)`) and do it
-        if self.jobs == self.MAX_JOBS:  # the board is full: the further jobs on a board of their own
-            Crew(self.g, share=False, max_jobs=1)._run(describe, args, keep)
-            return
-        self._summon()
-        self.keep.append(keep)
-        describe(self.board, self.jobs, *args)
-        self.jobs += 1
-        self.kernel(self.board, self.jobs - 1, _F16_LUT, 0)
-
-    def experts(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray, experts: list,
-                ys: np.ndarray) -> None:
-        # int4 experts of one shape on the decode path, for some rows of a step: ys[r] = wts[r] *
-        # expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; x [T, D] f32, rows [R] int64,
-        # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
-        gate, up, down = experts[0]
-        I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
-        bad = (g != self.g or gate.layout != ("int4", g, (I, D // 2), (I, D // g)) or up.layout != gate.layout
-               or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
-               or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
-               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous))
-        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn in experts):
-            raise ValueError("int4 experts: the weight, activation and output shapes do not match")
-        E, R = len(experts), len(rows)
-        ints = np.zeros(R + 7 * E + 1 + 2 + 3 * E, np.int64)  # rows, starts, addrs [E, 6], ctl [2 + 3 E]: new for each job
-        ints[:R], ints[R : R + E + 1] = rows, starts  # (a helper late for a job still reads its counters)
-        ints[R + E + 1 : R + 7 * E + 1] = [a for e in experts for w in e for a in w.addresses]
-        n_work = R * (2 * D + D // g + 3 * I + I // g)
-        if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
-            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
-        self._run(kernels.describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys),
-                  (x, ints, self.work, wts, ys, experts))
-
-    def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as
-        # uint16): as matmul_f32 and matmul_u16
-        T, D = x.shape
-        if (w.ndim != 2 or w.dtype not in (np.float32, np.float16, np.uint16) or w.shape[1] != D or out.shape != (T, w.shape[0]) or x.dtype != np.float32
-                or out.dtype != np.float32 or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
-            raise ValueError("matmul: weight, activation and output shapes do not match")
-        kind = kernels.JOB_F32 if w.dtype == np.float32 else kernels.JOB_U16
-        ctl = np.zeros(2, np.int64)
-        bits = w.view(np.uint16) if w.dtype == np.float16 else w  # (numba takes no float16 arrays; the kernel reads bits)
-        self._run(kernels.describe_matmul, (kind, x, bits, out, ctl, w.dtype == np.uint16), (x, w, out, ctl))
-
-    def close(self) -> None:
-        # the helpers leave (and are called back by the next job, if any: `close` also parks
-        # them while other threads need the CPUs)
-        self.board[1] = 1
-
-
-_SESSION = threading.local()  # .crew: the crew of the forward step this thread is in
-
-
-@contextmanager
-def crew_session(g: int | None):
-    """A forward step's crew (for int4 experts of group g, or None): the experts and the big
-    matrices of the step run on it."""
-    crew = Crew(g or 64, share=True)
-    before = getattr(_SESSION, "crew", None)
-    _SESSION.crew = crew
-    try:
-        yield crew
-    finally:
-        _SESSION.crew = before
-        crew.close()
-
-
-def _serve(kernel, board: np.ndarray, job: int, keep: list) -> None:
-    # a crew thread: the jobs of `board` from `job` on as they come (`keep` holds what they point at)
-    kernel(board, job, _F16_LUT, 1)
-
-
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
-    # kernels when the rows are a prompt's (kernels.LINEAR_Q4_TOK), else the decode path in one
-    # call (a one-job layers.Crew)
+    # kernels when the rows are a prompt's (qkernels.LINEAR_Q4_TOK), else the decode path in one
+    # call (a one-job crew.Crew)
     if is_int4(gate, up, down):
         x = np.ascontiguousarray(x, dtype=np.float32)
         T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
         out = np.empty((T, D), np.float32)
         if not prompt:  # every row its own, weight 1 (exact)
-            crew = Crew(gate.group_size, share=False, max_jobs=1)
-            crew.experts(x, np.arange(T), np.array([0, T]), 1, np.ones(T, np.float32), [(gate, up, down)], out)
+            one = crew.Crew(gate.group_size, share=False, max_jobs=1)
+            one.experts(x, np.arange(T), np.array([0, T]), 1, np.ones(T, np.float32), [(gate, up, down)], out)
             return out
-        lin = kernels.LINEAR_Q4_TOK[gate.group_size]
+        lin = qkernels.LINEAR_Q4_TOK[gate.group_size]
         h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
-        lin(x, gate.q, gate.scales.view(np.uint16), _F16_LUT, h)
-        lin(x, up.q, up.scales.view(np.uint16), _F16_LUT, u)
+        lin(x, gate.q, gate.scales.view(np.uint16), f16_lut(), h)
+        lin(x, up.q, up.scales.view(np.uint16), f16_lut(), u)
         kernels.silu_mul(h, u, h)
-        lin(h, down.q, down.scales.view(np.uint16), _F16_LUT, out)
+        lin(h, down.q, down.scales.view(np.uint16), f16_lut(), out)
         return out
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
@@ -406,49 +304,6 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
     return ids, w
 
 
-_COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
-_CREW_POOL = None  # threads that join a Crew (set_threads)
-_N_HELPERS = 0
-
-
-def set_threads(n: int) -> None:
-    """Use n threads for the experts of a batch (the caller's thread is one of them) and for
-    the parallel dense kernels."""
-    global _COMPUTE_POOL, _CREW_POOL, _N_HELPERS
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numba
-
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(n)
-    for pool in (_COMPUTE_POOL, _CREW_POOL):
-        if pool is not None:
-            pool.shutdown()
-    _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
-    _CREW_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-crew") if n > 1 else None
-    _N_HELPERS = n - 1
-
-
-def run_shared(items: list, fn) -> None:
-    """fn(item) for every item, on this thread and the compute threads, each taking the next
-    item until none is left."""
-    todo = iter(items)
-    lock = threading.Lock()
-
-    def work():
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            fn(item)
-
-    helpers = [_COMPUTE_POOL.submit(work) for _ in range(_N_HELPERS)]
-    work()
-    for f in helpers:
-        f.result()
-
-
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
     t0 = time.perf_counter()
@@ -461,8 +316,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
     any_prompt, all_prompt = any(sg.n > 1 for sg in segments), all(sg.n > 1 for sg in segments)
     g = experts.int4_group
-    session = getattr(_SESSION, "crew", None)  # the forward step's crew, else one for this call
-    crew = session if session is not None and session.g == g else Crew(g, share=True) if g and not all_prompt else None
+    session = crew.session()  # the forward step's crew, else one for this call
+    team = session if session is not None and session.g == g else crew.Crew(g, share=True) if g and not all_prompt else None
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
@@ -503,7 +358,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
             mine, rest = [], []
             for item in batch:
                 ie, (gate, up, down) = item
-                crew_takes = crew is not None and is_int4(gate, up, down) and gate.group_size == g
+                crew_takes = team is not None and is_int4(gate, up, down) and gate.group_size == g
                 (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
             if mine:
                 if len(mine) == len(union):  # the whole step at once (all resident): rows as sorted
@@ -513,18 +368,18 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
                     rs = [rows_of(ie) for ie, _ in mine]
                     rows, starts = np.concatenate(rs), np.zeros(len(rs) + 1, np.int64)
                     np.cumsum([len(r) for r in rs], out=starts[1:])
-                crew.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
-            if _COMPUTE_POOL is None or len(rest) <= 1:
+                team.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
+            if not crew.threads_set() or len(rest) <= 1:
                 for item in rest:
                     expert(item)
             else:  # the kernels release the GIL: the experts run side by side, the crews parked meanwhile
-                for c in (crew, session):  # (their helpers would spin on the CPUs the pool's threads need)
+                for c in (team, session):  # (their helpers would spin on the CPUs the pool's threads need)
                     if c is not None:
                         c.close()
-                run_shared(rest, expert)
+                crew.run_shared(rest, expert)
     finally:
-        if crew is not None and crew is not session:
-            crew.close()
+        if team is not None and team is not session:
+            team.close()
     out = np.empty_like(x)
     kernels.sum_slots(ys, A, out)  # slot by slot, a fixed order: the same sum whatever order the experts came in
     experts.layer_done(il, routed, time.perf_counter() - t0)

@@ -15,12 +15,12 @@ import numpy as np
 
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, ResidentExperts
+from .crew import crew_session
 from .layers import (
     KVCache,
     Rope,
     Segment,
     Step,
-    crew_session,
     linear,
     rmsnorm,
     rope_inv_freq,
@@ -251,7 +251,7 @@ class MoEModel:
         return self.forward_batch([(ids, cache)], all_logits)[0]
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
-        # one step (see _forward_batch), its parallel work on one crew of threads (layers.Crew)
+        # one step (see _forward_batch), its parallel work on one crew of threads (crew.Crew)
         with crew_session(self.experts.int4_group):
             return self._forward_batch(seqs, all_logits)
 

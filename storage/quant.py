@@ -6,7 +6,7 @@ along a row (the input dimension):
 - int4: values in [-8, 7] stored +8 as unsigned nibbles, two per byte (the even
   column in the low nibble), w ~ (nibble - 8) * scale.
 
-The engine computes on these directly (engine/kernels.py); nothing here dequantizes
+The engine computes on these directly (engine/qkernels.py); nothing here dequantizes
 a whole matrix except `dequantize`, the reference the tests and benchmarks use.
 """
 
@@ -44,7 +44,7 @@ class QuantWeight:
     @cached_property
     def addresses(self) -> tuple[int, int]:
         # where q and scales start in memory, for kernels that take a batch of experts by
-        # address (the crew's expert jobs, kernels.CREW); kept, since the cache hands out the same views per slot
+        # address (the crew's expert jobs, engine/crew.py); kept, since the cache hands out the same views per slot
         return self.q.__array_interface__["data"][0], self.scales.__array_interface__["data"][0]
 
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from colibri.engine import kernels, layers
+from colibri.engine import crew, kernels, layers, qkernels
 from colibri.storage.experts import ExpertStats, ResidentExperts
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
 
@@ -234,7 +234,7 @@ def test_int4_expert_both_paths(T, D, I, g):
         layers.linear(x, down)
     odd = quantize(rand(kernels.ROW_BLOCK + 7, D), "int4", g)  # a last block of rows that is not full
     y = np.empty((T, odd.q.shape[0]), np.float32)
-    kernels.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), layers._F16_LUT, y)
+    qkernels.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), kernels.f16_lut(), y)
     np.testing.assert_allclose(y, x.astype(np.float64) @ dequantize(odd).T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
@@ -243,7 +243,7 @@ def test_experts_of_a_batch_use_every_compute_thread():
     other can only finish if two threads run them at once."""
     import threading
 
-    layers.set_threads(2)
+    crew.set_threads(2)
     try:
         meet = threading.Barrier(2, timeout=10)
         seen = set()
@@ -252,7 +252,7 @@ def test_experts_of_a_batch_use_every_compute_thread():
             seen.add(threading.get_ident())
             meet.wait()
 
-        layers.run_shared([0, 1], item)
+        crew.run_shared([0, 1], item)
         assert len(seen) == 2
     finally:
         layers.init()
@@ -291,11 +291,11 @@ def int4_experts(n, D, I, g):
     return [tuple(quantize(rand(*s) * 0.1, "int4", g) for s in ((I, D), (I, D), (D, I))) for _ in range(n)]
 
 
-def wait_for_helper(crew):
+def wait_for_helper(team):
     import time
 
     deadline = time.monotonic() + 30
-    while crew.board[2] == 0:  # a helper in the kernel, spinning for jobs
+    while team.board[2] == 0:  # a helper in the kernel, spinning for jobs
         assert time.monotonic() < deadline, "no crew thread came"
         time.sleep(0.001)
 
@@ -313,7 +313,7 @@ def test_crew_jobs_give_the_bits_of_one_thread():
         starts = np.array([0, *range(1, E), T * A], np.int64)  # the last expert takes the rest
         wts = rand(T * A)
         alone = np.zeros((T * A, D), np.float32)
-        layers.Crew(g, share=False).experts(x, rows, starts, A, wts, experts, alone)
+        crew.Crew(g, share=False).experts(x, rows, starts, A, wts, experts, alone)
         for e in range(E):
             for r in rows[starts[e] : starts[e + 1]]:
                 one = layers.swiglu(x[r // A : r // A + 1], *experts[e])[0]
@@ -322,29 +322,29 @@ def test_crew_jobs_give_the_bits_of_one_thread():
         xb, wb = rand(2, 1024), rand(2 * 8)
         rb, sb = np.arange(16), np.minimum(np.arange(25), 16)  # experts 0-15 a row each, 16-23 none
         want = np.zeros((16, 1024), np.float32)
-        layers.Crew(g, share=False).experts(xb, rb, sb, 8, wb, big, want)
+        crew.Crew(g, share=False).experts(xb, rb, sb, 8, wb, big, want)
         dense = [f32_to_bf16(rand(300, 1024)), rand(300, 1024).astype(np.float16), rand(300, 1024)]
-        crew = layers.Crew(g, share=True)
+        team = crew.Crew(g, share=True)
         try:
-            wait_for_helper(crew)
+            wait_for_helper(team)
             shared = np.zeros((T * A, D), np.float32)
-            crew.experts(x, rows, starts, A, wts, experts, shared)
+            team.experts(x, rows, starts, A, wts, experts, shared)
             got = np.zeros((16, 1024), np.float32)
-            crew.experts(xb, rb, sb, 8, wb, big, got)
+            team.experts(xb, rb, sb, 8, wb, big, got)
             again = np.zeros((T * A, D), np.float32)  # in the scratch the bigger job left behind
-            crew.experts(x, rows, starts, A, wts, experts, again)
+            team.experts(x, rows, starts, A, wts, experts, again)
             for w in dense:
                 y = np.empty((2, 300), np.float32)
-                crew.matmul(xb, w, y)
+                team.matmul(xb, w, y)
                 ref = np.empty_like(y)
                 if w.dtype == np.float32:
                     kernels.matmul_f32(xb, w, ref)
                 else:
-                    kernels.matmul_u16(xb, w.view(np.uint16), w.dtype == np.uint16, layers._F16_LUT, ref)
+                    kernels.matmul_u16(xb, w.view(np.uint16), w.dtype == np.uint16, kernels.f16_lut(), ref)
                 np.testing.assert_array_equal(y, ref)
-            assert crew.board[3] > 0  # units the helper did
+            assert team.board[3] > 0  # units the helper did
         finally:
-            crew.close()
+            team.close()
         np.testing.assert_array_equal(shared, alone)
         np.testing.assert_array_equal(again, alone)
         np.testing.assert_array_equal(got, want)
@@ -358,21 +358,21 @@ def test_crew_bad_jobs_and_a_full_board():
     experts = int4_experts(3, D, I, g)
     x, wts = rand(1, D), rand(2)
     ys = np.zeros((2, D), np.float32)
-    crew = layers.Crew(g, share=False)
-    crew.MAX_JOBS = 1  # the second job finds the board full and runs on a board of its own
+    team = crew.Crew(g, share=False)
+    team.MAX_JOBS = 1  # the second job finds the board full and runs on a board of its own
     one, two = np.zeros_like(ys), np.zeros_like(ys)
-    crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], one)
-    crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], two)
+    team.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], one)
+    team.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], two)
     np.testing.assert_array_equal(one, two)
     with pytest.raises(ValueError, match="shapes do not match"):  # experts of another shape in one job
-        crew.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [experts[0], int4_experts(1, D, 2 * I, g)[0]], ys)
+        team.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [experts[0], int4_experts(1, D, 2 * I, g)[0]], ys)
     with pytest.raises(ValueError, match="shapes do not match"):  # a group size the crew is not built for
-        layers.Crew(64, share=False).experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
+        crew.Crew(64, share=False).experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
     gate, up, down = experts[0]  # every expert alike, but the scales of another group count
     short = type(gate)("int4", gate.q, gate.scales[:, :-1].copy(), g)
     with pytest.raises(ValueError, match="shapes do not match"):
-        crew.experts(x, np.arange(2), np.array([0, 2]), 2, wts, [(short, short, down)], ys)
+        team.experts(x, np.arange(2), np.array([0, 2]), 2, wts, [(short, short, down)], ys)
     with pytest.raises(ValueError, match="a row outside the step"):
-        layers.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
+        crew.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
     with pytest.raises(ValueError, match="shapes do not match"):
-        crew.matmul(x, rand(5, D + 1), np.empty((1, 5), np.float32))
+        team.matmul(x, rand(5, D + 1), np.empty((1, 5), np.float32))

@@ -1,0 +1,373 @@
+"""The thread crew: the parallel work of a forward step (int4 experts on the decode path,
+the big dense matrices) shared by this thread and the crew threads, inside one kernel.
+
+A Crew publishes jobs on an int64 board; its helpers stay in the kernel between jobs
+(spinning, so nothing has to wake them) and take units of each job from atomic counters.
+The board and every job's descriptor are laid out here and nowhere else: the constants,
+the `describe_*` writers, and for an expert job `moe_q4_sizes` / `moe_q4_ints`, which both
+the Python side that fills a job and the kernel that reads it call. The compute threads
+(`set_threads`, `run_shared`) that run a batch's other experts side by side live here too.
+"""
+
+import threading
+from contextlib import contextmanager
+
+import numba as nb
+import numpy as np
+
+from .ir import atomic_add, atomic_load, f32_at, i64_at, q4_matmul, u8_at, u16_at, yield_cpu
+from .jit import JIT
+from .kernels import ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, silu, tiles
+from .qkernels import q4_split_row
+
+# Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
+# did; then each job's descriptor
+BOARD_HEAD, JOB_LEN = 4, 13
+JOB_MOE_Q4, JOB_U16, JOB_F32 = 1, 2, 3  # a job's kind
+SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
+YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
+MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g takes (~128 KiB, ~96 KiB of int4 at 2048 x 768)
+CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wake: worth it from 256 Ki weights
+
+
+@nb.njit(**JIT)
+def moe_q4_sizes(R, E, D, I, g):
+    # (ints, work) lengths of a JOB_MOE_Q4 job of E experts over R rows: ints = rows [R],
+    # starts [E + 1], addrs [E, 6], ctl [2 + 3 E]; work = xe, xd [R, D/2], xs [R, D/g], h, u
+    # [R, I], he, hd [R, I/2], hs [R, I/g], out [R, D] (f32)
+    return R + (E + 1) + 6 * E + (2 + 3 * E), R * (2 * D + D // g + 3 * I + I // g)
+
+
+@nb.njit(**JIT)
+def moe_q4_ints(ints, R, E):
+    # a JOB_MOE_Q4 job's ints -> views rows [R], starts [E + 1], addrs [E, 6], ctl [2 + 3 E]
+    return ints[:R], ints[R : R + E + 1], ints[R + E + 1 : R + 7 * E + 1].reshape(E, 6), ints[R + 7 * E + 1 :]
+
+
+@nb.njit(**JIT)
+def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys):
+    # job `job`'s JOB_MOE_Q4 descriptor (see crew_g) onto the board, from the arrays themselves
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = JOB_MOE_Q4, x_all.ctypes.data, x_all.shape[0], x_all.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = ints.ctypes.data, R, E, work.ctypes.data, n_work
+    d[9], d[10], d[11], d[12] = I, A, wts.ctypes.data, ys.ctypes.data
+
+
+@nb.njit(**JIT)
+def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
+    # job `job`'s JOB_U16 / JOB_F32 descriptor (see crew_g) onto the board
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = kind, x.ctypes.data, x.shape[0], x.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = w.ctypes.data, w.shape[0], out.ctypes.data, ctl.ctypes.data, is_bf16
+
+
+def _make_crew(g: int):
+    # the crew kernel for int4 experts of group g (a constant, as in qkernels._make_q4)
+    half = g // 2
+
+    @nb.njit(**JIT)
+    def crew_g(board, job, f16_lut, serve):
+        # The parallel work of a forward step, shared by threads (Crew). `board` (int64):
+        # board[0] the jobs published, board[1] nonzero once closed, board[2] the helpers in the
+        # kernel, board[3] the units they did; job j's descriptor at BOARD_HEAD + j * JOB_LEN, its kind first:
+        # - JOB_MOE_Q4: the decode path of int4 experts of group g: addresses and sizes of
+        #   x_all [T_all, D] f32; ints: rows [R], starts [E + 1], addrs [E, 6], ctl [2 + 3 E]
+        #   (int64, one after the other); work f32 [n_work]; wts [T_all * A] f32; ys
+        #   [T_all * A, D] f32; and I, A. Expert e's rows are rows[starts[e]:starts[e + 1]],
+        #   the flat positions token * A + slot that chose it; addrs[e] the addresses of its
+        #   gate q [I, D/2] uint8, gate scales [I, D/g] f16 bits, up q, up scales, down q
+        #   [D, I/2], down scales [D, I/g] (C-contiguous, alive through the job: the caller
+        #   vouches for them, the kernel cannot see their shapes); ys[r] = wts[r] * down(silu(
+        #   gate x) * up x) for x = x_all[r // A]; work >= R * (2 D + D/g + 3 I + I/g) scratch;
+        #   ctl zeros, the job's counters.
+        # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
+        #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
+        #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
+        # serve == 0: publish job `job` and do it with whoever joins, returning when it is
+        # done. serve == 1 (a helper): do each job from `job` on as it is published, until the
+        # board is closed or nothing comes for SPIN_LIMIT spins.
+        # A job is cut into units taken in order from a shared counter (for the experts: each
+        # one's rows split by q4_split_row, its gate and up rows MOE_IN_ROWS at a time, then
+        # silu * up, the split of its h, its down rows MOE_OUT_ROWS at a time, then the
+        # weighting). A unit waits for the units it needs, which a running thread has already
+        # taken, so a thread never waits for one that has not started. Every (token, row) goes
+        # through the same operations whatever thread or unit computes it. The waits are plain
+        # spins: an x86 `pause` in a KVM guest exits to the host (pause-loop exiting) and the
+        # waiter stalls.
+        j, idle = job, 0
+        if serve:
+            atomic_add(board, 2, 1)
+        while True:
+            if serve:
+                if atomic_load(board, 1) != 0:
+                    break
+                if atomic_load(board, 0) <= j:
+                    idle += 1
+                    if idle > SPIN_LIMIT:
+                        break
+                    if idle % YIELD_EVERY == 0:
+                        yield_cpu()
+                    continue  # a plain spin (see above)
+                idle = 0
+            else:
+                atomic_add(board, 0, 1)  # published: helpers may start on it
+            job_d = board[BOARD_HEAD + j * JOB_LEN : BOARD_HEAD + (j + 1) * JOB_LEN]  # its descriptor
+            if job_d[0] == JOB_MOE_Q4:
+                T_all, D, R, E, n_work, I, A = job_d[2], job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
+                x_all = nb.carray(f32_at(job_d[1]), (T_all, D))
+                n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
+                rows, starts, addrs, ctl = moe_q4_ints(nb.carray(i64_at(job_d[4]), (n_ints,)), R, E)
+                work = nb.carray(f32_at(job_d[7]), (n_work,))
+                wts = nb.carray(f32_at(job_d[11]), (T_all * A,))
+                ys = nb.carray(f32_at(job_d[12]), (T_all * A, D))
+                if starts[0] != 0 or starts[E] != R or I % g or D % g or f16_lut.shape[0] != 65536 or n_work < n_need:
+                    raise ValueError("int4 experts: weight, activation and output shapes do not match")
+                for e in range(E):
+                    if starts[e + 1] < starts[e]:
+                        raise ValueError("int4 experts: rows out of order")
+                for i in range(R):
+                    if rows[i] < 0 or rows[i] >= ys.shape[0]:
+                        raise ValueError("int4 experts: a row outside the step")
+                # work, carved as moe_q4_sizes counts it
+                xe, o = carve(work, 0, R, D // 2)
+                xd, o = carve(work, o, R, D // 2)
+                xs, o = carve(work, o, R, D // g)
+                h, o = carve(work, o, R, I)
+                u, o = carve(work, o, R, I)
+                he, o = carve(work, o, R, I // 2)
+                hd, o = carve(work, o, R, I // 2)
+                hs, o = carve(work, o, R, I // g)
+                out, o = carve(work, o, R, D)
+                n_in, n_out = (I + MOE_IN_ROWS - 1) // MOE_IN_ROWS, (D + MOE_OUT_ROWS - 1) // MOE_OUT_ROWS
+                # units: [0, E) x split; then E * n_in gate/up; then E h split; then E * n_out down.
+                # ctl[0]: next unit; ctl[1]: units done; ctl[2 + e]: e's x split; ctl[2 + E + e]: its
+                # gate/up units done; ctl[2 + 2 E + e]: its h split
+                u_in, u_h, u_out = E, E + E * n_in, 2 * E + E * n_in
+                total = u_out + E * n_out
+                while True:
+                    k = atomic_add(ctl, 0, 1)
+                    if k >= total:
+                        break
+                    if k < u_in:
+                        for i in range(starts[k], starts[k + 1]):
+                            q4_split_row(x_all, rows[i] // A, g, xe, xd, xs, i)
+                        atomic_add(ctl, 2 + k, 1)
+                    elif k < u_h:
+                        e, c = (k - u_in) // n_in, (k - u_in) % n_in
+                        while atomic_load(ctl, 2 + e) == 0:
+                            pass
+                        n_lo, n_hi = c * MOE_IN_ROWS, min(I, (c + 1) * MOE_IN_ROWS)
+                        gq, gs = nb.carray(u8_at(addrs[e, 0]), (I, D // 2)), nb.carray(u16_at(addrs[e, 1]), (I, D // g))
+                        uq, us = nb.carray(u8_at(addrs[e, 2]), (I, D // 2)), nb.carray(u16_at(addrs[e, 3]), (I, D // g))
+                        q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, starts[e], starts[e + 1], n_lo, n_hi)
+                        q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, starts[e], starts[e + 1], n_lo, n_hi)
+                        for i in range(starts[e], starts[e + 1]):
+                            for n in range(n_lo, n_hi):
+                                h[i, n] = silu(h[i, n]) * u[i, n]
+                        atomic_add(ctl, 2 + E + e, 1)
+                    elif k < u_out:
+                        e = k - u_h
+                        while atomic_load(ctl, 2 + E + e) < n_in:
+                            pass
+                        for i in range(starts[e], starts[e + 1]):
+                            q4_split_row(h, i, g, he, hd, hs, i)
+                        atomic_add(ctl, 2 + 2 * E + e, 1)
+                    else:
+                        e, c = (k - u_out) // n_out, (k - u_out) % n_out
+                        while atomic_load(ctl, 2 + 2 * E + e) == 0:
+                            pass
+                        d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
+                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, I // 2)), nb.carray(u16_at(addrs[e, 5]), (D, I // g))
+                        q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, starts[e], starts[e + 1], d_lo, d_hi)
+                        for i in range(starts[e], starts[e + 1]):
+                            w = wts[rows[i]]
+                            for d in range(d_lo, d_hi):
+                                ys[rows[i], d] = out[i, d] * w
+                    atomic_add(ctl, 1, 1)
+                    if serve:
+                        atomic_add(board, 3, 1)
+                while atomic_load(ctl, 1) < total:  # the units the other threads are still on
+                    pass
+            else:
+                T, D, N = job_d[2], job_d[3], job_d[5]
+                x, ctl = nb.carray(f32_at(job_d[1]), (T, D)), nb.carray(i64_at(job_d[7]), (2,))
+                out = nb.carray(f32_at(job_d[6]), (T, N))
+                total = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+                while True:
+                    c = atomic_add(ctl, 0, 1)
+                    if c >= total:
+                        break
+                    r_hi = min(N, (c + 1) * ROWS_PER_TASK)
+                    if job_d[0] == JOB_U16:
+                        matmul_u16_rows(x, nb.carray(u16_at(job_d[4]), (N, D)), job_d[8] != 0, f16_lut, out, c * ROWS_PER_TASK, r_hi)
+                    else:
+                        tiles(x, nb.carray(f32_at(job_d[4]), (N, D)), c * ROWS_PER_TASK, r_hi, out, 0)
+                    atomic_add(ctl, 1, 1)
+                    if serve:
+                        atomic_add(board, 3, 1)
+                while atomic_load(ctl, 1) < total:  # the units the other threads are still on
+                    pass
+            if not serve:
+                return
+            j += 1
+        atomic_add(board, 2, -1)
+
+    return crew_g
+
+
+CREW = {g: _make_crew(g) for g in (32, 64, 128)}  # group size -> the crew's kernel
+
+
+_COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
+_CREW_POOL = None  # threads that join a Crew (set_threads)
+_N_HELPERS = 0
+
+
+def set_threads(n: int) -> None:
+    """Use n threads for the experts of a batch (the caller's thread is one of them) and for
+    the parallel dense kernels."""
+    global _COMPUTE_POOL, _CREW_POOL, _N_HELPERS
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numba
+
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    for pool in (_COMPUTE_POOL, _CREW_POOL):
+        if pool is not None:
+            pool.shutdown()
+    _COMPUTE_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-compute") if n > 1 else None
+    _CREW_POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="colibri-crew") if n > 1 else None
+    _N_HELPERS = n - 1
+
+
+def run_shared(items: list, fn) -> None:
+    """fn(item) for every item, on this thread and the compute threads, each taking the next
+    item until none is left."""
+    todo = iter(items)
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            fn(item)
+
+    helpers = [_COMPUTE_POOL.submit(work) for _ in range(_N_HELPERS)]
+    work()
+    for f in helpers:
+        f.result()
+
+
+class Crew:
+    """The threads that share a forward step's parallel work (the CREW kernel): this thread and,
+    with `share`, the crew threads, which stay in the kernel between jobs (spinning, so
+    nothing has to wake them: waking a CPU that has gone idle takes 0.1-0.6 ms here, a layer's
+    experts ~2 ms). Each job (`experts`, `matmul`) is published on the board and done by
+    whoever is there; a helper that comes late finds it done. A helper that waited too long
+    leaves, and the next job calls it back. `close` ends the step: the helpers leave. A crew
+    without helpers (`share` False) is the same code on this thread alone."""
+
+    def __init__(self, g: int, share: bool, max_jobs: int = 512):
+        self.g, self.kernel, self.share = g, CREW[g], share and _CREW_POOL is not None
+        self.MAX_JOBS = max_jobs  # a step's jobs: ~5 per layer
+        self.board = np.zeros(BOARD_HEAD + JOB_LEN * max_jobs, np.int64)
+        self.keep: list = []  # every array a descriptor points at, alive while a helper may read it
+        self.jobs = 0
+        self.helpers: list = []  # their futures
+        self.work = np.empty(0, np.float32)  # the expert jobs' scratch
+        self._summon()
+
+    def _summon(self) -> None:
+        if not self.share or self.jobs == self.MAX_JOBS:
+            return
+        self.board[1] = 0  # open (again)
+        if all(f.done() for f in self.helpers):
+            self.helpers = [_CREW_POOL.submit(_serve, self.kernel, self.board, self.jobs, self.keep) for _ in range(_N_HELPERS)]
+
+    def _run(self, describe, args: tuple, keep: tuple) -> None:
+        # publish a job (its descriptor written by `describe(board, job, *args)`) and do it
+        if self.jobs == self.MAX_JOBS:  # the board is full: the further jobs on a board of their own
+            Crew(self.g, share=False, max_jobs=1)._run(describe, args, keep)
+            return
+        self._summon()
+        self.keep.append(keep)
+        describe(self.board, self.jobs, *args)
+        self.jobs += 1
+        self.kernel(self.board, self.jobs - 1, f16_lut(), 0)
+
+    def experts(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray, experts: list,
+                ys: np.ndarray) -> None:
+        # int4 experts of one shape on the decode path, for some rows of a step: ys[r] = wts[r] *
+        # expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; x [T, D] f32, rows [R] int64,
+        # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
+        gate, up, down = experts[0]
+        I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
+        layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
+        bad = (g != self.g or gate.layout != ("int4", g, (I, D // 2), (I, D // g)) or up.layout != gate.layout
+               or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
+               or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
+               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous))
+        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn in experts):
+            raise ValueError("int4 experts: the weight, activation and output shapes do not match")
+        E, R = len(experts), len(rows)
+        n_ints, n_work = moe_q4_sizes(R, E, D, I, g)
+        ints = np.zeros(n_ints, np.int64)  # new for each job (a helper late for a job still reads its counters)
+        rows_, starts_, addrs, _ = moe_q4_ints(ints, R, E)  # views of ints
+        rows_[:], starts_[:] = rows, starts
+        addrs[:] = np.array([a for e in experts for w in e for a in w.addresses], np.int64).reshape(E, 6)
+        if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
+            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
+        self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys),
+                  (x, ints, self.work, wts, ys, experts))
+
+    def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as
+        # uint16): as matmul_f32 and matmul_u16
+        T, D = x.shape
+        if (w.ndim != 2 or w.dtype not in (np.float32, np.float16, np.uint16) or w.shape[1] != D or out.shape != (T, w.shape[0]) or x.dtype != np.float32
+                or out.dtype != np.float32 or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
+            raise ValueError("matmul: weight, activation and output shapes do not match")
+        kind = JOB_F32 if w.dtype == np.float32 else JOB_U16
+        ctl = np.zeros(2, np.int64)
+        bits = w.view(np.uint16) if w.dtype == np.float16 else w  # (numba takes no float16 arrays; the kernel reads bits)
+        self._run(describe_matmul, (kind, x, bits, out, ctl, w.dtype == np.uint16), (x, w, out, ctl))
+
+    def close(self) -> None:
+        # the helpers leave (and are called back by the next job, if any: `close` also parks
+        # them while other threads need the CPUs)
+        self.board[1] = 1
+
+
+_SESSION = threading.local()  # .crew: the crew of the forward step this thread is in
+
+
+def session() -> "Crew | None":
+    """The crew of the forward step this thread is in, if any."""
+    return getattr(_SESSION, "crew", None)
+
+
+def threads_set() -> bool:
+    """Whether set_threads gave this process compute threads beside its own."""
+    return _COMPUTE_POOL is not None
+
+
+@contextmanager
+def crew_session(g: int | None):
+    """A forward step's crew (for int4 experts of group g, or None): the experts and the big
+    matrices of the step run on it."""
+    crew = Crew(g or 64, share=True)
+    before = getattr(_SESSION, "crew", None)
+    _SESSION.crew = crew
+    try:
+        yield crew
+    finally:
+        _SESSION.crew = before
+        crew.close()
+
+
+def _serve(kernel, board: np.ndarray, job: int, keep: list) -> None:
+    # a crew thread: the jobs of `board` from `job` on as they come (`keep` holds what they point at)
+    kernel(board, job, f16_lut(), 1)

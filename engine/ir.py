@@ -1,0 +1,251 @@
+"""The kernels' pieces written in LLVM IR through numba's `intrinsic`, where numba's loops
+could not say what the vector code should be: the float32 tile of the dense and int4
+prompt-path matmuls, the int4 decode-path row dot, and the atomics, yield and typed
+pointers the thread crew (crew.py) shares work with.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_F32 = ir.FloatType()
+_V8, _V8I8 = ir.VectorType(_F32, 8), ir.VectorType(ir.IntType(8), 8)
+_V8I16, _V8I32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
+
+
+def _row(context, builder, aty, aval, i):
+    # pointer to element [i, 0] of a 2-D array value
+    a = context.make_array(aty)(context, builder, aval)
+    return cgutils.get_item_pointer2(context, builder, a.data, cgutils.unpack_tuple(builder, a.shape),
+                                     cgutils.unpack_tuple(builder, a.strides), aty.layout,
+                                     [i, ir.Constant(ir.IntType(64), 0)])
+
+
+def _hsum(builder, v):
+    # float32: the 8 lanes of v added in a fixed order
+    i32 = ir.IntType(32)
+    total = builder.extract_element(v, ir.Constant(i32, 0))
+    for lane in range(1, 8):
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(i32, lane)))
+    return total
+
+
+@intrinsic
+def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
+    """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
+    constants); x [T, D] float32, w [R, D] float32 or bf16 bits (uint16, widened in registers:
+    exact, so the same bits as from a widened copy); every array 2-D C-contiguous; the caller
+    checks shapes. Each pair is one 8-lane chain of multiply-adds over D's multiple of 8, a horizontal
+    sum in a fixed order, then the last D % 8 products one by one: the same operations whatever
+    tile it is computed in, so a (token, row) result does not depend on the tokens or rows
+    beside it, nor on the process (no fast-math)."""
+    if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))
+            and w.dtype in (types.float32, types.uint16)):
+        return None
+    NT, NR = nt.literal_value, nr.literal_value
+    bf16 = w.dtype == types.uint16
+    sig = types.void(x, w, out, t0, r0, n0, nt, nr)
+
+    def codegen(context, builder, sig, args):
+        x_v, w_v, out_v, t0_v, r0_v, n0_v = args[:6]
+        i64 = ir.IntType(64)
+        xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
+        wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
+        D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
+        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 8))
+            xs = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in xrows]
+            if bf16:  # [8] bf16 bits -> float32: the bits shifted into the high half
+                ws = [builder.bitcast(builder.shl(builder.zext(builder.load(builder.bitcast(
+                      builder.gep(r, [off]), _V8I16.as_pointer()), align=2), _V8I32), ir.Constant(_V8I32, [16] * 8)), _V8)
+                      for r in wrows]
+            else:
+                ws = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in wrows]
+            for i in range(NT):
+                for j in range(NR):
+                    builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
+        sums = [[cgutils.alloca_once_value(builder, _hsum(builder, builder.load(accs[i][j]))) for j in range(NR)]
+                 for i in range(NT)]
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
+        with cgutils.for_range(builder, builder.srem(D, ir.Constant(i64, 8))) as tail:  # D % 8 products
+            d = builder.add(builder.sub(D, builder.srem(D, ir.Constant(i64, 8))), tail.index)
+            for i in range(NT):
+                for j in range(NR):
+                    xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
+                    if bf16:
+                        wd = builder.bitcast(builder.shl(builder.zext(wd, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), _F32)
+                    builder.store(builder.call(fma1, [xd, wd, builder.load(sums[i][j])]), sums[i][j])
+        for i in range(NT):
+            orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
+            for j in range(NR):
+                n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
+                builder.store(builder.load(sums[i][j]), builder.gep(orow, [n]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
+    # emits out[t0 + i, n] = token t0+i's dot with int4 row n for i < nt (see linear_q4_g for
+    # the algebra). The bytes of a group are widened once for the nt tokens; each token's
+    # floats go through exactly the operations they would alone, so a token's result does not
+    # depend on the tokens beside it
+    xe_v, xd_v, xs_v, q_v, sc_v, lut_v, out_v = args[:7]
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
+    erows, drows, srows = ([_row(context, builder, sig.args[k], args[k], t) for t in ts] for k in range(3))
+    qrow, scrow = (_row(context, builder, sig.args[k], args[k], n) for k in (3, 4))
+    lut = context.make_array(sig.args[5])(context, builder, lut_v).data
+    n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
+                            ir.Constant(i64, nblk * 8))
+    # multiply-add, fused where the CPU has FMA
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+    sixteenth = ir.Constant(_V8, [0.0625] * 8)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(nt)]  # sum of scale * part
+    corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]  # sum of scale * xsum8
+    with cgutils.for_range(builder, n_groups) as loop:
+        gi = loop.index
+        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
+                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        offs = [builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c)) for c in range(nblk)]
+        bs = [builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
+              for off in offs]  # [8] bytes b of each block
+        his = [builder.call(floor, [builder.fmul(b, sixteenth)]) for b in bs]  # [8] floor(b / 16)
+        for i in range(nt):
+            builder.store(builder.fadd(builder.load(corrs[i]), builder.fmul(builder.load(builder.gep(srows[i], [gi])), s)),
+                          corrs[i])
+            parts = []
+            for off, b, hi in zip(offs, bs, his):  # [8] e * b + d * floor(b / 16) for each block of 8 bytes
+                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), _V8.as_pointer()), align=4)
+                        for row in (erows[i], drows[i]))
+                parts.append(builder.call(fma, [e, b, builder.fmul(d, hi)]))
+            while len(parts) > 1:  # pairwise: independent adds, not a chain
+                parts = [builder.fadd(parts[k], parts[k + 1]) for k in range(0, len(parts) - 1, 2)] + parts[len(parts) & ~1:]
+            builder.store(builder.call(fma, [parts[0], splat, builder.load(accs[i])]), accs[i])
+    for i in range(nt):
+        orow = _row(context, builder, sig.args[6], out_v, ts[i])
+        builder.store(builder.fsub(_hsum(builder, builder.load(accs[i])), builder.load(corrs[i])), builder.gep(orow, [n]))
+
+
+Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
+
+
+@intrinsic
+def q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = the int4 decode path's x[t] . dequant(q[n]),
+    from q4_split's xe, xd, xsum8 (see linear_q4_g for the algebra), in explicit 8-lane vectors.
+    `half` (bytes per group) must be a compile-time constant; every 2-D array C-contiguous; the
+    caller checks shapes and ranges.
+
+    Written in LLVM IR because numba's loops give LLVM a single chain of dependent FMAs through
+    each group and a horizontal sum per group: the kernel then waits on latency at ~5 GB/s of
+    weights. Here each 8-byte block of a group is independent, the blocks are summed pairwise,
+    and the group's scale multiplies that vector into an 8-lane accumulator: one horizontal sum
+    per row, ~7.5-8.7 GB/s on one core (bench/kernels.py). Tokens go through in blocks of
+    Q4_TOKENS, the blocks the outer loop (a block's activations stay in L1 while the weights
+    stream past), and a block widens each weight byte once for all its tokens: 1.5x for 4-12
+    tokens. The order of the float operations is fixed by this code (no fast-math on it), and
+    each (token, row) goes through the same operations however many tokens or rows are in the
+    call, so the result is the same in every process, alone or batched, whatever range computes it."""
+    arrays = (xe, xd, xsum8, q, scales, out)
+    if not (isinstance(half, types.IntegerLiteral) and half.literal_value % 8 == 0
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
+        return None  # numba reports the call as not typeable
+    nblk = half.literal_value // 8
+    sig = types.void(xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi)
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[8:12], sig.args[8:12]))
+
+        def rows(t, nt):  # the block of nt tokens from t through rows n_lo .. n_hi
+            with cgutils.for_range(builder, builder.sub(n_hi, n_lo)) as row:
+                q4_rows_dot(context, builder, sig, args, t, builder.add(n_lo, row.index), nt, nblk)
+
+        full = builder.sdiv(builder.sub(t_hi, t_lo), ir.Constant(i64, Q4_TOKENS))
+        with cgutils.for_range(builder, full) as tb:
+            rows(builder.add(t_lo, builder.mul(tb.index, ir.Constant(i64, Q4_TOKENS))), Q4_TOKENS)
+        rest = builder.sub(builder.sub(t_hi, t_lo), builder.mul(full, ir.Constant(i64, Q4_TOKENS)))
+        for nt in (2, 1):  # the last tokens: a block of 2, then 1, as many as there are
+            nt_c = ir.Constant(i64, nt)
+            with builder.if_then(builder.icmp_signed(">=", rest, nt_c)):
+                rows(builder.sub(t_hi, rest), nt)
+            rest = builder.select(builder.icmp_signed(">=", rest, nt_c), builder.sub(rest, nt_c), rest)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _int64_slot(context, builder, sig, args):
+    # pointer to a[i] of a 1-D int64 array (args[0], args[1])
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(a.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+
+
+def _is_int64_vector(a) -> bool:
+    return isinstance(a, types.Array) and a.dtype == types.int64 and a.ndim == 1 and a.layout == "C"
+
+
+@intrinsic
+def atomic_add(typingctx, a, i, v):
+    """a[i] += v in one atomic step (sequentially consistent); returns the value before. a: 1-D
+    int64, C-contiguous: the counters threads share a piece of work by."""
+    if not (_is_int64_vector(a) and isinstance(i, types.Integer) and isinstance(v, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _int64_slot(context, builder, sig, args),
+                                  context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+
+    return types.int64(a, i, v), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, a, i):
+    """a[i], read atomically with acquire order (what another thread wrote before its
+    atomic_add of it is visible after)."""
+    if not (_is_int64_vector(a) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_int64_slot(context, builder, sig, args), "acquire", 8)
+
+    return types.int64(a, i), codegen
+
+
+@intrinsic
+def yield_cpu(typingctx):
+    """sched_yield(2): let another runnable thread have this CPU, if there is one (an I/O
+    thread, the daemon's socket thread); returns at once otherwise."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _pointer_from(dtype):
+    @intrinsic
+    def pointer(typingctx, addr):
+        # an address (int64) as a typed pointer, for nb.carray
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64),
+                                    context.get_value_type(types.CPointer(dtype)))
+
+        return types.CPointer(dtype)(addr), codegen
+
+    return pointer
+
+
+u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.uint8, types.uint16, types.int64, types.float32))
