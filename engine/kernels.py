@@ -160,10 +160,11 @@ def rope(x, cos, sin):
 
 @nb.njit(**JIT_FAST)
 def attention(q, k_cache, v_cache, pos0, window, scale, out):
-    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache, v_cache [Hkv, S, hd]
-    # holding positions 0..pos0+T-1; out [T, Hq, hd]. Causal; with window > 0 a query at p
-    # sees keys at j with p - window < j <= p.
+    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache [Hkv, S, hd], v_cache
+    # [Hkv, S, hv] holding positions 0..pos0+T-1 (hv, the value head size, may differ from hd);
+    # out [T, Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
     T, Hq, hd = q.shape
+    hv = v_cache.shape[2]
     Hkv = k_cache.shape[0]
     n_rep = Hq // Hkv
     scores = np.empty(pos0 + T, np.float32)
@@ -188,11 +189,11 @@ def attention(q, k_cache, v_cache, pos0, window, scale, out):
                 e = np.exp(scores[j] - m)
                 scores[j] = e
                 z += e
-            for d in range(hd):
+            for d in range(hv):
                 out[t, h, d] = 0.0
             for j in range(lo, p + 1):
                 a = scores[j] / z
-                for d in range(hd):
+                for d in range(hv):
                     out[t, h, d] += a * v_cache[g, j, d]
 
 

@@ -211,11 +211,12 @@ class Rope:
 
 
 class KVCache:
-    """Keys and values of one sequence, every layer, up to n_ctx positions."""
+    """Keys and values of one sequence, every layer, up to n_ctx positions (what standard
+    attention stores per token: a family with its own attention keeps its own cache)."""
 
-    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, n_ctx: int):
+    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, n_ctx: int, v_head_dim: int | None = None):
         self.k = np.zeros((n_layer, n_kv_head, n_ctx, head_dim), np.float32)  # [L, Hkv, S, hd]
-        self.v = np.zeros((n_layer, n_kv_head, n_ctx, head_dim), np.float32)
+        self.v = np.zeros((n_layer, n_kv_head, n_ctx, v_head_dim or head_dim), np.float32)  # [L, Hkv, S, hv]
         self.n_pos = 0  # positions filled
         self.n_ctx = n_ctx
 
@@ -228,6 +229,13 @@ class AttnSpec:
     eps: float
     qk_norm: str = "none"  # "none", "head" (per head, qwen3) or "full" (whole projection, olmoe)
     clip_qkv: float | None = None
+    v_head_dim: int | None = None  # the value head size, when it is not head_dim
+    rope_interleaved: bool = False  # rotary pairs (2i, 2i+1), taken apart before the rotation, as transformers does
+    scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+
+    @property
+    def hv(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass
@@ -250,14 +258,23 @@ class Step:
     sin: np.ndarray
 
 
+def deinterleave(x: np.ndarray, half: int) -> np.ndarray:
+    # x [T, H, hd]: the first 2 * half dims, rotary pairs (2i, 2i+1), reordered as the evens
+    # then the odds, so that the rotate-half kernel turns them (transformers' interleaved RoPE)
+    out = np.array(x)  # [T, H, hd]
+    T, H = x.shape[:2]
+    out[..., : 2 * half] = x[..., : 2 * half].reshape(T, H, half, 2).transpose(0, 1, 3, 2).reshape(T, H, 2 * half)
+    return out
+
+
 def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, window: int = 0):
     # x [T, D] (normed) -> [T, D]; w: a layer's weights by key (q, k, v, o; optional q_bias,
     # k_bias, v_bias, o_bias, q_norm, k_norm); writes each sequence's keys/values at its cache.n_pos
     T = x.shape[0]
-    Hq, Hkv, hd = spec.n_head, spec.n_kv_head, spec.head_dim
+    Hq, Hkv, hd, hv = spec.n_head, spec.n_kv_head, spec.head_dim, spec.hv
     q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*hd]
     k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*hd]
-    v = linear(x, w["v"], w.get("v_bias"))  # [T, Hkv*hd]
+    v = linear(x, w["v"], w.get("v_bias"))  # [T, Hkv*hv]
     if spec.qk_norm == "full":
         q, k = rmsnorm(q, w["q_norm"], spec.eps), rmsnorm(k, w["k_norm"], spec.eps)
     if spec.clip_qkv is not None:
@@ -267,16 +284,19 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
     k = np.ascontiguousarray(k.reshape(T, Hkv, hd))  # [T, Hkv, hd]
     if spec.qk_norm == "head":
         q, k = rmsnorm(q, w["q_norm"], spec.eps), rmsnorm(k, w["k_norm"], spec.eps)
+    if spec.rope_interleaved:
+        q, k = deinterleave(q, step.cos.shape[1]), deinterleave(k, step.cos.shape[1])
     kernels.rope(q, step.cos, step.sin)
     kernels.rope(k, step.cos, step.sin)
-    v = v.reshape(T, Hkv, hd)  # [T, Hkv, hd]
-    out = np.empty((T, Hq, hd), np.float32)  # [T, Hq, hd]
+    v = v.reshape(T, Hkv, hv)  # [T, Hkv, hv]
+    out = np.empty((T, Hq, hv), np.float32)  # [T, Hq, hv]
+    scale = np.float32(spec.scale if spec.scale is not None else hd**-0.5)
     for sg in step.segments:
         rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
         cache.k[il, :, pos0 : pos0 + sg.n] = k[rows].transpose(1, 0, 2)  # [Hkv, n, hd]
         cache.v[il, :, pos0 : pos0 + sg.n] = v[rows].transpose(1, 0, 2)
-        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, np.float32(hd**-0.5), out[rows])
-    return linear(out.reshape(T, Hq * hd), w["o"], w.get("o_bias"))
+        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, scale, out[rows])
+    return linear(out.reshape(T, Hq * hv), w["o"], w.get("o_bias"))
 
 
 # ---- MoE -----------------------------------------------------------------------------------

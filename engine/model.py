@@ -132,7 +132,7 @@ class MoEModel:
         params = rope_parameters(config, self.DEFAULT_THETA)
         if params["rope_type"] not in ("default", "linear", "yarn"):
             raise ConfigInvalid(f"{where}: rope type {params['rope_type']!r} is not supported (default, linear, yarn)")
-        self.rope = Rope(*rope_inv_freq(params, self.head_dim, args.max_position_embeddings))
+        self.rope = self.make_rope(params)
         self.n_ctx = args.max_position_embeddings
         self.moe_layers = [il for il in range(self.n_layer) if self.is_moe(il)]
         self.glob: dict[str, np.ndarray] = {}
@@ -199,6 +199,11 @@ class MoEModel:
     def is_moe(self, il: int) -> bool:
         return True
 
+    def make_rope(self, params: dict) -> Rope:
+        """The rotary table of the attention heads (the first head_dim * partial_rotary_factor
+        dims); a family whose rotary part has another size says so here."""
+        return Rope(*rope_inv_freq(params, self.head_dim, self.args.max_position_embeddings))
+
     def router(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x [T, D], layer il's MoE input -> (expert ids [T, A], weights [T, A]) by the
         family's pure route(); the block and the lookahead both call it."""
@@ -227,13 +232,14 @@ class MoEModel:
         """Norms and attention projections of one layer (q/k norms as attn_spec says)."""
         D, sp = self.args.hidden_size, self.attn_spec
         q, kv = sp.n_head * sp.head_dim, sp.n_kv_head * sp.head_dim
-        s = {"in_norm": (D,), "post_norm": (D,), "q": (q, D), "k": (kv, D), "v": (kv, D), "o": (D, q)}
+        vo, kvv = sp.n_head * sp.hv, sp.n_kv_head * sp.hv  # value and output sizes (value heads may differ)
+        s = {"in_norm": (D,), "post_norm": (D,), "q": (q, D), "k": (kv, D), "v": (kvv, D), "o": (D, vo)}
         if sp.qk_norm == "head":
             s |= {"q_norm": (sp.head_dim,), "k_norm": (sp.head_dim,)}
         elif sp.qk_norm == "full":
             s |= {"q_norm": (q,), "k_norm": (kv,)}
         if qkv_bias:
-            s |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+            s |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kvv,)}
         if o_bias:
             s |= {"o_bias": (D,)}
         return s
@@ -244,7 +250,10 @@ class MoEModel:
 
     # ---- shared ----
     def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.n_layer, self.attn_spec.n_kv_head, self.head_dim, min(n_ctx, self.n_ctx))
+        # what one sequence keeps per token and layer: standard attention's keys and values; a
+        # family with its own attention (a compressed latent, say) returns its own cache
+        sp = self.attn_spec
+        return KVCache(self.n_layer, sp.n_kv_head, sp.head_dim, min(n_ctx, self.n_ctx), sp.v_head_dim)
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)

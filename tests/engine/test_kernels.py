@@ -33,10 +33,10 @@ def ref_rope(x, cos, sin):
 
 
 def ref_attention(q, k, v, pos0, window, scale):
-    # q [T, Hq, hd]; k, v [Hkv, S, hd]
+    # q [T, Hq, hd]; k [Hkv, S, hd], v [Hkv, S, hv]
     T, Hq, hd = q.shape
     n_rep = Hq // k.shape[0]
-    out = np.zeros_like(q)
+    out = np.zeros((T, Hq, v.shape[2]), np.float32)
     for t in range(T):
         p = pos0 + t
         lo = max(0, p - window + 1) if window else 0
@@ -125,6 +125,16 @@ def test_attention(T, pos0, Hq, Hkv, hd, window):
     out = np.empty_like(q)
     kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, window, hd**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hd,hv", [(24, 16), (16, 40)])
+def test_attention_with_a_value_head_of_its_own_size(hd, hv):
+    # MLA-style heads: keys and queries of one size, values of another (the output is the values')
+    T, pos0, Hq, Hkv = 3, 4, 4, 2
+    q, k, v = rand(T, Hq, hd), rand(Hkv, pos0 + T, hd), rand(Hkv, pos0 + T, hv)
+    out = np.empty((T, Hq, hv), np.float32)
+    kernels.attention(q, k, v, pos0, 0, np.float32(0.3), out)
+    np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, 0, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_silu_mul():
