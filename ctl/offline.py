@@ -152,7 +152,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     info = model.describe()
     if not as_json:
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
-                   f"experts, {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
+                   f"experts, {info['attention']} attention ({fmt_bytes(info['kv_bytes_per_token'])} of KV cache "
+                   f"per token), {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
                    f"loaded in {load_s:.2f} s", err=True)
     if info.get("note"):
         click.echo(f"[colibri] {info['note']}", err=True)
@@ -271,7 +272,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
     model = build_model(src, cfg)
     ckpt = open_checkpoint(src)
     model.check(ckpt)
-    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names)
+    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names())
     bar = sys.stderr.isatty()
     t0 = time.perf_counter()
 

@@ -117,6 +117,7 @@ class MoEModel:
 
     NAMES: dict[str, str] = {}
     DEFAULT_THETA = 10000.0
+    ATTENTION = "GQA"  # the attention kind, as doctor and run name it
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
@@ -145,6 +146,19 @@ class MoEModel:
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
         """Checkpoint names of expert ie of layer il: (gate, up, down)."""
         return tuple(self.NAMES[k].format(il=il, ie=ie) for k in ("expert_gate", "expert_up", "expert_down"))
+
+    def dense_names(self) -> list[str]:
+        """The checkpoint names of every tensor the model reads but the routed experts (a
+        converted container keeps these and nothing else: e.g. not DeepSeek's MTP layers)."""
+        glob, per_layer, _ = self.shapes()
+        return [self.NAMES[k] for k in glob] + [self.NAMES[k].format(il=il) for il in range(self.n_layer)
+                                                 for k in per_layer(il)]
+
+    def kv_bytes_per_token(self) -> int:
+        """What one token's context takes in the family's KV cache, every layer (a view shares
+        its bytes with the array it looks into)."""
+        c = self.new_cache(1)
+        return int(c.k.nbytes + (0 if c.v.base is c.k else c.v.nbytes))
 
     def check(self, src, with_experts: bool = True) -> None:
         """Check that src (a Checkpoint, or a container's dense file) has every tensor the
@@ -307,6 +321,8 @@ class MoEModel:
         dense = sum(a.nbytes for a in self.glob.values()) + sum(a.nbytes for L in self.layers for a in L.values())
         return {
             "model_type": self.MODEL_TYPE,
+            "attention": self.ATTENTION,
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
             "n_layer": self.n_layer,
             "n_expert": self.n_expert,
             "n_moe_layer": len(self.moe_layers),

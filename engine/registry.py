@@ -8,7 +8,7 @@ import pkgutil
 from ..storage.errors import ConfigInvalid, UnsupportedModelType
 from .model import MoEModel, parse_args
 
-MODEL_REMAPPING: dict[str, str] = {}  # model_type -> family file, where a name shares another's code
+MODEL_REMAPPING: dict[str, str] = {"kimi_k2": "deepseek_v3"}  # model_type -> family file, where a name shares another's code
 
 
 def supported() -> list[str]:

@@ -49,6 +49,7 @@ class ExpertPlan:
     moe_layers: list[int]
     n_expert: int
     names: Callable[[int, int], tuple[str, str, str]]  # (il, ie) -> gate, up, down tensor names
+    dense: list[str] | None = None  # the other tensors the model reads (None: every other tensor)
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -158,7 +159,8 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
             shutil.copyfile(os.path.join(src.path, name), os.path.join(tmp, name))
 
     expert_names = {n for il in plan.moe_layers for ie in range(plan.n_expert) for n in plan.names(il, ie)}
-    dense_names = sorted(n for n in src.where if n not in expert_names)
+    wanted = set(plan.dense) if plan.dense is not None else set(src.where)
+    dense_names = sorted(n for n in src.where if n not in expert_names and n in wanted)
     if dense_dtype is None and expert_dtype in FLOAT_DTYPES:
         dense_dtype = expert_dtype  # --dtype bf16/f16/f32 means the whole model
     total = len(dense_names) + len(plan.moe_layers) * plan.n_expert

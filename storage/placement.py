@@ -23,6 +23,7 @@ from .container import ContainerInvalid, is_container, open_container
 from .errors import BudgetInvalid, ColibriError
 from .experts import ExpertSource, TracedSource
 from .policy import Policy
+from .sizes import fmt_bytes
 
 log = logging.getLogger("colibri.storage")
 
@@ -31,6 +32,7 @@ class ModelShape(Protocol):
     """What placement needs of a model (the engine's MoEModel)."""
 
     MODEL_TYPE: str
+    ATTENTION: str  # the attention kind (GQA, MLA), for doctor and run
     n_layer: int
     moe_layers: list[int]
     n_expert: int
@@ -39,6 +41,8 @@ class ModelShape(Protocol):
     def expert_names(self, il: int, ie: int) -> tuple[str, str, str]: ...
 
     def check(self, src, with_experts: bool = True) -> None: ...
+
+    def kv_bytes_per_token(self) -> int: ...
 
     def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None): ...
 
@@ -112,7 +116,8 @@ def check_model(path: str, build: Build, report=None):
     name = "model"
     try:
         model = build(path, load_config(path))
-        report(name, f"{path}: {model.MODEL_TYPE}, {model.n_layer} layers, {model.n_expert} experts per MoE layer")
+        report(name, f"{path}: {model.MODEL_TYPE}, {model.n_layer} layers, {model.n_expert} experts per MoE layer, "
+                     f"{model.ATTENTION} attention, {fmt_bytes(model.kv_bytes_per_token())} of KV cache per token")
         if is_container(path):
             name = "container"
             store = open_container(path)

@@ -223,7 +223,10 @@ class SafetensorsWriter:
         self.f.write(raw)
 
     def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
+        mv = memoryview(data)
+        if mv.nbytes == 0:  # a tensor with a zero in its shape: valid, no bytes (memoryview cannot cast it)
+            return
+        mv = mv.cast("B")
         self.f.write(mv)
         self.written += mv.nbytes
 

@@ -60,6 +60,31 @@ CASES = {
                                     num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.6,
                                     tie_word_embeddings=True, attention_bias=True)),
     ],
+    "deepseek_v3": [
+        ("q_lora_groups_interleaved", dict(vocab_size=101, hidden_size=48, intermediate_size=40,
+                                           moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                                           num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                           n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                                           kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                                           v_head_dim=10, rope_interleave=True, norm_topk_prob=True,
+                                           routed_scaling_factor=2.5)),
+        ("no_q_lora_yarn_bias_odd", dict(vocab_size=83, hidden_size=44, intermediate_size=30,
+                                         moe_intermediate_size=18, num_hidden_layers=3, num_attention_heads=3,
+                                         num_key_value_heads=3, n_routed_experts=9, num_experts_per_tok=3,
+                                         n_group=3, topk_group=2, first_k_dense_replace=0, n_shared_experts=2,
+                                         kv_lora_rank=14, q_lora_rank=None, qk_rope_head_dim=6, qk_nope_head_dim=10,
+                                         v_head_dim=14, rope_interleave=False, norm_topk_prob=False,
+                                         routed_scaling_factor=1.5, attention_bias=True, max_position_embeddings=256,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 64, "mscale": 0.7,
+                                                          "mscale_all_dim": 1.0})),
+        ("one_group_two_dense_tied", dict(vocab_size=64, hidden_size=32, intermediate_size=24,
+                                          moe_intermediate_size=12, num_hidden_layers=4, num_attention_heads=2,
+                                          num_key_value_heads=2, n_routed_experts=5, num_experts_per_tok=2,
+                                          n_group=1, topk_group=1, first_k_dense_replace=2, n_shared_experts=0,
+                                          kv_lora_rank=8, q_lora_rank=6, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                          v_head_dim=8, norm_topk_prob=True, tie_word_embeddings=True)),
+    ],
 }
 
 CLASSES = {
@@ -67,6 +92,7 @@ CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
@@ -94,6 +120,9 @@ def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32,
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # a router's selection-only bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
     model.to(dtype).save_pretrained(path)
     return model.float()
 

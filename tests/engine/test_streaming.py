@@ -142,7 +142,7 @@ def test_quantized_container_runs_close_to_bf16(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
-                                         ("mixtral", "odd_tied_window")])
+                                         ("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved")])
 def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
     build(family, case, tmp_path / "hf", seed=31)
     path = to_container(tmp_path / "hf", tmp_path / "c")
@@ -157,7 +157,8 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
 
 
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
-                                         ("mixtral", "odd_tied_window"), ("olmoe", "basic")])
+                                         ("mixtral", "odd_tied_window"), ("olmoe", "basic"),
+                                         ("deepseek_v3", "no_q_lora_yarn_bias_odd")])
 def test_tokens_identical_with_every_policy(tmp_path, family, case):
     ref = build(family, case, tmp_path / "hf", seed=41)
     path = to_container(tmp_path / "hf", tmp_path / "c")

@@ -235,7 +235,8 @@ def test_our_files_and_the_reference_librarys_read_each_other(tmp_path):
 
     rng = np.random.default_rng(0)
     tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": rng.standard_normal(7).astype(np.float16),
-               "i8": rng.integers(-128, 127, (4, 4)).astype(np.int8), "u8": rng.integers(0, 255, 9).astype(np.uint8)}
+               "i8": rng.integers(-128, 127, (4, 4)).astype(np.int8), "u8": rng.integers(0, 255, 9).astype(np.uint8),
+               "empty": np.zeros((0, 4), np.float32)}  # a zero in the shape (e.g. no shared experts): no bytes
     write_safetensors(str(tmp_path / "ours.safetensors"), tensors)
     theirs = load_file(str(tmp_path / "ours.safetensors"))
     assert set(theirs) == set(tensors) and all(np.array_equal(theirs[k], v) for k, v in tensors.items())
