@@ -146,6 +146,8 @@ def rope_parameters(cfg: dict, default_theta: float) -> dict:
         params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if "partial_rotary_factor" in cfg:  # the hub's spelling (GLM-4.5): at the top level
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
     return params
 
 
@@ -313,6 +315,28 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     # probs [T, E] -> ids [T, k] (descending, ties to the lower index), values [T, k]
     ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     return ids, np.take_along_axis(probs, ids, axis=-1)
+
+
+def sigmoid_top_k(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int, renormalise: bool,
+                  scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] f32 -> ids [T, k], weights [T, k] (DeepSeek-V3's router, and the families
+    # that took it): sigmoid scores; the choice adds the bias, keeps the topk_group groups with
+    # the best two-expert sums, then the top k; the weights are the scores without the bias,
+    # renormalised if asked, times the scaling
+    T, E = logits.shape
+    scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)  # [T, E]
+    choice = scores + bias  # [T, E]
+    groups = choice.reshape(T, n_group, E // n_group)  # [T, G, E/G]
+    group_scores = np.sort(groups, axis=-1)[..., -2:].sum(-1)  # [T, G]
+    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, topk_group]
+    mask = np.zeros((T, n_group), bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    choice = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)  # [T, E]
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]  # [T, A]
+    w = np.take_along_axis(scores, ids, axis=-1)  # [T, A]
+    if renormalise:
+        w = w / (w.sum(-1, keepdims=True) + np.float32(1e-20))
+    return ids, (w * np.float32(scaling)).astype(np.float32)
 
 
 def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -85,6 +85,23 @@ CASES = {
                                           kv_lora_rank=8, q_lora_rank=6, qk_rope_head_dim=4, qk_nope_head_dim=8,
                                           v_head_dim=8, norm_topk_prob=True, tie_word_embeddings=True)),
     ],
+    "glm4_moe": [
+        ("partial_rotary_qk_norm_groups", dict(vocab_size=101, hidden_size=48, intermediate_size=40,
+                                               moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+                                               num_experts_per_tok=2, n_group=2, topk_group=1,
+                                               first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True,
+                                               attention_bias=True, routed_scaling_factor=2.5,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.5})),
+        ("odd_no_norm_two_shared", dict(vocab_size=83, hidden_size=44, intermediate_size=30,
+                                        moe_intermediate_size=18, num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=1, head_dim=12, n_routed_experts=9, num_experts_per_tok=3,
+                                        n_group=3, topk_group=2, first_k_dense_replace=0, n_shared_experts=2,
+                                        norm_topk_prob=False, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.75})),
+    ],
 }
 
 CLASSES = {
@@ -93,6 +110,7 @@ CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
@@ -146,6 +164,8 @@ def hub_spelling(cfg: dict) -> dict:
     (+ rope_scaling), and the other name of the expert count."""
     params = cfg.pop("rope_parameters", None) or {}
     cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if "partial_rotary_factor" in params:  # GLM-4.5's hub config: at the top level
+        cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
     if params.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = {"type": params.pop("rope_type"), **params}
     for a, b in (("num_local_experts", "num_experts"), ("num_experts", "num_local_experts")):

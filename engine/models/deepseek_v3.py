@@ -19,7 +19,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from ..layers import AttnSpec, KVCache, Rope, deinterleave, linear, moe, rmsnorm, rope_inv_freq, swiglu
+from ..layers import (
+    AttnSpec,
+    KVCache,
+    Rope,
+    deinterleave,
+    linear,
+    moe,
+    rmsnorm,
+    rope_inv_freq,
+    sigmoid_top_k,
+    swiglu,
+)
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 
 MODEL_TYPE = "deepseek_v3"
@@ -57,18 +68,29 @@ class ModelArgs:
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.n_group, self.topk_group = self.n_group or 1, self.topk_group or 1
-        check_moe_args(self, self.n_routed_experts)
-        require(self.n_routed_experts % self.n_group == 0, "n_routed_experts must be a multiple of n_group")
-        require(0 < self.topk_group <= self.n_group, "topk_group must be between 1 and n_group")
-        require(self.n_routed_experts // self.n_group >= 2, "each expert group needs at least 2 experts")
-        require(self.num_experts_per_tok <= self.topk_group * self.n_routed_experts // self.n_group,
-                "num_experts_per_tok is more than the chosen groups hold")
+        check_grouped_moe(self)
         require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even")
 
 
+def check_grouped_moe(a) -> None:
+    """ModelArgs checks of the grouped sigmoid router (raise ValueError, see model.require)."""
+    a.n_group, a.topk_group = a.n_group or 1, a.topk_group or 1
+    check_moe_args(a, a.n_routed_experts)
+    require(a.n_routed_experts % a.n_group == 0, "n_routed_experts must be a multiple of n_group")
+    require(0 < a.topk_group <= a.n_group, "topk_group must be between 1 and n_group")
+    require(a.n_routed_experts // a.n_group >= 2, "each expert group needs at least 2 experts")
+    require(a.num_experts_per_tok <= a.topk_group * a.n_routed_experts // a.n_group,
+            "num_experts_per_tok is more than the chosen groups hold")
+
+
+MOE_NAMES = {  # the MoE half of a layer, beside HF_NAMES' router and experts
+    "router_bias": "model.layers.{il}.mlp.gate.e_score_correction_bias",
+    "shared_gate_proj": "model.layers.{il}.mlp.shared_experts.gate_proj.weight",
+    "shared_up": "model.layers.{il}.mlp.shared_experts.up_proj.weight",
+    "shared_down": "model.layers.{il}.mlp.shared_experts.down_proj.weight",
+}
 ATTN = "model.layers.{il}.self_attn."
-NAMES = HF_NAMES | {
+NAMES = HF_NAMES | MOE_NAMES | {
     "q": ATTN + "q_proj.weight",
     "q_a": ATTN + "q_a_proj.weight",
     "q_a_bias": ATTN + "q_a_proj.bias",
@@ -80,36 +102,57 @@ NAMES = HF_NAMES | {
     "kv_b": ATTN + "kv_b_proj.weight",
     "o": ATTN + "o_proj.weight",
     "o_bias": ATTN + "o_proj.bias",
-    "router_bias": "model.layers.{il}.mlp.gate.e_score_correction_bias",
-    "shared_gate_proj": "model.layers.{il}.mlp.shared_experts.gate_proj.weight",
-    "shared_up": "model.layers.{il}.mlp.shared_experts.up_proj.weight",
-    "shared_down": "model.layers.{il}.mlp.shared_experts.down_proj.weight",
 }
 
 
 def route(logits: np.ndarray, bias: np.ndarray, n_expert_used: int, n_group: int, topk_group: int,
           norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    # logits [T, E] f32 -> ids [T, A], weights [T, A]: sigmoid scores; the choice adds the
-    # bias, keeps the topk_group groups with the best two-expert sums, then the top A; the
-    # weights are the scores without the bias, renormalised if asked, times the scaling
-    T, E = logits.shape
-    scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)  # [T, E]
-    choice = scores + bias  # [T, E]
-    groups = choice.reshape(T, n_group, E // n_group)  # [T, G, E/G]
-    group_scores = np.sort(groups, axis=-1)[..., -2:].sum(-1)  # [T, G]
-    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]  # [T, topk_group]
-    mask = np.zeros((T, n_group), bool)
-    np.put_along_axis(mask, kept, True, axis=-1)
-    choice = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)  # [T, E]
-    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :n_expert_used]  # [T, A]
-    w = np.take_along_axis(scores, ids, axis=-1)  # [T, A]
-    if norm_topk_prob:
-        w = w / (w.sum(-1, keepdims=True) + np.float32(1e-20))
-    return ids, (w * np.float32(scaling)).astype(np.float32)
+    # logits [T, E] f32 -> ids [T, A], weights [T, A]: sigmoid scores, the bias for the choice
+    # only, group-limited top-k (layers.sigmoid_top_k)
+    return sigmoid_top_k(logits, bias, n_expert_used, n_group, topk_group, norm_topk_prob, scaling)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class GroupedMoE:
+    """The feed-forward half of a DeepSeek-V3 layer, which GLM-4.5 took as it is (as
+    transformers' modular files do): dense layers before first_k_dense_replace, then the
+    grouped sigmoid router, the routed experts and n_shared_experts shared ones."""
+
+    F32_KEYS = MoEModel.F32_KEYS | {"router_bias"}
+
+    def is_moe(self, il: int) -> bool:
+        return il >= self.args.first_k_dense_replace and self.args.n_routed_experts > 0
+
+    def mlp_shapes(self, il: int) -> dict:
+        a = self.args
+        D, I = a.hidden_size, a.intermediate_size
+        if not self.is_moe(il):
+            return {"gate": (I, D), "up": (I, D), "down": (D, I)}
+        s = {"router": (a.n_routed_experts, D), "router_bias": (a.n_routed_experts,)}
+        if a.n_shared_experts:
+            n = a.moe_intermediate_size * a.n_shared_experts
+            s |= {"shared_gate_proj": (n, D), "shared_up": (n, D), "shared_down": (D, n)}
+        return s
+
+    def router(self, il, x):
+        # x [T, D] -> ids, weights [T, A]
+        a, L = self.args, self.layers[il]
+        return route(linear(x, L["router"]), L["router_bias"], a.num_experts_per_tok, a.n_group, a.topk_group,
+                     a.norm_topk_prob, a.routed_scaling_factor)
+
+    def mlp(self, il, x, step):
+        # x [T, D] normed -> [T, D]
+        a, L = self.args, self.layers[il]
+        if not self.is_moe(il):
+            return swiglu(x, L["gate"], L["up"], L["down"])
+        ids, w = self.router(il, x)  # [T, A]
+        out = moe(x, ids, w, self.experts, il, step)
+        if a.n_shared_experts:
+            out = out + swiglu(x, L["shared_gate_proj"], L["shared_up"], L["shared_down"])
+        return out
 
 
 class LatentCache(KVCache):
@@ -122,11 +165,11 @@ class LatentCache(KVCache):
         self.n_pos, self.n_ctx = 0, n_ctx
 
 
-class Model(MoEModel):
+class Model(GroupedMoE, MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
     ATTENTION = "MLA"
-    F32_KEYS = MoEModel.F32_KEYS | {"q_a_norm", "kv_a_norm", "q_a_bias", "kv_a_bias", "router_bias"}
+    F32_KEYS = GroupedMoE.F32_KEYS | {"q_a_norm", "kv_a_norm", "q_a_bias", "kv_a_bias"}
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         a = args
@@ -147,12 +190,9 @@ class Model(MoEModel):
         a = self.args
         return LatentCache(self.n_layer, a.kv_lora_rank, a.qk_rope_head_dim, min(n_ctx, self.n_ctx))
 
-    def is_moe(self, il: int) -> bool:
-        return il >= self.args.first_k_dense_replace and self.args.n_routed_experts > 0
-
     def shapes(self):
         a = self.args
-        D, H, I, S = a.hidden_size, a.num_attention_heads, a.intermediate_size, a.moe_intermediate_size
+        D, H, S = a.hidden_size, a.num_attention_heads, a.moe_intermediate_size
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
 
         def per_layer(il):
@@ -167,13 +207,7 @@ class Model(MoEModel):
                 s |= {"kv_a_bias": (a.kv_lora_rank + a.qk_rope_head_dim,), "o_bias": (D,)}
                 if a.q_lora_rank is not None:
                     s["q_a_bias"] = (a.q_lora_rank,)
-            if not self.is_moe(il):
-                return s | {"gate": (I, D), "up": (I, D), "down": (D, I)}
-            s |= {"router": (a.n_routed_experts, D), "router_bias": (a.n_routed_experts,)}
-            if a.n_shared_experts:
-                n = S * a.n_shared_experts
-                s |= {"shared_gate_proj": (n, D), "shared_up": (n, D), "shared_down": (D, n)}
-            return s
+            return s | self.mlp_shapes(il)
 
         return self.global_shapes(), per_layer, self.expert_shapes(S)
 
@@ -219,21 +253,8 @@ class Model(MoEModel):
             v[:, h] = linear(out[:, h], L["kv_b_v"][h])
         return linear(v.reshape(T, H * a.v_head_dim), L["o"], L.get("o_bias"))
 
-    def router(self, il, x):
-        # x [T, D] -> ids, weights [T, A]
-        a, L = self.args, self.layers[il]
-        return route(linear(x, L["router"]), L["router_bias"], a.num_experts_per_tok, a.n_group, a.topk_group,
-                     a.norm_topk_prob, a.routed_scaling_factor)
-
     def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
         h = h + self.attention(il, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step)
-        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
-        if not self.is_moe(il):
-            return h + swiglu(x, L["gate"], L["up"], L["down"])
-        ids, w = self.router(il, x)  # [T, A]
-        out = moe(x, ids, w, self.experts, il, step)
-        if a.n_shared_experts:
-            out = out + swiglu(x, L["shared_gate_proj"], L["shared_up"], L["shared_down"])
-        return h + out
+        return h + self.mlp(il, rmsnorm(h, L["post_norm"], a.rms_norm_eps), step)
