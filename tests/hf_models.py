@@ -102,6 +102,14 @@ CASES = {
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.75})),
     ],
+    "minimax_m2": [
+        ("rotary_dim_half", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                 num_experts_per_tok=2, rotary_dim=8)),
+        ("odd_full_rotary_tied", dict(vocab_size=83, hidden_size=44, intermediate_size=18, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=3, head_dim=10, num_local_experts=7,
+                                      num_experts_per_tok=3, rotary_dim=10, tie_word_embeddings=True)),
+    ],
 }
 
 CLASSES = {
@@ -111,6 +119,7 @@ CLASSES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
