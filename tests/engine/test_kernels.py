@@ -1,6 +1,7 @@
 """Each numba kernel against a plain numpy reference, on odd shapes."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -352,6 +353,13 @@ def test_crew_jobs_give_the_bits_of_one_thread():
                 else:
                     kernels.matmul_u16(xb, w.view(np.uint16), w.dtype == np.uint16, kernels.f16_lut(), ref)
                 np.testing.assert_array_equal(y, ref)
+            for _ in range(200):  # on a loaded machine the helper may miss a job: give it more, each checked
+                if team.board[3] > 0:
+                    break
+                time.sleep(0.01)
+                more = np.zeros((16, 1024), np.float32)
+                team.experts(xb, rb, sb, 8, wb, big, more)
+                np.testing.assert_array_equal(more, want)
             assert team.board[3] > 0  # units the helper did
         finally:
             team.close()
