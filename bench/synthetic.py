@@ -53,6 +53,29 @@ SHAPE = {
     "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
     "eos_token_id": None,
 }
+# the other families' layers as the real models have them (every layer MoE, the same
+# vocabulary as above so the embeddings stay small): DeepSeek-V3 / Kimi K2 and GLM-4.5
+SHAPES = {
+    "qwen3_moe": SHAPE,
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "vocab_size": 32000, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "first_k_dense_replace": 0, "norm_topk_prob": True,
+        "rope_interleave": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 1e4,
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": None,
+    },
+    "glm4_moe": {
+        "model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+        "n_routed_experts": 160, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 0, "norm_topk_prob": True, "use_qk_norm": True,
+        "attention_bias": True, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": None,
+    },
+}
 GROUP = 64
 RECIPE = {"version": 3, "topics": 64, "A": 0.5, "B": 1.0, "attn_out": 0.6, "expert_out": 0.3, "sigma_token": 1.2,
           "sigma_pop": 0.6, "sigma_topic": 0.8, "stay": 6.0, "zipf": 1.0, "p_stay": 0.93}
@@ -141,15 +164,20 @@ def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int =
     return out
 
 
-def build(workdir: str, expert_gb: float, n_layer: int | None = None) -> str:
+def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: str = "qwen3_moe") -> str:
     """The container's path, built into workdir unless it is there already: as many
-    layers as give `expert_gb` of experts and fit in half the free disk (or n_layer)."""
-    one_layer = SHAPE["num_experts"] * 3 * (768 * 2048 // 2 + 768 * 2048 // GROUP * 2)
+    layers as give `expert_gb` of experts and fit in half the free disk (or n_layer), in
+    the shape SHAPES[family] says."""
+    shape = SHAPES[family]
+    n_expert = shape.get("num_experts") or shape["n_routed_experts"]
+    D, I = shape["hidden_size"], shape["moe_intermediate_size"]
+    one_layer = n_expert * 3 * (I * D // 2 + I * D // GROUP * 2)
     if n_layer is None:
         free = shutil.disk_usage(workdir).free
         n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
-    path = os.path.join(workdir, f"qwen3-30b-a3b-shaped-int4-{n_layer}l")
-    cfg = SHAPE | {"num_hidden_layers": n_layer}
+    name = "qwen3-30b-a3b" if family == "qwen3_moe" else family
+    path = os.path.join(workdir, f"{name}-shaped-int4-{n_layer}l")
+    cfg = shape | {"num_hidden_layers": n_layer}
     stamp = os.path.join(path, "bench-config.json")
     if os.path.isfile(stamp) and json.load(open(stamp)) == cfg | {"recipe": RECIPE}:
         return path
