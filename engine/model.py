@@ -158,7 +158,7 @@ class MoEModel:
         """What one token's context takes in the family's KV cache, every layer (a view shares
         its bytes with the array it looks into)."""
         c = self.new_cache(1)
-        return int(c.k.nbytes + (0 if c.v.base is c.k else c.v.nbytes))
+        return int(sum(a.nbytes for a in vars(c).values() if isinstance(a, np.ndarray) and a.base is None))
 
     def check(self, src, with_experts: bool = True) -> None:
         """Check that src (a Checkpoint, or a container's dense file) has every tensor the

@@ -110,6 +110,25 @@ CASES = {
                                       num_attention_heads=6, num_key_value_heads=3, head_dim=10, num_local_experts=7,
                                       num_experts_per_tok=3, rotary_dim=10, tie_word_embeddings=True)),
     ],
+    # index_topk below the tests' contexts, so the indexer's choice is reached; enough index
+    # heads that no two tokens tie on an all-zero (relu) index score at the choice's edge
+    "glm_moe_dsa": [
+        ("full_shared_topk4", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                   n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+                                   kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                                   v_head_dim=10, index_topk=4, index_head_dim=16, index_n_heads=16,
+                                   indexer_types=["full", "shared", "full"], n_group=2, topk_group=1)),
+        ("odd_topk7_yarn", dict(vocab_size=83, hidden_size=44, intermediate_size=30, moe_intermediate_size=18,
+                                num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, n_routed_experts=9,
+                                num_experts_per_tok=3, first_k_dense_replace=0, n_shared_experts=2, kv_lora_rank=14,
+                                q_lora_rank=10, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=14,
+                                index_topk=7, index_head_dim=12, index_n_heads=16, max_position_embeddings=256,
+                                indexer_types=["full", "full", "shared"], attention_bias=True,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64, "mscale": 0.7,
+                                                 "mscale_all_dim": 1.0})),
+    ],
 }
 
 CLASSES = {
@@ -120,6 +139,7 @@ CLASSES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]

@@ -223,12 +223,26 @@ class Model(GroupedMoE, MoEModel):
 
     def attention(self, il, x, step):
         # x [T, D] normed -> [T, D]; writes each sequence's latents at its cache.n_pos
+        qa, _ = self.absorbed_queries(il, x, step)  # [T, H, latent + rope]
+        out = np.empty(qa.shape[:2] + (self.args.kv_lora_rank,), np.float32)  # [T, H, latent]
+        for sg in step.segments:
+            rows = slice(sg.start, sg.start + sg.n)
+            kernels.attention(qa[rows], sg.cache.k[il], sg.cache.v[il], sg.cache.n_pos, 0,
+                              np.float32(self.attn_spec.scale), out[rows])
+        return self.lift(il, out)
+
+    def absorbed_queries(self, il, x, step):
+        # x [T, D] normed -> the absorbed queries [T, H, latent + rope] and the q_lora residual
+        # [T, q_lora_rank] (None without q_lora); writes each sequence's latent and rotated key
+        # at its cache.n_pos
         a, L, sp = self.args, self.layers[il], self.attn_spec
         T, H, nope, rope, lat = x.shape[0], a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+        q_resid = None
         if a.q_lora_rank is None:
             q = linear(x, L["q"])
         else:
-            q = linear(rmsnorm(linear(x, L["q_a"], L.get("q_a_bias")), L["q_a_norm"], a.rms_norm_eps), L["q_b"])
+            q_resid = rmsnorm(linear(x, L["q_a"], L.get("q_a_bias")), L["q_a_norm"], a.rms_norm_eps)
+            q = linear(q_resid, L["q_b"])
         q = q.reshape(T, H, nope + rope)  # [T, H, nope + rope]
         ckv = linear(x, L["kv_a"], L.get("kv_a_bias"))  # [T, latent + rope]
         latent = rmsnorm(ckv[:, :lat], L["kv_a_norm"], a.rms_norm_eps)  # [T, latent]
@@ -238,16 +252,20 @@ class Model(GroupedMoE, MoEModel):
             q_rot, k_rot = deinterleave(q_rot, rope // 2), deinterleave(k_rot, rope // 2)
         kernels.rope(q_rot, step.cos, step.sin)
         kernels.rope(k_rot, step.cos, step.sin)
-        qa = np.empty((T, H, lat + rope), np.float32)  # [T, H, latent + rope] the absorbed queries
+        qa = np.empty((T, H, lat + rope), np.float32)  # [T, H, latent + rope]
         for h in range(H):
             qa[:, h, :lat] = linear(q[:, h, :nope], L["kv_b_k"][h])  # [T, latent]
         qa[:, :, lat:] = q_rot
-        out = np.empty((T, H, lat), np.float32)  # [T, H, latent]
         for sg in step.segments:
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
             cache.k[il, 0, pos0 : pos0 + sg.n, :lat] = latent[rows]
             cache.k[il, 0, pos0 : pos0 + sg.n, lat:] = k_rot[rows, 0]
-            kernels.attention(qa[rows], cache.k[il], cache.v[il], pos0, 0, np.float32(sp.scale), out[rows])
+        return qa, q_resid
+
+    def lift(self, il, out):
+        # out [T, H, latent], attention over the latents -> [T, D]: each head's values, then o_proj
+        a, L = self.args, self.layers[il]
+        T, H = out.shape[:2]
         v = np.empty((T, H, a.v_head_dim), np.float32)  # [T, H, hv]
         for h in range(H):
             v[:, h] = linear(out[:, h], L["kv_b_v"][h])
