@@ -1,0 +1,38 @@
+"""The frontier families end to end: a checkpoint made by transformers converts with
+colictl convert and is served by colibrid under the minimum expert budget, giving the
+tokens colictl run gives in-process (which the engine tests tie to transformers)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_daemon import ctl, serving
+
+from colibri.storage.demo import CHAT_TEMPLATE, _tokenizer_json
+
+from hf_models import build
+
+
+@pytest.mark.parametrize("family,case", [("deepseek_v3", "q_lora_groups_interleaved"),
+                                         ("glm_moe_dsa", "full_shared_topk4"), ("glm4_moe", "odd_no_norm_two_shared"),
+                                         ("minimax_m2", "rotary_dim_half")])
+def test_a_frontier_family_converts_and_is_served(tmp_path, family, case):
+    hf = tmp_path / "hf"
+    build(family, case, hf, seed=13, vocab_size=259)  # the byte-level tokenizer's 256 + 3 tokens
+    (hf / "tokenizer.json").write_text(_tokenizer_json())
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    colictl = [sys.executable, "-m", "colibri.ctl"]
+    r = subprocess.run([*colictl, "convert", str(hf), str(tmp_path / "c")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    run = subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--expert-cache", "min", "--json",
+                          "--max-tokens", "12", "streamed experts"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    want = json.loads(run.stdout)
+    assert len(want["token_ids"]) == 12
+    with serving(tmp_path, tmp_path / "c", "--expert-cache", "min") as (_, sock):
+        got = ctl(sock, "generate", "--json", "--max-tokens", 12, "streamed experts")
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
+        status = json.loads(ctl(sock, "status", "--json").stdout)
+        assert status["model"]["type"] == family
