@@ -159,10 +159,12 @@ def rope(x, cos, sin):
 
 
 @nb.njit(**JIT_FAST)
-def attention(q, k_cache, v_cache, pos0, window, scale, out):
+def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
     # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache [Hkv, S, hd], v_cache
     # [Hkv, S, hv] holding positions 0..pos0+T-1 (hv, the value head size, may differ from hd);
     # out [T, Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
+    # sinks [Hq] f32 (gpt-oss), or empty: a logit per head that joins the softmax's
+    # denominator and nothing else (attention may go nowhere).
     T, Hq, hd = q.shape
     hv = v_cache.shape[2]
     Hkv = k_cache.shape[0]
@@ -184,7 +186,11 @@ def attention(q, k_cache, v_cache, pos0, window, scale, out):
                 scores[j] = s
                 if s > m:
                     m = s
+            if sinks.shape[0] > 0 and sinks[h] > m:
+                m = sinks[h]
             z = np.float32(0.0)
+            if sinks.shape[0] > 0:
+                z += np.exp(sinks[h] - m)
             for j in range(lo, p + 1):
                 e = np.exp(scores[j] - m)
                 scores[j] = e

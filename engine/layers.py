@@ -14,6 +14,8 @@ from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32
 from . import crew, kernels, qkernels
 from .kernels import f16_lut
 
+NO_SINKS = np.zeros(0, np.float32)  # attention without sinks
+
 
 def init(n_threads: int | None = None, progress=None) -> None:
     """Start-up work for the kernels: the f16 table, the compute threads (default: the CPUs
@@ -44,7 +46,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
     def attention():
         rmsnorm(x, np.ones(4, np.float32), 1e-6)
         kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
-        kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), np.empty_like(q))
+        kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
         kernels.silu_mul(x, x, np.empty_like(x))
 
     steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), attention]
@@ -293,11 +295,12 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
     v = v.reshape(T, Hkv, hv)  # [T, Hkv, hv]
     out = np.empty((T, Hq, hv), np.float32)  # [T, Hq, hv]
     scale = np.float32(spec.scale if spec.scale is not None else hd**-0.5)
+    sinks = w.get("sinks", NO_SINKS)  # [Hq] f32: a family's attention sinks
     for sg in step.segments:
         rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
         cache.k[il, :, pos0 : pos0 + sg.n] = k[rows].transpose(1, 0, 2)  # [Hkv, n, hd]
         cache.v[il, :, pos0 : pos0 + sg.n] = v[rows].transpose(1, 0, 2)
-        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, scale, out[rows])
+        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, scale, sinks, out[rows])
     return linear(out.reshape(T, Hq * hv), w["o"], w.get("o_bias"))
 
 

@@ -121,7 +121,7 @@ class MoEModel:
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
-                          "o_bias", "router", "shared_gate"})
+                          "o_bias", "router", "shared_gate", "sinks"})
 
     def __init__(self, args, config: dict, where: str = "config.json"):
         """The model's structure from its args and config (no weights yet: see load).

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import kernels
 from ..layers import (
+    NO_SINKS,
     AttnSpec,
     KVCache,
     Rope,
@@ -228,7 +229,7 @@ class Model(GroupedMoE, MoEModel):
         for sg in step.segments:
             rows = slice(sg.start, sg.start + sg.n)
             kernels.attention(qa[rows], sg.cache.k[il], sg.cache.v[il], sg.cache.n_pos, 0,
-                              np.float32(self.attn_spec.scale), out[rows])
+                              np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
         return self.lift(il, out)
 
     def absorbed_queries(self, il, x, step):

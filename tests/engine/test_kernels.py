@@ -33,8 +33,9 @@ def ref_rope(x, cos, sin):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
 
 
-def ref_attention(q, k, v, pos0, window, scale):
-    # q [T, Hq, hd]; k [Hkv, S, hd], v [Hkv, S, hv]
+def ref_attention(q, k, v, pos0, window, scale, sinks=None):
+    # q [T, Hq, hd]; k [Hkv, S, hd], v [Hkv, S, hv]; sinks [Hq]: transformers' gpt-oss softmax
+    # over [scores, sink] with the sink's column dropped
     T, Hq, hd = q.shape
     n_rep = Hq // k.shape[0]
     out = np.zeros((T, Hq, v.shape[2]), np.float32)
@@ -43,8 +44,10 @@ def ref_attention(q, k, v, pos0, window, scale):
         lo = max(0, p - window + 1) if window else 0
         for h in range(Hq):
             s = (k[h // n_rep, lo : p + 1] @ q[t, h]).astype(np.float64) * scale
+            s = np.append(s, sinks[h]) if sinks is not None else s
             a = np.exp(s - s.max())
-            out[t, h] = (a / a.sum()) @ v[h // n_rep, lo : p + 1]
+            a = a / a.sum()
+            out[t, h] = (a[: p + 1 - lo]) @ v[h // n_rep, lo : p + 1]
     return out
 
 
@@ -124,8 +127,11 @@ def test_attention(T, pos0, Hq, Hkv, hd, window):
     S = pos0 + T
     q, k, v = rand(T, Hq, hd), rand(Hkv, S, hd), rand(Hkv, S, hd)
     out = np.empty_like(q)
-    kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), out)
+    kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), layers.NO_SINKS, out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, window, hd**-0.5), rtol=1e-5, atol=1e-5)
+    sinks = rand(Hq) * 2  # some above every score, some below
+    kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), sinks, out)
+    np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, window, hd**-0.5, sinks), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("hd,hv", [(24, 16), (16, 40)])
@@ -134,7 +140,7 @@ def test_attention_with_a_value_head_of_its_own_size(hd, hv):
     T, pos0, Hq, Hkv = 3, 4, 4, 2
     q, k, v = rand(T, Hq, hd), rand(Hkv, pos0 + T, hd), rand(Hkv, pos0 + T, hv)
     out = np.empty((T, Hq, hv), np.float32)
-    kernels.attention(q, k, v, pos0, 0, np.float32(0.3), out)
+    kernels.attention(q, k, v, pos0, 0, np.float32(0.3), layers.NO_SINKS, out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, 0, 0.3), rtol=1e-5, atol=1e-5)
 
 
