@@ -172,7 +172,7 @@ def main():
     ap.add_argument("--verify", default="first", choices=("first", "always", "off"),
                     help="checksums of expert reads (colibri's default: each expert's first read)")
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
-                    help="the layers' shape (bench/synthetic.py SHAPES): Qwen3-30B-A3B, DeepSeek-V3, GLM-4.5")
+                    help="the layers' shape (bench/synthetic.py SHAPES): Qwen3-30B-A3B, DeepSeek-V3, GLM-4.5, gpt-oss-120b")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()

@@ -75,6 +75,13 @@ SHAPES = {
         "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
         "eos_token_id": None,
     },
+    "gpt_oss": {  # gpt-oss-120b
+        "model_type": "gpt_oss", "vocab_size": 32000, "hidden_size": 2880, "intermediate_size": 2880,
+        "moe_intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "rope_theta": 150000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": None,
+    },
 }
 GROUP = 64
 RECIPE = {"version": 3, "topics": 64, "A": 0.5, "B": 1.0, "attn_out": 0.6, "expert_out": 0.3, "sigma_token": 1.2,
@@ -169,7 +176,7 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
     layers as give `expert_gb` of experts and fit in half the free disk (or n_layer), in
     the shape SHAPES[family] says."""
     shape = SHAPES[family]
-    n_expert = shape.get("num_experts") or shape["n_routed_experts"]
+    n_expert = shape.get("num_experts") or shape.get("num_local_experts") or shape["n_routed_experts"]
     D, I = shape["hidden_size"], shape["moe_intermediate_size"]
     one_layer = n_expert * 3 * (I * D // 2 + I * D // GROUP * 2)
     if n_layer is None:

@@ -270,7 +270,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
                            "(run the container as it is)")
     cfg = load_config(src)
     model = build_model(src, cfg)
-    ckpt = open_checkpoint(src)
+    ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
     plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names())
     bar = sys.stderr.isatty()

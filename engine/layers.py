@@ -351,8 +351,11 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
     return ids, w
 
 
-def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None) -> np.ndarray:
-    # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]
+def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None,
+        ffn=None) -> np.ndarray:
+    # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]. ffn(x [n, D],
+    # expert weights) -> [n, D]: a family's own expert (biases, another activation); None:
+    # SwiGLU of (gate, up, down), which the crew's int4 kernels also compute
     t0 = time.perf_counter()
     T, A = ids.shape
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
@@ -386,8 +389,12 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         return order[bounds[k] : bounds[k + 1]]
 
     def expert(item):  # an expert the crew does not take, on its own
-        ie, (gate, up, down) = item
+        ie, ew = item
         rows = rows_of(ie)
+        if ffn is not None:
+            ys[rows] = ffn(x[rows // A], ew) * w_flat[rows][:, None]
+            return
+        gate, up, down = ew
         p = prompt_rows[rows // A]
         parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
         for r, prompt in parts:
@@ -404,8 +411,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
             # one, side by side
             mine, rest = [], []
             for item in batch:
-                ie, (gate, up, down) = item
-                crew_takes = team is not None and is_int4(gate, up, down) and gate.group_size == g
+                ie, ew = item
+                crew_takes = ffn is None and team is not None and is_int4(*ew) and ew[0].group_size == g
                 (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
             if mine:
                 if len(mine) == len(union):  # the whole step at once (all resident): rows as sorted

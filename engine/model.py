@@ -118,6 +118,7 @@ class MoEModel:
     NAMES: dict[str, str] = {}
     DEFAULT_THETA = 10000.0
     ATTENTION = "GQA"  # the attention kind, as doctor and run name it
+    EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")  # an expert's tensors, in the record's order
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
@@ -143,9 +144,15 @@ class MoEModel:
         self.beat = 0.0  # when the last layer finished (time.monotonic): progress a watchdog can see
         self.beat = 0.0  # time.monotonic() when forward last finished a layer
 
-    def expert_names(self, il: int, ie: int) -> tuple[str, str, str]:
-        """Checkpoint names of expert ie of layer il: (gate, up, down)."""
-        return tuple(self.NAMES[k].format(il=il, ie=ie) for k in ("expert_gate", "expert_up", "expert_down"))
+    def expert_names(self, il: int, ie: int) -> tuple[str, ...]:
+        """Checkpoint names of expert ie of layer il: (gate, up, down), then its biases when
+        the family has them (EXPERT_KEYS)."""
+        return tuple(self.NAMES[k].format(il=il, ie=ie) for k in self.EXPERT_KEYS)
+
+    def source(self, checkpoint):
+        """The checkpoint as this family reads it: itself, or a view (gpt-oss presents its
+        fused expert tensors as one (gate, up, down, biases) per expert)."""
+        return checkpoint
 
     def dense_names(self) -> list[str]:
         """The checkpoint names of every tensor the model reads but the routed experts (a

@@ -38,6 +38,7 @@ DENSE_FILE = "dense.safetensors"
 ALIGN = 4096  # record alignment: the O_DIRECT / page unit
 PART_ALIGN = 64  # alignment of each part inside a record
 PARTS = ("gate", "up", "down")
+BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")  # a family's expert biases (gpt-oss): 1-D, never quantized
 
 
 class ContainerInvalid(CheckpointError):
@@ -159,17 +160,19 @@ class Container:
                                    f"{overlaps} overlapping records")
 
     def expert_views(self, record: np.ndarray) -> tuple:
-        """(gate, up, down) over one record's bytes, zero-copy: arrays in their storage dtype,
-        or QuantWeight when the experts are quantized."""
+        """(gate, up, down), then the biases when the family has them, over one record's
+        bytes, zero-copy: arrays in their storage dtype, or QuantWeight for quantized
+        matrices (biases stay float)."""
         parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
+        biases = tuple(parts[(n, "weight")] for n in BIAS_PARTS if (n, "weight") in parts)
         if self.expert_dtype in ("int8", "int4"):
             out = []
             for n in PARTS:
                 q, scales = parts[(n, "weight")], parts[(n, "scales")]
                 cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
                 out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
-            return tuple(out)
-        return tuple(parts[(n, "weight")] for n in PARTS)
+            return tuple(out) + biases
+        return tuple(parts[(n, "weight")] for n in PARTS) + biases
 
     @property
     def expert_bytes(self) -> int:

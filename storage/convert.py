@@ -20,6 +20,7 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .container import (
     ALIGN,
+    BIAS_PARTS,
     DENSE_FILE,
     FORMAT,
     PARTS,
@@ -107,6 +108,7 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
         raise ConvertError(f"{dst} exists; choose another destination or pass --force to replace it")
     quant = expert_dtype in QUANT_DTYPES
     gate0 = src.entry(plan.names(plan.moe_layers[0], 0)[0]) if plan.moe_layers else None
+    # the three matrices' shapes, then the biases' when the family has them (gpt-oss)
     shapes = [src.entry(n).shape for n in plan.names(plan.moe_layers[0], 0)] if plan.moe_layers else []
     if quant:
         group_size = group_size or (64 if expert_dtype == "int4" else None)
@@ -142,8 +144,8 @@ def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, qu
         for p in layout:
             if p.offset > cursor:
                 entries.append((f"__pad__.{il}.{ie}.{p.part}.{p.tensor}", "U8", (p.offset - cursor,)))
-            name = names[PARTS.index(p.part)]
-            if quant:
+            name = names[(PARTS + BIAS_PARTS).index(p.part)]
+            if quant and p.part in PARTS:
                 name = f"{name.removesuffix('.weight')}.{'qweight' if p.tensor == 'weight' else 'scales'}"
             entries.append((name, p.dtype, p.shape))
             cursor = p.offset + p.n_bytes
@@ -189,6 +191,8 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     else:
         keep = ST_NAME[expert_dtype] if expert_dtype else (gate0.dtype if gate0 else "BF16")
         parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
+    bias_dtype = ST_NAME[expert_dtype] if expert_dtype in FLOAT_DTYPES else (gate0.dtype if gate0 else "BF16")
+    parts += [(part, "weight", bias_dtype, shape) for part, shape in zip(BIAS_PARTS, shapes[3:])]
     layout, record_bytes = record_layout(parts)
 
     index = []
@@ -200,8 +204,11 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         record = np.zeros(record_bytes, np.uint8)
         for ie in range(plan.n_expert):
             record[:] = 0
-            for part, name in zip(PARTS, plan.names(il, ie)):
-                values = expert_values(src, name, expert_dtype, group_size)
+            for part, name in zip(PARTS + BIAS_PARTS, plan.names(il, ie)):
+                if part in BIAS_PARTS:  # never quantized: the float dtype the record keeps them in
+                    values = {"weight": cast(src.read(name), OUR_NAME[bias_dtype])}
+                else:
+                    values = expert_values(src, name, expert_dtype, group_size)
                 for p in layout:
                     if p.part == part:
                         v = np.ascontiguousarray(values[p.tensor])

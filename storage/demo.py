@@ -225,8 +225,8 @@ def ensure_demo_container(path: str, build, progress=None) -> str:
         if progress:
             progress("converting the demo model to a container")
         model = build(src, load_config(src))
-        convert(open_checkpoint(src), path, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names),
-                force=True)
+        convert(model.source(open_checkpoint(src)), path,
+                ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), force=True)
         with open(os.path.join(path, "demo-source"), "w") as f:
             f.write(source)
     finally:

@@ -38,7 +38,9 @@ class ModelShape(Protocol):
     n_expert: int
     n_expert_used: int  # top-k: the cache keeps at least this many slots per layer
 
-    def expert_names(self, il: int, ie: int) -> tuple[str, str, str]: ...
+    def expert_names(self, il: int, ie: int) -> tuple[str, ...]: ...
+
+    def source(self, checkpoint): ...
 
     def check(self, src, with_experts: bool = True) -> None: ...
 
@@ -136,7 +138,7 @@ def check_model(path: str, build: Build, report=None):
             report(name, "dense.safetensors has every dense tensor, with the shapes config.json implies")
         else:
             name = "checkpoint"
-            store = open_checkpoint(path)
+            store = model.source(open_checkpoint(path))
             model.check(store)
             size = sum(sf.file_bytes for sf in store.files.values())
             report(name, f"{len(store.files)} safetensors file(s), {size / 2**30:.2f} GiB, every tensor present with "

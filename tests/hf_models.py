@@ -129,6 +129,19 @@ CASES = {
                                                  "original_max_position_embeddings": 64, "mscale": 0.7,
                                                  "mscale_all_dim": 1.0})),
     ],
+    "gpt_oss": [
+        ("sinks_sliding_clamped", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                       num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.4)),
+        ("odd_full_and_sliding_tied", dict(vocab_size=83, hidden_size=44, intermediate_size=18, num_hidden_layers=3,
+                                           num_attention_heads=6, num_key_value_heads=3, head_dim=10,
+                                           num_local_experts=7, num_experts_per_tok=3, sliding_window=6,
+                                           layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                           tie_word_embeddings=True, max_position_embeddings=4096,
+                                           rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                            "factor": 8.0, "original_max_position_embeddings": 512,
+                                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
+    ],
 }
 
 CLASSES = {
@@ -140,6 +153,7 @@ CLASSES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
@@ -214,8 +228,8 @@ def build_container(root, family: str, case: str, seed: int, **overrides):
 
     build(family, case, root / "hf", seed=seed, **overrides)
     model = build_model(str(root / "hf"), load_config(str(root / "hf")))
-    convert(open_checkpoint(str(root / "hf")), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names))
+    convert(model.source(open_checkpoint(str(root / "hf"))), root / "c",
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()))
     return open_container(str(root / "c"))
 
 

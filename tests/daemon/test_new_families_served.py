@@ -16,7 +16,7 @@ from hf_models import build
 
 @pytest.mark.parametrize("family,case", [("deepseek_v3", "q_lora_groups_interleaved"),
                                          ("glm_moe_dsa", "full_shared_topk4"), ("glm4_moe", "odd_no_norm_two_shared"),
-                                         ("minimax_m2", "rotary_dim_half")])
+                                         ("minimax_m2", "rotary_dim_half"), ("gpt_oss", "sinks_sliding_clamped")])
 def test_a_frontier_family_converts_and_is_served(tmp_path, family, case):
     hf = tmp_path / "hf"
     build(family, case, hf, seed=13, vocab_size=259)  # the byte-level tokenizer's 256 + 3 tokens

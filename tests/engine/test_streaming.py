@@ -29,7 +29,8 @@ def _init():
 
 def to_container(src, dst, **kw):
     model = build_model(str(src), load_config(str(src)))
-    convert(open_checkpoint(str(src)), dst, ExpertPlan(model.moe_layers, model.n_expert, model.expert_names), **kw)
+    convert(model.source(open_checkpoint(str(src))), dst,
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), **kw)
     return str(dst)
 
 

@@ -1,0 +1,185 @@
+"""gpt-oss (`gpt_oss`): grouped-query attention with q/k/v/o biases and attention sinks,
+sliding-window and full layers as `layer_types` says, YaRN; a router with a bias whose
+top-k logits are softmaxed; experts with biases and the clamped SwiGLU
+(`swiglu_limit`, `swiglu_alpha`: out = (clip(up) + 1) * g * sigmoid(alpha * g), g = gate
+capped at the limit).
+
+The checkpoints store each layer's experts fused: `gate_up_proj` [E, D, 2I] with gate and
+up interleaved by column, `down_proj` [E, I, D], and their biases. `source()` presents
+them as one (gate [I, D], up [I, D], down [D, I], gate_bias, up_bias, down_bias) per
+expert (`FusedExperts`), so loading, checking and converting read experts one by one as
+for every family, and a container keeps each expert in one record.
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..layers import AttnSpec, attention, linear, moe, rmsnorm, to_f32
+from ..model import HF_NAMES, MoEModel, check_moe_args, require
+
+MODEL_TYPE = "gpt_oss"
+ALIASES = {"num_local_experts": ("num_experts",)}
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 2880
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 131072
+    sliding_window: int = 128
+    layer_types: list | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention" if (il + 1) % 2 else "full_attention"
+                                for il in range(self.num_hidden_layers)]
+        require(len(self.layer_types) == self.num_hidden_layers, "layer_types needs one entry per layer")
+        check_moe_args(self, self.num_local_experts)
+
+
+EXPERTS = "model.layers.{il}.mlp.experts."
+NAMES = HF_NAMES | {
+    "router": "model.layers.{il}.mlp.router.weight",
+    "router_bias": "model.layers.{il}.mlp.router.bias",
+    "sinks": "model.layers.{il}.self_attn.sinks",
+    # one expert's view of the fused tensors (FusedExperts): these names are not in the files
+    "expert_gate_bias": EXPERTS + "{ie}.gate_proj.bias",
+    "expert_up_bias": EXPERTS + "{ie}.up_proj.bias",
+    "expert_down_bias": EXPERTS + "{ie}.down_proj.bias",
+}
+FUSED = {"gate_up": EXPERTS + "gate_up_proj", "gate_up_bias": EXPERTS + "gate_up_proj_bias",
+         "down": EXPERTS + "down_proj", "down_bias": EXPERTS + "down_proj_bias"}
+
+
+def route(logits: np.ndarray, n_expert_used: int) -> tuple[np.ndarray, np.ndarray]:
+    # logits [T, E] (the router's bias added) -> ids [T, A], weights [T, A]: the top-k logits,
+    # softmaxed among themselves
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :n_expert_used]  # [T, A]
+    top = np.take_along_axis(logits, ids, axis=-1)  # [T, A]
+    e = np.exp(top - top.max(-1, keepdims=True))
+    return ids, (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+class FusedExperts:
+    """A gpt-oss checkpoint with its fused expert tensors shown one expert at a time under
+    the per-expert names of NAMES: `read` slices, de-interleaves and transposes (exact, in
+    the storage dtype); everything else is the checkpoint's."""
+
+    def __init__(self, checkpoint, model: "Model"):
+        self.ckpt, self.model = checkpoint, model
+        self.virtual = {}  # per-expert name -> (fused key, layer, expert, which)
+        for il in model.moe_layers:
+            for ie in range(model.n_expert):
+                for name, which in zip(model.expert_names(il, ie), ("gate", "up", "down", "gate_b", "up_b", "down_b")):
+                    self.virtual[name] = (il, ie, which)
+        self._cache: dict = {}  # (layer, fused key) -> the fused tensor, while its layer's experts are read
+
+    def __getattr__(self, name):
+        return getattr(self.ckpt, name)
+
+    def _fused(self, il: int, key: str) -> np.ndarray:
+        if (il, key) not in self._cache:
+            self._cache = {k: v for k, v in self._cache.items() if k[0] == il}  # one layer at a time
+            self._cache[(il, key)] = self.ckpt.read(FUSED[key].format(il=il))
+        return self._cache[(il, key)]
+
+    def entry(self, name: str):
+        if name not in self.virtual:
+            return self.ckpt.entry(name)
+        il, _, which = self.virtual[name]
+        I, D = self.model.args.intermediate_size, self.model.args.hidden_size
+        key, shape = {"gate": ("gate_up", (I, D)), "up": ("gate_up", (I, D)), "down": ("down", (D, I)),
+                      "gate_b": ("gate_up_bias", (I,)), "up_b": ("gate_up_bias", (I,)),
+                      "down_b": ("down_bias", (D,))}[which]
+        return replace(self.ckpt.entry(FUSED[key].format(il=il)), shape=shape)
+
+    def expect(self, name: str, shape: tuple):
+        if name not in self.virtual:
+            return self.ckpt.expect(name, shape)
+        il, _, which = self.virtual[name]
+        a = self.model.args
+        E, D, I = self.model.n_expert, a.hidden_size, a.intermediate_size
+        key = {"gate": "gate_up", "up": "gate_up", "down": "down", "gate_b": "gate_up_bias", "up_b": "gate_up_bias",
+               "down_b": "down_bias"}[which]
+        fused_shape = {"gate_up": (E, D, 2 * I), "down": (E, I, D), "gate_up_bias": (E, 2 * I),
+                       "down_bias": (E, D)}[key]
+        self.ckpt.expect(FUSED[key].format(il=il), fused_shape)
+        return self.entry(name)
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self.virtual:
+            return self.ckpt.read(name)
+        il, ie, which = self.virtual[name]
+        if which in ("gate", "up"):  # [D, 2I] columns gate, up, gate, up, ... -> [I, D]
+            return np.ascontiguousarray(self._fused(il, "gate_up")[ie][:, 0 if which == "gate" else 1 :: 2].T)
+        if which == "down":  # [I, D] -> [D, I]
+            return np.ascontiguousarray(self._fused(il, "down")[ie].T)
+        if which in ("gate_b", "up_b"):
+            return np.ascontiguousarray(self._fused(il, "gate_up_bias")[ie][0 if which == "gate_b" else 1 :: 2])
+        return np.ascontiguousarray(self._fused(il, "down_bias")[ie])
+
+
+class Model(MoEModel):
+    MODEL_TYPE = MODEL_TYPE
+    NAMES = NAMES
+    DEFAULT_THETA = 150000.0
+    EXPERT_KEYS = MoEModel.EXPERT_KEYS + ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
+    F32_KEYS = MoEModel.F32_KEYS | {"router_bias"}
+
+    def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
+        self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                                  args.rms_norm_eps)
+        self.n_expert = args.num_local_experts
+        self.windows = [args.sliding_window if t == "sliding_attention" else 0 for t in args.layer_types]
+        super().__init__(args, config, where)
+
+    def source(self, checkpoint):
+        return FusedExperts(checkpoint, self)
+
+    def shapes(self):
+        a = self.args
+        D, I, E = a.hidden_size, a.intermediate_size, a.num_local_experts
+
+        def per_layer(il):
+            return self.attn_shapes(a.attention_bias, a.attention_bias) | {
+                "sinks": (a.num_attention_heads,), "router": (E, D), "router_bias": (E,)}
+
+        experts = self.expert_shapes(I) | {"expert_gate_bias": (I,), "expert_up_bias": (I,), "expert_down_bias": (D,)}
+        return self.global_shapes(), per_layer, experts
+
+    def router(self, il, x):
+        # x [T, D] -> ids, weights [T, A]
+        L = self.layers[il]
+        return route(linear(x, L["router"], L["router_bias"]), self.args.num_experts_per_tok)
+
+    def expert(self, x, w):
+        # x [n, D], one expert's (gate, up, down, gate_bias, up_bias, down_bias) -> [n, D]
+        a = self.args
+        gate, up, down, gb, ub, db = w
+        g = np.minimum(linear(x, gate, to_f32(gb)), np.float32(a.swiglu_limit))  # [n, I]
+        u = np.clip(linear(x, up, to_f32(ub)), -a.swiglu_limit, a.swiglu_limit)  # [n, I]
+        h = (u + 1) * (g / (1 + np.exp(-g * np.float32(a.swiglu_alpha))))  # [n, I]
+        return linear(h.astype(np.float32), down, to_f32(db))
+
+    def block(self, il, h, step):
+        # h [T, D] residual stream
+        a, L = self.args, self.layers[il]
+        h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il, self.windows[il])
+        x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
+        ids, w = self.router(il, x)  # [T, A]
+        return h + moe(x, ids, w, self.experts, il, step, ffn=self.expert)
+
