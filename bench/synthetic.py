@@ -84,7 +84,7 @@ SHAPES = {
     },
 }
 GROUP = 64
-RECIPE = {"version": 3, "topics": 64, "A": 0.5, "B": 1.0, "attn_out": 0.6, "expert_out": 0.3, "sigma_token": 1.2,
+RECIPE = {"version": 4, "topics": 64, "A": 0.5, "B": 1.0, "attn_out": 0.6, "expert_out": 0.3, "sigma_token": 1.2,
           "sigma_pop": 0.6, "sigma_topic": 0.8, "stay": 6.0, "zipf": 1.0, "p_stay": 0.93}
 
 
@@ -109,6 +109,7 @@ class SyntheticSource:
         self.where = dict.fromkeys(self.shapes, "synthetic")
         self.seeds = {n: zlib.crc32(n.encode()) for n in self.shapes}
         self.model = model
+        self.routers = {model.NAMES["router"].format(il=il) for il in model.moe_layers}  # the family's router names
         D = cfg["hidden_size"]
         self.u = _unit_rows(1, 1, D)[0]  # [D]
         self.T = _unit_rows(2, recipe["topics"], D)  # [K, D]
@@ -120,14 +121,14 @@ class SyntheticSource:
         shape, r = self.shapes[name], self.r
         rng = np.random.default_rng(self.seeds[name])
         x = rng.standard_normal(shape, dtype=np.float32)
-        if len(shape) == 1:
-            return f32_to_bf16(1 + 0.1 * x)
+        if len(shape) == 1:  # norms around 1; biases and sinks small, as trained ones are
+            return f32_to_bf16(0.1 * x if name.endswith(("bias", "sinks")) else 1 + 0.1 * x)
         D = self.config["hidden_size"]
         norm = np.sqrt(1 + r["A"] ** 2 + r["B"] ** 2)  # the embedding's RMS: x = rmsnorm(h) divides by it
         topic = np.arange(self.config["vocab_size"]) % r["topics"]
         if name.endswith("embed_tokens.weight"):  # [V, D]: noise + A u + B T[topic]
             return f32_to_bf16(x + np.sqrt(D) * (r["A"] * self.u + r["B"] * self.T[topic]))
-        if name.endswith("mlp.gate.weight"):  # router [E, D]
+        if name in self.routers:  # router [E, D]
             E = shape[0]
             p = rng.standard_normal(E).astype(np.float32)  # [E] popularity
             q = rng.standard_normal((E, r["topics"])).astype(np.float32)  # [E, K] topic preference
