@@ -160,7 +160,9 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
                                          ("mixtral", "odd_tied_window"), ("olmoe", "basic"),
                                          ("deepseek_v3", "no_q_lora_yarn_bias_odd"),
-                                         ("glm4_moe", "partial_rotary_qk_norm_groups")])
+                                         ("glm4_moe", "partial_rotary_qk_norm_groups"),
+                                         ("glm_moe_dsa", "full_shared_topk4"), ("gpt_oss", "sinks_sliding_clamped"),
+                                         ("minimax_m2", "odd_full_rotary_tied")])
 def test_tokens_identical_with_every_policy(tmp_path, family, case):
     ref = build(family, case, tmp_path / "hf", seed=41)
     path = to_container(tmp_path / "hf", tmp_path / "c")
