@@ -63,6 +63,9 @@ NAMES = HF_NAMES | {
 }
 FUSED = {"gate_up": EXPERTS + "gate_up_proj", "gate_up_bias": EXPERTS + "gate_up_proj_bias",
          "down": EXPERTS + "down_proj", "down_bias": EXPERTS + "down_proj_bias"}
+# an expert's piece -> the fused tensor it comes from
+PIECE_OF = {"gate": "gate_up", "up": "gate_up", "down": "down", "gate_b": "gate_up_bias", "up_b": "gate_up_bias",
+            "down_b": "down_bias"}
 
 
 def route(logits: np.ndarray, n_expert_used: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,10 +105,8 @@ class FusedExperts:
             return self.ckpt.entry(name)
         il, _, which = self.virtual[name]
         I, D = self.model.args.intermediate_size, self.model.args.hidden_size
-        key, shape = {"gate": ("gate_up", (I, D)), "up": ("gate_up", (I, D)), "down": ("down", (D, I)),
-                      "gate_b": ("gate_up_bias", (I,)), "up_b": ("gate_up_bias", (I,)),
-                      "down_b": ("down_bias", (D,))}[which]
-        return replace(self.ckpt.entry(FUSED[key].format(il=il)), shape=shape)
+        shape = {"gate": (I, D), "up": (I, D), "down": (D, I), "gate_b": (I,), "up_b": (I,), "down_b": (D,)}[which]
+        return replace(self.ckpt.entry(FUSED[PIECE_OF[which]].format(il=il)), shape=shape)
 
     def expect(self, name: str, shape: tuple):
         if name not in self.virtual:
@@ -113,8 +114,7 @@ class FusedExperts:
         il, _, which = self.virtual[name]
         a = self.model.args
         E, D, I = self.model.n_expert, a.hidden_size, a.intermediate_size
-        key = {"gate": "gate_up", "up": "gate_up", "down": "down", "gate_b": "gate_up_bias", "up_b": "gate_up_bias",
-               "down_b": "down_bias"}[which]
+        key = PIECE_OF[which]
         fused_shape = {"gate_up": (E, D, 2 * I), "down": (E, I, D), "gate_up_bias": (E, 2 * I),
                        "down_bias": (E, D)}[key]
         self.ckpt.expect(FUSED[key].format(il=il), fused_shape)
