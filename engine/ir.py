@@ -249,3 +249,233 @@ def _pointer_from(dtype):
 
 
 u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.uint8, types.uint16, types.int64, types.float32))
+
+
+# ---- float-format weights: FP8 (e4m3, e5m2) and MXFP4 (e2m1), decoded in registers ----------
+# A decoder takes the raw codes and gives float32 lanes holding exactly the value each code stands
+# for, with a few integer operations and one multiply (no table gather, which runs at ~1 GB/s here,
+# and no half-precision conversion, which not every target has).
+F8_E4M3, F8_E5M2 = 0, 1  # fmt of f8_matmul
+_FP_FORMATS = {F8_E4M3: (3, 120), F8_E5M2: (2, 112)}  # fmt -> (mantissa bits, float32 exponent bias - the code's)
+
+
+def _splat_i32(ty, v):
+    return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
+
+
+def _float_ty(ty):
+    return ir.VectorType(_F32, ty.count) if isinstance(ty, ir.VectorType) else _F32
+
+
+def _decode_fp8(builder, b, fmt):
+    # b: i8 lanes, one FP8 code each -> float32 lanes of its value. The code's sign, exponent and
+    # mantissa are shifted into a float32's places as they are (sign-extending the byte puts its
+    # sign in bit 31), which reads the code's value times 2 ** -rebias: a normal float32 for a
+    # normal code, a subnormal one for a subnormal code (the same mantissa, the same scale);
+    # multiplying by 2 ** rebias is then exact for both. Five instructions per 8 weights. The
+    # NaN and infinity codes would read as finite values: the reader refuses weights holding
+    # them (storage/fpformats.py), so none reaches a kernel.
+    mb, rebias = _FP_FORMATS[fmt]
+    ity = ir.VectorType(ir.IntType(32), b.type.count) if isinstance(b.type, ir.VectorType) else ir.IntType(32)
+    fty = _float_ty(ity)
+    c = lambda v: _splat_i32(ity, v)  # noqa: E731
+    bits = builder.and_(builder.shl(builder.sext(b, ity), c(23 - mb)), c(0x80000000 | (0x7F << (23 - mb))))
+    unit = float(2.0 ** rebias)
+    return builder.fmul(builder.bitcast(bits, fty), ir.Constant(fty, [unit] * ity.count) if isinstance(ity, ir.VectorType)
+                        else ir.Constant(fty, unit))
+
+
+def _decode_e2m1(builder, n):
+    # n: i32 lanes holding one FP4 (e2m1) code each (0..15) -> float32 lanes of its value:
+    # 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+    ty, fty = n.type, _float_ty(n.type)
+    c = lambda v: _splat_i32(ty, v)  # noqa: E731
+    mag = builder.and_(n, c(7))
+    sign = builder.shl(builder.and_(n, c(8)), c(28))
+    normal = builder.add(builder.shl(mag, c(22)), c(126 << 23))  # exponent e - 1, one mantissa bit
+    sub = builder.bitcast(builder.fmul(builder.uitofp(mag, fty), ir.Constant(fty, [0.5] * ty.count)), ty)  # 0, 0.5
+    bits = builder.select(builder.icmp_unsigned("<", mag, c(2)), sub, normal)
+    return builder.bitcast(builder.or_(bits, sign), fty)
+
+
+def _token_blocks(builder, t_lo, t_hi, n_lo, n_hi, emit, size):
+    # emit(t, n, nt) for each row n_lo <= n < n_hi and token block [t, t + nt): tokens in blocks
+    # of `size`, then the rest in blocks of 2 and 1 (the outer loop: a block's activations stay in
+    # L1 while the weights stream past)
+    i64 = ir.IntType(64)
+
+    def rows(t, nt):
+        with cgutils.for_range(builder, builder.sub(n_hi, n_lo)) as row:
+            emit(t, builder.add(n_lo, row.index), nt)
+
+    full = builder.sdiv(builder.sub(t_hi, t_lo), ir.Constant(i64, size))
+    with cgutils.for_range(builder, full) as tb:
+        rows(builder.add(t_lo, builder.mul(tb.index, ir.Constant(i64, size))), size)
+    rest = builder.sub(builder.sub(t_hi, t_lo), builder.mul(full, ir.Constant(i64, size)))
+    for nt in (2, 1):
+        if nt >= size:
+            continue
+        nt_c = ir.Constant(i64, nt)
+        with builder.if_then(builder.icmp_signed(">=", rest, nt_c)):
+            rows(builder.sub(t_hi, rest), nt)
+        rest = builder.select(builder.icmp_signed(">=", rest, nt_c), builder.sub(rest, nt_c), rest)
+
+
+def _vload(builder, row, off, ty, align):
+    return builder.load(builder.bitcast(builder.gep(row, [off]), ty.as_pointer()), align=align)
+
+
+F8_TOKENS = 2  # tokens the FP8 and MXFP4 decode paths take through a row at a time
+_CHAINS = 4  # independent 8-lane sums per token inside a scale block (a dependent chain waits on FMA latency)
+
+
+def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
+    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt: per block of bk columns, 8-byte
+    # chunks decoded once for the nt tokens and multiplied into _CHAINS sums per token (chunk c
+    # into sum c % _CHAINS), the sums added pairwise, times the block's scale into the token's
+    # 8-lane total; a block's last bk % 8 columns one by one into a scalar total. A token's
+    # floats go through the same operations whatever tokens are beside it.
+    x_v, q_v, s_v, bn_v, bk_v, out_v = args[:6]
+    i64 = ir.IntType(64)
+    ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
+    xrows = [_row(context, builder, sig.args[0], x_v, t) for t in ts]
+    qrow = _row(context, builder, sig.args[1], q_v, n)
+    srow = _row(context, builder, sig.args[2], s_v, builder.sdiv(n, bn_v))
+    K = builder.extract_value(context.make_array(sig.args[1])(context, builder, q_v).shape, 1)
+    n_blocks = builder.sdiv(builder.add(K, builder.sub(bk_v, ir.Constant(i64, 1))), bk_v)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
+    zero8 = ir.Constant(_V8, [0.0] * 8)
+    accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
+    tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]
+    chains = [[cgutils.alloca_once_value(builder, zero8) for _ in range(_CHAINS)] for _ in range(nt)]
+    tail_part = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]
+
+    def chunk(off, which):  # 8 columns from `off` into sum `which` of every token
+        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt)
+        for i in range(nt):
+            xv = _vload(builder, xrows[i], off, _V8, 4)
+            builder.store(builder.call(fma, [xv, w, builder.load(chains[i][which])]), chains[i][which])
+
+    with cgutils.for_range(builder, n_blocks) as blk:
+        k0 = builder.mul(blk.index, bk_v)
+        k1 = builder.select(builder.icmp_signed("<", builder.add(k0, bk_v), K), builder.add(k0, bk_v), K)
+        width = builder.sub(k1, k0)
+        for i in range(nt):
+            for c in range(_CHAINS):
+                builder.store(zero8, chains[i][c])
+            builder.store(ir.Constant(_F32, 0.0), tail_part[i])
+        step = 8 * _CHAINS
+        with cgutils.for_range(builder, builder.sdiv(width, ir.Constant(i64, step))) as grp:
+            base = builder.add(k0, builder.mul(grp.index, ir.Constant(i64, step)))
+            for c in range(_CHAINS):
+                chunk(builder.add(base, ir.Constant(i64, 8 * c)), c)
+        done = builder.mul(builder.sdiv(width, ir.Constant(i64, step)), ir.Constant(i64, step))
+        left = builder.sdiv(builder.sub(width, done), ir.Constant(i64, 8))  # 0 .. _CHAINS - 1 chunks
+        for c in range(_CHAINS - 1):
+            with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, c))):
+                chunk(builder.add(builder.add(k0, done), ir.Constant(i64, 8 * c)), c)
+        k_tail = builder.add(k0, builder.add(done, builder.mul(left, ir.Constant(i64, 8))))
+        with cgutils.for_range(builder, builder.sub(k1, k_tail)) as tl:
+            k = builder.add(k_tail, tl.index)
+            w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt)
+            for i in range(nt):
+                builder.store(builder.call(fma1, [builder.load(builder.gep(xrows[i], [k])), w, builder.load(tail_part[i])]),
+                              tail_part[i])
+        s = builder.load(builder.gep(srow, [blk.index]))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+        for i in range(nt):
+            cs = [builder.load(chains[i][c]) for c in range(_CHAINS)]
+            part = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
+            builder.store(builder.call(fma, [part, splat, builder.load(accs[i])]), accs[i])
+            builder.store(builder.call(fma1, [builder.load(tail_part[i]), s, builder.load(tails[i])]), tails[i])
+    for i in range(nt):
+        orow = _row(context, builder, sig.args[5], out_v, ts[i])
+        builder.store(builder.fadd(_hsum(builder, builder.load(accs[i])), builder.load(tails[i])), builder.gep(orow, [n]))
+
+
+@intrinsic
+def f8_matmul(typingctx, x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]): x [T, K] f32, q
+    [N, K] uint8 FP8 codes of format `fmt` (F8_E4M3 or F8_E5M2, a compile-time constant),
+    scales [ceil(N / bn), ceil(K / bk)] f32, one per bn x bk block (the last ones may be
+    partial), out [T, N] f32; every array 2-D C-contiguous; the caller checks shapes and ranges.
+    The codes are decoded in registers (_decode_fp8) and each block's sum is scaled once (see
+    f8_rows_dot); a (token, row) result is the same alone or batched, in every process."""
+    arrays = (x, q, scales, out)
+    if not (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in _FP_FORMATS
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and all(isinstance(v, types.Integer) for v in (bn, bk, t_lo, t_hi, n_lo, n_hi))):
+        return None
+    f = fmt.literal_value
+    sig = types.void(x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
+
+    def codegen(context, builder, sig, args):
+        v = [context.cast(builder, a, ty, types.int64) for a, ty in zip(args, sig.args)]
+        args = list(args[:3]) + [v[3], v[4]] + [args[5]]
+        _token_blocks(builder, v[7], v[8], v[9], v[10],
+                      lambda t, n, nt: f8_rows_dot(context, builder, sig, args, t, n, nt, f), F8_TOKENS)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
+    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4: a byte holds the even
+    # column's code in its low nibble, the odd one's in the high; xe / xo are x's even / odd
+    # columns. Per block of 32 values (16 bytes): two 8-byte chunks, each the low codes against
+    # xe and the high against xo, four independent sums added pairwise, times the block's scale
+    # (2 ** (e - 127), exact) into the token's 8-lane total.
+    xe_v, xo_v, q_v, s_v, lut_v, out_v = args[:6]
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
+    erows = [_row(context, builder, sig.args[0], xe_v, t) for t in ts]
+    orows = [_row(context, builder, sig.args[1], xo_v, t) for t in ts]
+    qrow = _row(context, builder, sig.args[2], q_v, n)
+    srow = _row(context, builder, sig.args[3], s_v, n)
+    lut = context.make_array(sig.args[4])(context, builder, lut_v).data
+    n_blocks = builder.extract_value(context.make_array(sig.args[3])(context, builder, s_v).shape, 1)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(nt)]
+    with cgutils.for_range(builder, n_blocks) as blk:
+        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [blk.index])), i64)]))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
+                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        offs = [builder.add(builder.mul(blk.index, ir.Constant(i64, 16)), ir.Constant(i64, 8 * c)) for c in range(2)]
+        ws = []
+        for off in offs:
+            b = builder.zext(_vload(builder, qrow, off, _V8I8, 1), _V8I32)
+            ws.append((_decode_e2m1(builder, builder.and_(b, _splat_i32(_V8I32, 15))),
+                       _decode_e2m1(builder, builder.lshr(b, _splat_i32(_V8I32, 4)))))
+        for i in range(nt):
+            parts = []
+            for off, (lo, hi) in zip(offs, ws):
+                parts.append(builder.fmul(_vload(builder, erows[i], off, _V8, 4), lo))
+                parts.append(builder.fmul(_vload(builder, orows[i], off, _V8, 4), hi))
+            part = builder.fadd(builder.fadd(parts[0], parts[1]), builder.fadd(parts[2], parts[3]))
+            builder.store(builder.call(fma, [part, splat, builder.load(accs[i])]), accs[i])
+    for i in range(nt):
+        orow = _row(context, builder, sig.args[5], out_v, ts[i])
+        builder.store(_hsum(builder, builder.load(accs[i])), builder.gep(orow, [n]))
+
+
+@intrinsic
+def mx4_matmul(typingctx, xe, xo, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]), MXFP4: xe, xo [T,
+    K/2] f32 (x's even and odd columns), q [N, K/2] uint8 (two e2m1 codes a byte, the even
+    column's low), scales [N, K/32] uint8 (e8m0 exponents), e8m0_lut [256] f32 (2 ** (e - 127)),
+    out [T, N] f32; every array 2-D C-contiguous, K a multiple of 32; the caller checks."""
+    arrays = (xe, xo, q, scales, out)
+    if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
+        return None
+    sig = types.void(xe, xo, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi)
+
+    def codegen(context, builder, sig, args):
+        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[6:10], sig.args[6:10]))
+        _token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
+                      lambda t, n, nt: mx4_rows_dot(context, builder, sig, args, t, n, nt), F8_TOKENS)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -16,7 +16,7 @@ JIT = dict(cache=True, nogil=True)
 # reassociating the dot-product sum lets LLVM vectorise it; results differ from a
 # sequential sum only in rounding (~1e-7 relative), as any BLAS does
 JIT_FAST = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-KERNEL_FILES = ("jit.py", "ir.py", "kernels.py", "qkernels.py", "crew.py")
+KERNEL_FILES = ("jit.py", "ir.py", "kernels.py", "qkernels.py", "fpkernels.py", "crew.py")
 
 
 def _cache_dir() -> str:

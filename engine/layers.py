@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32
-from . import crew, kernels, qkernels
+from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32, dequantize
+from . import crew, fpkernels, kernels, qkernels
 from .kernels import f16_lut
 
 NO_SINKS = np.zeros(0, np.float32)  # attention without sinks
@@ -60,21 +60,44 @@ def init(n_threads: int | None = None, progress=None) -> None:
 init.done = False
 
 
-def to_f32(a: np.ndarray) -> np.ndarray:
-    """Widen a storage-precision array (f32, f16, bf16 as uint16) to float32, exactly."""
+def to_f32(a) -> np.ndarray:
+    """Widen a storage-precision array (f32, f16, bf16 as uint16) to float32, exactly; a
+    published FP8 or MXFP4 weight to the float32 values it stands for (exact too)."""
+    if isinstance(a, QuantWeight):
+        return dequantize(a)
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def qlinear(x: np.ndarray, w: QuantWeight, prompt: bool = False) -> np.ndarray:
+    # x [T, D] f32 C-contiguous, w a QuantWeight [N, D] -> [T, N] f32. prompt: the rows are a
+    # prompt's, taken by the prompt-token kernel where the format has one (each row's result
+    # the same alone or batched on either path; the two differ in rounding only)
+    y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
+    if w.kind in fpkernels.FP8_FORMATS:
+        fmt = fpkernels.FP8_FORMATS[w.kind]
+        if prompt:
+            fpkernels.LINEAR_F8_TOK[fmt](x, w.q, w.scales, w.row_block, w.group_size, fpkernels.FP8_VALUES[w.kind], y)
+        else:
+            fpkernels.LINEAR_F8[fmt](x, w.q, w.scales, w.row_block, w.group_size, y)
+    elif w.kind == "mxfp4":
+        if prompt:
+            fpkernels.linear_mx4_tok(x, w.q, w.scales, fpkernels.E8M0_VALUES, fpkernels.E2M1_VALUES, y)
+        else:
+            fpkernels.linear_mx4(x, w.q, w.scales, fpkernels.E8M0_VALUES, y)
+    elif w.kind == "int8":
+        qkernels.matmul_q8(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), y)
+    elif prompt:
+        qkernels.LINEAR_Q4_TOK[w.group_size](x, w.q, w.scales.view(np.uint16), f16_lut(), y)
+    else:
+        qkernels.LINEAR_Q4[w.group_size](x, w.q, w.scales.view(np.uint16), f16_lut(), y)
+    return y
 
 
 def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     # x [T, D] f32, w [N, D] in storage precision or a QuantWeight -> [T, N] f32
     x = np.ascontiguousarray(x, dtype=np.float32)
     if isinstance(w, QuantWeight):
-        y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
-        scales = w.scales.view(np.uint16)
-        if w.kind == "int8":
-            qkernels.matmul_q8(x, w.q, scales, w.group_size, f16_lut(), y)
-        else:
-            qkernels.LINEAR_Q4[w.group_size](x, w.q, scales, f16_lut(), y)
+        y = qlinear(x, w)
     elif w.size >= crew.CREW_MIN_ELEMENTS and w.flags.c_contiguous and crew.session() is not None:
         y = np.empty((x.shape[0], w.shape[0]), np.float32)  # on the step's crew, as matmul_f32 / matmul_u16 below
         crew.session().matmul(x, w, y)
@@ -109,24 +132,21 @@ def is_int4(gate, up, down) -> bool:
 
 
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
-    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. int4 experts: by the prompt-token
-    # kernels when the rows are a prompt's (qkernels.LINEAR_Q4_TOK), else the decode path in one
-    # call (a one-job crew.Crew)
-    if is_int4(gate, up, down):
+    # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. Quantized experts: by the prompt-token
+    # kernels when the rows are a prompt's; int4 on the decode path in one call (a one-job
+    # crew.Crew), every row its own with weight 1 (exact)
+    if is_int4(gate, up, down) and not prompt:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        T, I, D = x.shape[0], gate.q.shape[0], down.q.shape[0]
-        out = np.empty((T, D), np.float32)
-        if not prompt:  # every row its own, weight 1 (exact)
-            one = crew.Crew(gate.group_size, share=False, max_jobs=1)
-            one.experts(x, np.arange(T), np.array([0, T]), 1, np.ones(T, np.float32), [(gate, up, down)], out)
-            return out
-        lin = qkernels.LINEAR_Q4_TOK[gate.group_size]
-        h, u = np.empty((T, I), np.float32), np.empty((T, I), np.float32)
-        lin(x, gate.q, gate.scales.view(np.uint16), f16_lut(), h)
-        lin(x, up.q, up.scales.view(np.uint16), f16_lut(), u)
-        kernels.silu_mul(h, u, h)
-        lin(h, down.q, down.scales.view(np.uint16), f16_lut(), out)
+        out = np.empty((x.shape[0], down.q.shape[0]), np.float32)
+        one = crew.Crew(gate.group_size, share=False, max_jobs=1)
+        one.experts(x, np.arange(x.shape[0]), np.array([0, x.shape[0]]), 1, np.ones(x.shape[0], np.float32),
+                    [(gate, up, down)], out)
         return out
+    if prompt and isinstance(gate, QuantWeight):  # the prompt-token kernels (int4, fp8, mxfp4)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        h, u = qlinear(x, gate, True), qlinear(x, up, True)
+        kernels.silu_mul(h, u, h)
+        return qlinear(h, down, True)
     g = linear(x, gate)  # [T, I]
     u = linear(x, up)  # [T, I]
     kernels.silu_mul(g, u, g)

@@ -14,7 +14,7 @@ import typing
 import numpy as np
 
 from ..storage.errors import ConfigInvalid
-from ..storage.experts import ExpertSource, ResidentExperts
+from ..storage.experts import ExpertSource, QuantWeight, ResidentExperts
 from .crew import crew_session
 from .layers import (
     KVCache,
@@ -197,7 +197,7 @@ class MoEModel:
             nonlocal done
             if progress:
                 progress("reading dense weights", done, total)
-            a = src.read(name)
+            a = src.read_weight(name)  # an FP8 matrix as its codes and scales (a QuantWeight)
             done += 1
             return to_f32(a) if key in self.F32_KEYS else a
 
@@ -345,4 +345,7 @@ class MoEModel:
         if self.source_precision is not None:
             return self.source_precision
         dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
-        return {"dense": dt, "experts": dt, "group_size": None, "lossy": False}
+        fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
+        first = next(iter(self.experts.experts.values()), [None])[0] if isinstance(self.experts, ResidentExperts) else None
+        experts = first[0].kind if first and isinstance(first[0], QuantWeight) else dt
+        return {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}

@@ -21,6 +21,8 @@ from .errors import (
     WeightsMissing,
     read_json,
 )
+from .fpformats import FP8_DTYPES, QuantConfig, check_fp8, quant_config, read_fp8
+from .quant import QuantWeight
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,6 +37,7 @@ class Checkpoint:
     config: dict
     files: dict[str, SafetensorsFile]  # file name -> opened file
     where: dict[str, str]  # tensor name -> file name
+    quant: QuantConfig | None = None  # how its quantized weights are scaled (fpformats)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -57,14 +60,25 @@ class Checkpoint:
             raise TensorShapeMismatch(
                 f"{file}: tensor {name!r} has shape {list(e.shape)}, config implies {list(shape)}"
             )
-        if e.dtype not in WEIGHT_DTYPES:
-            raise UnsupportedDtype(f"{file}: tensor {name!r} is {e.dtype}; weights must be BF16, F16 or F32")
+        if e.dtype in FP8_DTYPES:
+            check_fp8(self, name, e)
+        elif e.dtype not in WEIGHT_DTYPES:
+            raise UnsupportedDtype(f"{file}: tensor {name!r} is {e.dtype}; weights must be BF16, F16, F32, "
+                                   "or FP8 with block scales")
         return e
 
     def read(self, name: str) -> np.ndarray:
         """Read a tensor in its storage dtype (bf16 as uint16). Raises TensorMissing, OSError."""
         self.entry(name)
         return self.files[self.where[name]].read(name)
+
+    def read_weight(self, name: str) -> "np.ndarray | QuantWeight":
+        """A weight as colibri computes on it: an array in its storage dtype, or for an FP8
+        tensor a QuantWeight of its codes and scales (fpformats.read_fp8). Raises
+        TensorMissing, ScalesMismatch, NonFiniteWeights, OSError."""
+        if self.entry(name).dtype in FP8_DTYPES:
+            return read_fp8(self, name)
+        return self.read(name)
 
     def file_of(self, name: str) -> str:
         return self.files[self.where[name]].path
@@ -85,10 +99,12 @@ def load_config(path: str) -> dict:
 def open_checkpoint(path: str) -> Checkpoint:
     """Open a Hugging Face checkpoint directory and index all its tensors.
 
-    Raises ModelNotFound, ConfigMissing, ConfigInvalid, PickleCheckpointRefused,
-    WeightsMissing, IndexInvalid, or any safetensors header error of a shard.
+    Raises ModelNotFound, ConfigMissing, ConfigInvalid, QuantizationUnsupported,
+    PickleCheckpointRefused, WeightsMissing, IndexInvalid, or any safetensors header error
+    of a shard.
     """
     config = load_config(path)
+    quant = quant_config(config, os.path.join(path, "config.json"))
     names = sorted(os.listdir(path))
     index_path = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index_path):
@@ -131,4 +147,4 @@ def open_checkpoint(path: str) -> Checkpoint:
                 if name in where:
                     raise IndexInvalid(f"{path}: tensor {name!r} appears in both {where[name]} and {shard}")
                 where[name] = shard
-    return Checkpoint(path=path, config=config, files=files, where=where)
+    return Checkpoint(path=path, config=config, files=files, where=where, quant=quant)

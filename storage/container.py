@@ -23,7 +23,8 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, ConfigInvalid, read_json
-from .quant import QuantWeight
+from .fpformats import quant_config
+from .quant import PUBLISHED_DTYPES, QuantWeight
 from .safetensors import DTYPES, SafetensorsFile
 
 try:  # the records' checksum: zlib's CRC-32, computed by ISA-L's vectorised code (~4x zlib's speed)
@@ -112,10 +113,12 @@ class Container:
             raise ConfigInvalid(f"{path}: container without config.json") from None
         dense = SafetensorsFile(os.path.join(path, DENSE_FILE))
         self.dense = Checkpoint(path=path, config=self.config, files={DENSE_FILE: dense},
-                                where=dict.fromkeys(dense.entries, DENSE_FILE))
+                                where=dict.fromkeys(dense.entries, DENSE_FILE),
+                                quant=quant_config(self.config, os.path.join(path, "config.json")))
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")
+        self.block = m["tensor_classes"]["experts"].get("block")  # a published format's scale block [rows, columns]
         self.dense_dtype = m["tensor_classes"]["dense"]["dtype"]
         self.record_bytes = int(ex["record_bytes"])
         self.layout = [RecordPart(p["part"], p["tensor"], p["dtype"], tuple(p["shape"]), p["offset"], p["bytes"])
@@ -172,6 +175,10 @@ class Container:
                 cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
                 out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
             return tuple(out) + biases
+        if self.expert_dtype in PUBLISHED_DTYPES:
+            rows, cols = self.block
+            return tuple(QuantWeight(self.expert_dtype, parts[(n, "weight")], parts[(n, "scales")], cols, rows)
+                         for n in PARTS) + biases
         return tuple(parts[(n, "weight")] for n in PARTS) + biases
 
     @property
@@ -182,8 +189,8 @@ class Container:
         """Precision per tensor class, and `lossy`: whether it differs from the source's."""
         src = self.manifest["source"].get("dtypes", {})
         lossy = self.expert_dtype != src.get("experts") or self.dense_dtype != src.get("dense")
-        return {"dense": self.dense_dtype, "experts": self.expert_dtype, "group_size": self.group_size,
-                "source": src, "lossy": bool(lossy)}
+        return {"dense": self.dense_dtype, "dense_fp8": self.manifest["tensor_classes"]["dense"].get("fp8"),
+                "experts": self.expert_dtype, "group_size": self.group_size, "source": src, "lossy": bool(lossy)}
 
 
 def open_container(path: str) -> Container:

@@ -31,7 +31,16 @@ from .container import (
     write_manifest,
 )
 from .errors import ColibriError
-from .quant import QUANT_DTYPES, check_group, quantize, quantized_shapes
+from .fpformats import FP8_DTYPES, scale_name
+from .quant import (
+    PUBLISHED_DTYPES,
+    QUANT_DTYPES,
+    QuantWeight,
+    check_group,
+    dequantize,
+    quantize,
+    quantized_shapes,
+)
 from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
 
 FLOAT_DTYPES = ("bf16", "f16", "f32")
@@ -75,22 +84,46 @@ def cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
     return {"bf16": f32_to_bf16, "f16": lambda x: x.astype(np.float16), "f32": lambda x: x}[dtype](f32)
 
 
-def to_f32(a: np.ndarray) -> np.ndarray:
+def to_f32(a) -> np.ndarray:
+    if isinstance(a, QuantWeight):  # a published format's values, exactly
+        return dequantize(a)
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def read_weight(src, name: str):
+    # the matrix as the source keeps it: an array, or a QuantWeight of a published format
+    return src.read_weight(name) if hasattr(src, "read_weight") else src.read(name)
 
 
 def expert_values(src, name: str, expert_dtype: str | None, group_size: int | None) -> dict:
     """One expert matrix as the record stores it: {"weight"} or {"weight", "scales"}.
-    A source may hand out matrices already quantized (`read_quantized`), as the
-    benchmarks' synthetic models do."""
+    A published format (FP8, MXFP4) is kept as its codes and scales; asked for another
+    precision, its values are converted (lossy, and said so). A source may hand out
+    matrices already quantized (`read_quantized`), as the benchmarks' synthetic models do."""
+    if expert_dtype in PUBLISHED_DTYPES:
+        qw = read_weight(src, name)
+        if not isinstance(qw, QuantWeight) or qw.kind != expert_dtype:
+            raise ConvertError(f"{name}: not {expert_dtype} in the checkpoint; colibri converts to "
+                               f"{', '.join(FLOAT_DTYPES + QUANT_DTYPES)} only")
+        return {"weight": qw.q, "scales": qw.scales}
     if expert_dtype not in QUANT_DTYPES:
-        return {"weight": cast(src.read(name), expert_dtype)}
+        a = read_weight(src, name)
+        return {"weight": cast(to_f32(a), expert_dtype or "f32") if isinstance(a, QuantWeight) else cast(a, expert_dtype)}
     group = group_size or src.entry(name).shape[1]
     if hasattr(src, "read_quantized"):
         qw = src.read_quantized(name, expert_dtype, group)
     else:
-        qw = quantize(to_f32(src.read(name)), expert_dtype, group)
+        qw = quantize(to_f32(read_weight(src, name)), expert_dtype, group)
     return {"weight": qw.q, "scales": qw.scales}
+
+
+def published_kind(src, plan: "ExpertPlan") -> QuantWeight | None:
+    """The first expert's gate as read, when the checkpoint's experts are in a published
+    format (its kind, block and shapes are every expert's), else None."""
+    if not plan.moe_layers or not hasattr(src, "read_weight"):
+        return None
+    w = src.read_weight(plan.names(plan.moe_layers[0], 0)[0])
+    return w if isinstance(w, QuantWeight) else None
 
 
 def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | None = None,
@@ -106,6 +139,12 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and not force:
         raise ConvertError(f"{dst} exists; choose another destination or pass --force to replace it")
+    if expert_dtype in PUBLISHED_DTYPES:
+        raise ConvertError(f"--dtype {expert_dtype}: colibri keeps a checkpoint's {expert_dtype} as it is "
+                           "(the default) but does not quantize to it")
+    published = published_kind(src, plan)
+    if expert_dtype is None and published is not None:
+        expert_dtype = published.kind  # kept as published
     quant = expert_dtype in QUANT_DTYPES
     gate0 = src.entry(plan.names(plan.moe_layers[0], 0)[0]) if plan.moe_layers else None
     # the three matrices' shapes, then the biases' when the family has them (gpt-oss)
@@ -120,7 +159,7 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
     try:
-        manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, progress)
+        manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress)
         if os.path.exists(dst):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
             os.rename(dst, os.path.join(old, "x"))
@@ -135,6 +174,7 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
 
 
 def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, quant: bool) -> list:
+    # quant: the matrices have values and scales (colibri's int8/int4 or a published format)
     """The safetensors entries of layer il's expert file: each record's parts under the
     checkpoint's names (`.qweight`/`.scales` when quantized), with `__pad__.*` U8 tensors
     filling the alignment gaps, since safetensors allows no holes."""
@@ -154,7 +194,7 @@ def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, qu
     return entries
 
 
-def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, progress) -> dict:
+def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress) -> dict:
     t0 = time.perf_counter()
     for name in COPIED:
         if os.path.isfile(os.path.join(src.path, name)):
@@ -162,6 +202,9 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
 
     expert_names = {n for il in plan.moe_layers for ie in range(plan.n_expert) for n in plan.names(il, ie)}
     wanted = set(plan.dense) if plan.dense is not None else set(src.where)
+    # an FP8 matrix's scales go with it, as they are (never cast)
+    scales = {scale_name(n) for n in wanted if n in src.where and src.entry(n).dtype in FP8_DTYPES}
+    wanted |= scales
     dense_names = sorted(n for n in src.where if n not in expert_names and n in wanted)
     if dense_dtype is None and expert_dtype in FLOAT_DTYPES:
         dense_dtype = expert_dtype  # --dtype bf16/f16/f32 means the whole model
@@ -169,29 +212,38 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     done = 0
 
     entries = []
+    recast = {n for n in dense_names if dense_dtype and src.entry(n).dtype in OUR_NAME and n not in scales}
     for n in dense_names:
         e = src.entry(n)
-        dt = ST_NAME[dense_dtype] if dense_dtype and e.dtype in OUR_NAME else e.dtype
-        entries.append((n, dt, e.shape))
+        entries.append((n, ST_NAME[dense_dtype] if n in recast else e.dtype, e.shape))
     w = SafetensorsWriter(os.path.join(tmp, DENSE_FILE), entries, {"format": "pt", "colibri": "dense"})
     for n in dense_names:
         a = src.read(n)
-        w.write(np.ascontiguousarray(cast(a, dense_dtype) if src.entry(n).dtype in OUR_NAME else a).view(np.uint8))
+        w.write(np.ascontiguousarray(cast(a, dense_dtype) if n in recast else a).reshape(-1).view(np.uint8))
         done += 1
         if progress:
             progress(done, total)
     w.close()
 
+    block = None  # a published format's scale block: [rows, columns]
     if quant := expert_dtype in ("int8", "int4"):
         parts = []
         for part, shape in zip(PARTS, shapes):
             g = group_size or shape[1]
             qshape, sshape = quantized_shapes(expert_dtype, shape, g)
             parts += [(part, "weight", "I8" if expert_dtype == "int8" else "U8", qshape), (part, "scales", "F16", sshape)]
+    elif quant := expert_dtype in PUBLISHED_DTYPES:  # as the checkpoint has them: codes, then scales
+        first = [src.read_weight(n) for n in plan.names(plan.moe_layers[0], 0)[:len(PARTS)]]
+        code_dtype = {v: k for k, v in FP8_DTYPES.items()}.get(expert_dtype, "U8")
+        parts = []
+        for part, qw in zip(PARTS, first):
+            parts += [(part, "weight", code_dtype, qw.q.shape), (part, "scales", dtype_name(qw.scales), qw.scales.shape)]
+        block = [published.row_block, published.group_size]
     else:
         keep = ST_NAME[expert_dtype] if expert_dtype else (gate0.dtype if gate0 else "BF16")
         parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
-    bias_dtype = ST_NAME[expert_dtype] if expert_dtype in FLOAT_DTYPES else (gate0.dtype if gate0 else "BF16")
+    bias_src = src.entry(plan.names(plan.moe_layers[0], 0)[len(PARTS)]).dtype if len(shapes) > len(PARTS) else None
+    bias_dtype = ST_NAME[expert_dtype] if expert_dtype in FLOAT_DTYPES else (bias_src or "BF16")
     parts += [(part, "weight", bias_dtype, shape) for part, shape in zip(BIAS_PARTS, shapes[3:])]
     layout, record_bytes = record_layout(parts)
 
@@ -212,7 +264,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                 for p in layout:
                     if p.part == part:
                         v = np.ascontiguousarray(values[p.tensor])
-                        assert dtype_name(v) == p.dtype or p.dtype in ("I8", "U8")
+                        assert dtype_name(v) == p.dtype or p.dtype in ("I8", "U8", "F8_E4M3", "F8_E5M2")
                         record[p.offset : p.offset + p.n_bytes] = v.reshape(-1).view(np.uint8)
             w.write(record)
             index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + ie * record_bytes,
@@ -222,17 +274,21 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                 progress(done, total)
         w.close()
 
-    src_dense = next((src.entry(n).dtype for n in dense_names if src.entry(n).dtype in OUR_NAME), "BF16")
+    src_dense = next((src.entry(n).dtype for n in dense_names if src.entry(n).dtype in OUR_NAME and n not in scales), "BF16")
+    fp8_dense = sorted({FP8_DTYPES[src.entry(n).dtype] for n in dense_names if src.entry(n).dtype in FP8_DTYPES})
+    src_experts = published.kind if published is not None else OUR_NAME.get(gate0.dtype if gate0 else "BF16")
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "source": {"path": os.path.abspath(src.path), "fingerprint": fingerprint(src),
-                   "dtypes": {"dense": OUR_NAME[src_dense], "experts": OUR_NAME.get(gate0.dtype if gate0 else "BF16")}},
+                   "dtypes": {"dense": OUR_NAME[src_dense], "experts": src_experts}},
         "model_type": src.config.get("model_type"),
         "tensor_classes": {
-            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense]},
-            "experts": {"dtype": expert_dtype or OUR_NAME.get(gate0.dtype if gate0 else "BF16"),
-                        "group_size": group_size if quant else None},
+            # its FP8 matrices (with their scales) are kept as published whatever dtype the rest has
+            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense], "fp8": fp8_dense or None},
+            "experts": {"dtype": expert_dtype or src_experts,
+                        "group_size": block[1] if block else group_size if quant else None,
+                        "block": block},
         },
         "experts": {
             "n_layer": len(plan.moe_layers),

@@ -58,7 +58,8 @@ class HeaderInvalid(CheckpointError):
 
 
 class UnsupportedDtype(CheckpointError):
-    """A tensor has a dtype colibri does not compute with (bf16, f16, f32 are supported)."""
+    """A tensor has a dtype colibri does not compute with (bf16, f16, f32, and FP8 or MXFP4
+    with their scales)."""
 
 
 class TensorOutOfBounds(CheckpointError):
@@ -79,6 +80,20 @@ class TensorMissing(CheckpointError):
 
 class TensorShapeMismatch(CheckpointError):
     """A tensor's shape is not the one the config implies."""
+
+
+class QuantizationUnsupported(CheckpointError):
+    """The checkpoint is quantized by a method (or in a format) colibri does not compute on;
+    the message names it and the ones colibri reads (FP8 block-scaled, MXFP4)."""
+
+
+class ScalesMismatch(CheckpointError):
+    """A quantized weight's scales are missing, of a wrong dtype, or not shaped as the
+    weight's blocks."""
+
+
+class NonFiniteWeights(CheckpointError):
+    """A quantized weight holds NaN or infinity codes: the checkpoint is damaged."""
 
 
 class BudgetInvalid(ColibriError):

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from .quant import QuantWeight
+from .fpformats import E2M1_VALUES, E8M0_VALUES, FP8_VALUES
+from .quant import QuantWeight, dequantize
 from .safetensors import bf16_to_f32
 
 __all__ = ["ExpertSource", "ExpertStats", "ExpertWeights", "QuantWeight", "ResidentExperts", "TracedSource",
-           "bf16_to_f32"]  # the engine's one door into storage: the weights' types come through it too
+           "bf16_to_f32", "dequantize", "E2M1_VALUES", "E8M0_VALUES", "FP8_VALUES"]  # the engine's one door into storage: the weights' types come through it too
 
 # (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see
 # bf16_to_f32), or QuantWeight
@@ -105,11 +106,11 @@ class ResidentExperts:
 
     def __init__(self, src, layers: list[int], n_expert: int, names):
         self.experts: dict[int, list[ExpertWeights]] = {
-            il: [tuple(src.read(n) for n in names(il, ie)) for ie in range(n_expert)] for il in layers
+            il: [tuple(src.read_weight(n) for n in names(il, ie)) for ie in range(n_expert)] for il in layers
         }
         self.stats = ExpertStats()
 
-    int4_group = None  # a checkpoint's experts are bf16, f16 or f32
+    int4_group = None  # a checkpoint's experts are bf16, f16, f32, FP8 or MXFP4
     lookahead = False  # nothing to read ahead
 
     def begin_step(self) -> None:

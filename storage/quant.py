@@ -1,13 +1,22 @@
-"""Quantized weights: what a quantized expert matrix is in memory, and how the
-converter makes one. Symmetric, one float16 scale per group of `group_size` values
-along a row (the input dimension):
+"""Quantized weights: what a quantized matrix is in memory, and how the converter makes
+one. colibri's own quantizations are symmetric, one float16 scale per group of
+`group_size` values along a row (the input dimension):
 
 - int8: int8 values in [-127, 127], w ~ q * scale;
 - int4: values in [-8, 7] stored +8 as unsigned nibbles, two per byte (the even
   column in the low nibble), w ~ (nibble - 8) * scale.
 
-The engine computes on these directly (engine/qkernels.py); nothing here dequantizes
-a whole matrix except `dequantize`, the reference the tests and benchmarks use.
+The published formats are kept exactly as the checkpoint has them (storage/fpformats.py
+reads them): w = value(code) * scale, exactly, with
+
+- fp8_e4m3, fp8_e5m2: one byte a weight, one float32 scale per `row_block` x
+  `group_size` block (the last blocks may be partial);
+- mxfp4: two e2m1 codes a byte (the even column in the low nibble), one e8m0 scale
+  (a power of two, stored as its biased exponent) per 32 weights of a row.
+
+The engine computes on these directly (engine/qkernels.py, engine/fpkernels.py);
+nothing here dequantizes a whole matrix except `dequantize`, the reference the tests
+and benchmarks use (and the converter, when asked for another precision).
 """
 
 from dataclasses import dataclass
@@ -15,22 +24,26 @@ from functools import cached_property
 
 import numpy as np
 
-QUANT_DTYPES = ("int8", "int4")
+QUANT_DTYPES = ("int8", "int4")  # colibri's own quantizations (lossy, on request)
+PUBLISHED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "mxfp4")  # a checkpoint's own formats, kept as they are
+FP8_KINDS = ("fp8_e4m3", "fp8_e5m2")
+MX_GROUP = 32  # MXFP4: weights per e8m0 scale
 INT4_GROUPS = (32, 64, 128)  # the group sizes the int4 kernels are built for
 QMAX = {"int8": 127, "int4": 7}
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    kind: str  # "int8" or "int4"
-    q: np.ndarray  # int8 [N, D] or uint8 [N, D/2]
-    scales: np.ndarray  # float16 [N, D/group_size]
-    group_size: int
+    kind: str  # "int8", "int4", "fp8_e4m3", "fp8_e5m2" or "mxfp4"
+    q: np.ndarray  # int8 [N, D], uint8 [N, D/2] (int4, mxfp4) or uint8 FP8 codes [N, D]
+    scales: np.ndarray  # float16 [N, D/g] (int8, int4), float32 [ceil(N/row_block), ceil(D/g)] (fp8), uint8 e8m0 [N, D/32] (mxfp4)
+    group_size: int  # g: the columns one scale covers
+    row_block: int = 1  # the rows one scale covers (fp8's block height)
 
     @property
     def shape(self) -> tuple[int, int]:
         n, d = self.q.shape
-        return (n, d * 2) if self.kind == "int4" else (n, d)
+        return (n, d * 2) if self.kind in ("int4", "mxfp4") else (n, d)
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +94,12 @@ def quantize(w: np.ndarray, kind: str, group_size: int) -> QuantWeight:
 
 
 def dequantize(w: QuantWeight) -> np.ndarray:
-    """The float32 matrix a quantized weight stands for (a reference, not for the hot path)."""
+    """The float32 matrix a quantized weight stands for (a reference, not for the hot path;
+    exact for the published formats: a code's value times its scale, rounded once)."""
+    if w.kind in PUBLISHED_DTYPES:
+        from .fpformats import dequantize_published
+
+        return dequantize_published(w)
     if w.kind == "int4":
         n, half = w.q.shape
         vals = np.empty((n, half * 2), np.float32)

@@ -42,6 +42,10 @@ DTYPES = {
     "I64": np.dtype(np.int64),
     "F64": np.dtype(np.float64),
     "BOOL": np.dtype(np.bool_),
+    # one-byte floats, kept as their codes (storage/fpformats.py): FP8 weights, e8m0 scales
+    "F8_E4M3": np.dtype(np.uint8),
+    "F8_E5M2": np.dtype(np.uint8),
+    "F8_E8M0": np.dtype(np.uint8),
 }
 # the dtypes model weights may have; the others are readable (e.g. for scales or ids) but not weights
 WEIGHT_DTYPES = ("F32", "F16", "BF16")

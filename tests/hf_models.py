@@ -247,3 +247,122 @@ def load_model(path, **placement):
     from colibri.storage.placement import Placement, open_model
 
     return open_model(str(path), Placement(**placement), build_model).model
+
+
+# ---- the published precisions: FP8 block-scaled, MXFP4 ---------------------------------------
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+NOT_FP8 = ("embed_tokens", "lm_head", ".gate.weight", "norm")  # kept in bf16 by the FP8 releases (routers: `*.gate`)
+
+
+def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, fmt: str):
+    # w [N, K] f32 -> (codes as torch float8 [N, K], scales f32 [ceil(N/bn), ceil(K/bk)]): the
+    # way DeepSeek's checkpoints are made (each block's max magnitude to the format's largest)
+    n, k = w.shape
+    bn, bk = block or (n, k)
+    nb, kb = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(nb * bn, kb * bk)
+    pad[:n, :k] = w
+    amax = pad.reshape(nb, bn, kb, bk).abs().amax(dim=(1, 3)).clamp(min=1e-8)  # [nb, kb]
+    scale = (amax / FP8_MAX[fmt]).float()
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    return (w / full).to(dtype), scale
+
+
+def _fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    n, k = q.shape
+    bn, bk = block or (n, k)
+    return q.float() * scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+
+
+def _rewrite_weights(path, fn) -> "torch.nn.Module":
+    # every safetensors file of the checkpoint: {name: tensor} -> fn -> (the file's new
+    # tensors, the values they stand for in float32, by name); the first written back, the
+    # second into a float32 copy of the checkpoint beside it, which transformers loads as
+    # the reference (its own name mapping puts per-expert tensors into fused parameters)
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    ref_dir = f"{path}.reference"
+    shutil.copytree(path, ref_dir)
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, f))
+            stored, values = fn(tensors)
+            save_file(stored, os.path.join(path, f), metadata={"format": "pt"})
+            save_file({n: values.get(n, t).contiguous() for n, t in tensors.items()}, os.path.join(ref_dir, f),
+                      metadata={"format": "pt"})
+    with open(os.path.join(ref_dir, "config.json")) as f:
+        family = json.load(f)["model_type"]
+    model_cls = getattr(transformers, CLASSES[family][1])
+    return model_cls.from_pretrained(ref_dir, torch_dtype=torch.float32, **REFERENCE).eval()
+
+
+def build_fp8(family: str, case: str, path, seed: int = 0, block=(16, 16), fmt: str = "e4m3", **overrides):
+    """A checkpoint as the FP8 releases lay it out: every projection matrix (attention,
+    MLPs, experts; not the embeddings, the lm_head or the router) as float8 codes with
+    `weight_scale_inv` per block, `quantization_config` in config.json. Returns the
+    transformers model holding the same values dequantized to float32: the reference."""
+    build(family, case, path, seed=seed, **overrides)
+
+    def quantize(tensors):
+        out, values = {}, {}
+        for name, t in tensors.items():
+            if t.ndim == 2 and name.endswith(".weight") and not any(k in name for k in NOT_FP8):
+                q, s = _fp8_quantize(t.float(), block, fmt)
+                out[name], out[name + "_scale_inv"] = q, s
+                values[name] = _fp8_dequantize(q, s, block)
+            else:
+                out[name] = t
+        assert values, "no matrix was quantized"
+        return out, values
+
+    ref = _rewrite_weights(path, quantize)
+    cfg = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic"}
+    if block is not None:
+        cfg["weight_block_size"] = list(block)
+    rewrite_config(path, lambda c: c.update(quantization_config=cfg))
+    return ref
+
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _mxfp4_quantize(w: torch.Tensor):
+    # w [..., N, K] f32 -> blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32] and the
+    # values they stand for [..., N, K]: per 32 values the power of two that puts the largest
+    # at or below 6, each value to the nearest e2m1 code
+    *lead, n, k = w.shape
+    g = w.reshape(*lead, n, k // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -100)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.pow(2.0, e)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    values = E2M1[codes.long()] * torch.pow(2.0, e)[..., None]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (e + 127).to(torch.uint8), values.reshape(*lead, n, k)
+
+
+def build_mxfp4(family: str, case: str, path, seed: int = 0, **overrides):
+    """A gpt-oss checkpoint as the MXFP4 release lays it out: the fused expert matrices as
+    `*_blocks` / `*_scales` ([out, in]), quant_method mxfp4. Returns the transformers model
+    with the same values dequantized to float32."""
+    build(family, case, path, seed=seed, **overrides)
+
+    def quantize(tensors):
+        out, values = {}, {}
+        for name, t in tensors.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales, v = _mxfp4_quantize(t.float().transpose(1, 2))  # [E, out, in]
+                out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+                values[name] = v.transpose(1, 2)
+            else:
+                out[name] = t
+        assert values, "no expert matrix was quantized"
+        return out, values
+
+    ref = _rewrite_weights(path, quantize)
+    rewrite_config(path, lambda c: c.update(quantization_config={"quant_method": "mxfp4"}))
+    return ref

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...storage.experts import QuantWeight
 from .. import kernels
 from ..layers import (
     NO_SINKS,
@@ -31,6 +32,7 @@ from ..layers import (
     rope_inv_freq,
     sigmoid_top_k,
     swiglu,
+    to_f32,
 )
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 
@@ -217,7 +219,10 @@ class Model(GroupedMoE, MoEModel):
         a = self.args
         H, nope, hv, lat = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         for L in self.layers:
-            kv_b = L.pop("kv_b").reshape(H, nope + hv, lat)  # [H, nope + hv, latent], storage precision
+            kv_b = L.pop("kv_b")
+            if isinstance(kv_b, QuantWeight):  # FP8: absorbed per head, its values in float32 (exact;
+                kv_b = to_f32(kv_b)  # a head's slice does not fall on the scale blocks in general)
+            kv_b = kv_b.reshape(H, nope + hv, lat)  # [H, nope + hv, latent], storage precision
             L["kv_b_k"] = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))  # [H, latent, nope]
             L["kv_b_v"] = np.ascontiguousarray(kv_b[:, nope:])  # [H, hv, latent]
         return self

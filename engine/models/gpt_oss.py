@@ -8,13 +8,20 @@ The checkpoints store each layer's experts fused: `gate_up_proj` [E, D, 2I] with
 up interleaved by column, `down_proj` [E, I, D], and their biases. `source()` presents
 them as one (gate [I, D], up [I, D], down [D, I], gate_bias, up_bias, down_bias) per
 expert (`FusedExperts`), so loading, checking and converting read experts one by one as
-for every family, and a container keeps each expert in one record.
+for every family, and a container keeps each expert in one record. The published
+checkpoints hold the fused matrices in MXFP4 (quant_method mxfp4): `gate_up_proj_blocks`
+[E, 2I, D/32, 16] and `_scales` [E, 2I, D/32] (rows gate, up, gate, up, ...), `down_proj_blocks`
+[E, D, I/32, 16] and `_scales`: already [out, in], so an expert's gate is every other row,
+kept in MXFP4 (storage/fpformats.py).
 """
 
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ...storage.experts import QuantWeight
+from ...storage.fpformats import BLOCKS, SCALES, mxfp4_pair
+from ...storage.quant import MX_GROUP
 from ..layers import AttnSpec, attention, linear, moe, rmsnorm, to_f32
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 
@@ -90,15 +97,21 @@ class FusedExperts:
                 for name, which in zip(model.expert_names(il, ie), ("gate", "up", "down", "gate_b", "up_b", "down_b")):
                     self.virtual[name] = (il, ie, which)
         self._cache: dict = {}  # (layer, fused key) -> the fused tensor, while its layer's experts are read
+        self.mxfp4 = checkpoint.quant is not None and checkpoint.quant.method == "mxfp4"
 
     def __getattr__(self, name):
         return getattr(self.ckpt, name)
 
     def _fused(self, il: int, key: str) -> np.ndarray:
+        # a fused tensor of layer il (key: a FUSED key; + BLOCKS / SCALES for MXFP4's)
         if (il, key) not in self._cache:
             self._cache = {k: v for k, v in self._cache.items() if k[0] == il}  # one layer at a time
-            self._cache[(il, key)] = self.ckpt.read(FUSED[key].format(il=il))
+            base = key.removesuffix(BLOCKS).removesuffix(SCALES)
+            self._cache[(il, key)] = self.ckpt.read(FUSED[base].format(il=il) + key[len(base):])
         return self._cache[(il, key)]
+
+    def _quantized(self, which: str) -> bool:
+        return self.mxfp4 and which in ("gate", "up", "down")
 
     def entry(self, name: str):
         if name not in self.virtual:
@@ -106,7 +119,8 @@ class FusedExperts:
         il, _, which = self.virtual[name]
         I, D = self.model.args.intermediate_size, self.model.args.hidden_size
         shape = {"gate": (I, D), "up": (I, D), "down": (D, I), "gate_b": (I,), "up_b": (I,), "down_b": (D,)}[which]
-        return replace(self.ckpt.entry(FUSED[PIECE_OF[which]].format(il=il)), shape=shape)
+        fused = FUSED[PIECE_OF[which]].format(il=il) + (BLOCKS if self._quantized(which) else "")
+        return replace(self.ckpt.entry(fused), shape=shape)
 
     def expect(self, name: str, shape: tuple):
         if name not in self.virtual:
@@ -115,15 +129,32 @@ class FusedExperts:
         a = self.model.args
         E, D, I = self.model.n_expert, a.hidden_size, a.intermediate_size
         key = PIECE_OF[which]
+        if self._quantized(which):  # MXFP4 blocks and scales, [out, in]
+            mxfp4_pair(self.ckpt, FUSED[key].format(il=il), (E, 2 * I, D) if key == "gate_up" else (E, D, I))
+            return self.entry(name)
         fused_shape = {"gate_up": (E, D, 2 * I), "down": (E, I, D), "gate_up_bias": (E, 2 * I),
                        "down_bias": (E, D)}[key]
         self.ckpt.expect(FUSED[key].format(il=il), fused_shape)
         return self.entry(name)
 
+    def read_weight(self, name: str):
+        # an expert's matrix as the engine computes on it: MXFP4 as a QuantWeight of its codes
+        # and scales (an expert's rows of the fused blocks, exact), else as read
+        if name not in self.virtual or not self._quantized(self.virtual[name][2]):
+            return self.ckpt.read_weight(name) if name not in self.virtual else self.read(name)
+        il, ie, which = self.virtual[name]
+        key = PIECE_OF[which]
+        blocks, scales = self._fused(il, key + BLOCKS)[ie], self._fused(il, key + SCALES)[ie]  # [N', G, 16], [N', G]
+        rows = slice(0 if which == "gate" else 1, None, 2) if key == "gate_up" else slice(None)
+        q = np.ascontiguousarray(blocks[rows].reshape(-1, blocks.shape[1] * 16))  # [N, K/2]
+        return QuantWeight("mxfp4", q, np.ascontiguousarray(scales[rows]), MX_GROUP)
+
     def read(self, name: str) -> np.ndarray:
         if name not in self.virtual:
             return self.ckpt.read(name)
         il, ie, which = self.virtual[name]
+        if self._quantized(which):  # MXFP4: the float32 values (exact); read_weight keeps the codes
+            return to_f32(self.read_weight(name))
         if which in ("gate", "up"):  # [D, 2I] columns gate, up, gate, up, ... -> [I, D]
             return np.ascontiguousarray(self._fused(il, "gate_up")[ie][:, 0 if which == "gate" else 1 :: 2].T)
         if which == "down":  # [I, D] -> [D, I]

@@ -1,0 +1,111 @@
+"""The kernels for published low-precision float weights, computed on as they are stored:
+
+- FP8 (e4m3 or e5m2): one byte a weight, one float32 scale per bn x bk block (DeepSeek's
+  `weight_scale_inv`; the last blocks of a row or column may be partial);
+- MXFP4 (gpt-oss): two e2m1 codes a byte (the even column in the low nibble), one e8m0
+  power-of-two scale per 32 weights of a row.
+
+The decode path (few tokens) decodes the codes in registers (ir.f8_matmul, ir.mx4_matmul); the
+prompt path dequantizes ROW_BLOCK rows at a time (exact: a code's value times its scale is one
+float32 rounding, none for MXFP4's power of two) and takes them through the float32 tiles with
+every token. Activations stay float32; nothing is dequantized but a few rows at a time.
+"""
+
+import numba as nb
+import numpy as np
+
+from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES  # noqa: F401 (the formats' values, for callers too)
+from .ir import F8_E4M3, F8_E5M2, f8_matmul, mx4_matmul
+from .jit import JIT
+from .kernels import ROW_BLOCK, tiles
+
+FP8_FORMATS = {"fp8_e4m3": F8_E4M3, "fp8_e5m2": F8_E5M2}  # QuantWeight kind -> f8_matmul's fmt
+
+
+@nb.njit(**JIT)
+def _f8_rows(q, scales, bn, bk, values, n0, nr, wb):
+    # wb[:nr] = the float32 values of rows n0 .. n0 + nr of an FP8 matrix
+    K = q.shape[1]
+    for r in range(nr):
+        srow = scales[(n0 + r) // bn]
+        for k in range(K):
+            wb[r, k] = values[q[n0 + r, k]] * srow[k // bk]
+
+
+@nb.njit(**JIT)
+def _mx4_rows(q, scales, e8m0, values, n0, nr, wb):
+    # wb[:nr] = the float32 values of rows n0 .. n0 + nr of an MXFP4 matrix
+    half = q.shape[1]
+    for r in range(nr):
+        for j in range(half):
+            b = q[n0 + r, j]
+            s = e8m0[scales[n0 + r, j // 16]]
+            wb[r, 2 * j] = values[b & 15] * s
+            wb[r, 2 * j + 1] = values[b >> 4] * s
+
+
+def _make_f8(fmt: int):
+    # the FP8 kernels of one format (a constant, so the decoder is compiled in)
+
+    @nb.njit(**JIT)
+    def linear_f8(x, q, scales, bn, bk, out):
+        # the decode path: x [T, K] f32, q [N, K] uint8 codes, scales [ceil(N/bn), ceil(K/bk)] f32,
+        # out [T, N] = x @ dequant(q).T
+        T, K = x.shape
+        N = q.shape[0]
+        if (q.shape[1] != K or out.shape[0] != T or out.shape[1] != N or bn < 1 or bk < 1
+                or scales.shape[0] != (N + bn - 1) // bn or scales.shape[1] != (K + bk - 1) // bk):
+            raise ValueError("fp8 kernel: weight, scale, activation and output shapes do not match")
+        f8_matmul(x, q, scales, bn, bk, out, fmt, 0, T, 0, N)
+
+    @nb.njit(**JIT)
+    def linear_f8_tok(x, q, scales, bn, bk, values, out):
+        # the prompt-token path: ROW_BLOCK rows dequantized, then tiled with every token
+        T, K = x.shape
+        N = q.shape[0]
+        if (q.shape[1] != K or out.shape[0] != T or out.shape[1] != N or bn < 1 or bk < 1
+                or scales.shape[0] != (N + bn - 1) // bn or scales.shape[1] != (K + bk - 1) // bk):
+            raise ValueError("fp8 kernel: weight, scale, activation and output shapes do not match")
+        wb = np.empty((ROW_BLOCK, K), np.float32)
+        for n0 in range(0, N, ROW_BLOCK):
+            nr = min(ROW_BLOCK, N - n0)
+            _f8_rows(q, scales, bn, bk, values, n0, nr, wb)
+            tiles(x, wb, 0, nr, out, n0)
+
+    return linear_f8, linear_f8_tok
+
+
+LINEAR_F8, LINEAR_F8_TOK = {}, {}  # fmt -> kernel
+for _f in (F8_E4M3, F8_E5M2):
+    LINEAR_F8[_f], LINEAR_F8_TOK[_f] = _make_f8(_f)
+
+
+@nb.njit(**JIT)
+def linear_mx4(x, q, scales, e8m0, out):
+    # the decode path: x [T, K] f32, q [N, K/2] uint8, scales [N, K/32] uint8 e8m0, out [T, N]
+    T, K = x.shape
+    N = q.shape[0]
+    if K % 32 or q.shape[1] * 2 != K or scales.shape[0] != N or scales.shape[1] * 32 != K or out.shape[0] != T \
+            or out.shape[1] != N or e8m0.shape[0] != 256:
+        raise ValueError("mxfp4 kernel: weight, scale, activation and output shapes do not match")
+    xe, xo = np.empty((T, K // 2), np.float32), np.empty((T, K // 2), np.float32)
+    for t in range(T):
+        for j in range(K // 2):
+            xe[t, j] = x[t, 2 * j]
+            xo[t, j] = x[t, 2 * j + 1]
+    mx4_matmul(xe, xo, q, scales, e8m0, out, 0, T, 0, N)
+
+
+@nb.njit(**JIT)
+def linear_mx4_tok(x, q, scales, e8m0, values, out):
+    # the prompt-token path of MXFP4: ROW_BLOCK rows dequantized, then tiled with every token
+    T, K = x.shape
+    N = q.shape[0]
+    if K % 32 or q.shape[1] * 2 != K or scales.shape[0] != N or scales.shape[1] * 32 != K or out.shape[0] != T \
+            or out.shape[1] != N or e8m0.shape[0] != 256:
+        raise ValueError("mxfp4 kernel: weight, scale, activation and output shapes do not match")
+    wb = np.empty((ROW_BLOCK, K), np.float32)
+    for n0 in range(0, N, ROW_BLOCK):
+        nr = min(ROW_BLOCK, N - n0)
+        _mx4_rows(q, scales, e8m0, values, n0, nr, wb)
+        tiles(x, wb, 0, nr, out, n0)

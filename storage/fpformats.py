@@ -1,0 +1,173 @@
+"""The published low-precision formats a checkpoint may hold, read as they are:
+
+- FP8 block-scaled (DeepSeek-V3/R1, Kimi K2, GLM-4.5+, MiniMax-M2, Qwen-FP8):
+  `quantization_config = {"quant_method": "fp8", "weight_block_size": [bn, bk]}`; a weight
+  `X.weight` of dtype F8_E4M3 or F8_E5M2 [N, K] has `X.weight_scale_inv` [ceil(N/bn),
+  ceil(K/bk)] (float32, bf16 or e8m0), and w = value(code) * scale. Without a block size,
+  one scale for the whole matrix.
+- MXFP4 (gpt-oss): `quantization_config = {"quant_method": "mxfp4"}`; a weight `X` is
+  stored as `X_blocks` uint8 [..., N, K/32, 16] (two e2m1 codes a byte, the even column in
+  the low nibble) and `X_scales` uint8 [..., N, K/32] (e8m0: the scale is 2 ** (e - 127)).
+
+A weight read here is a QuantWeight of kind fp8_e4m3, fp8_e5m2 or mxfp4: the codes as
+stored, the scales as float32 (FP8) or e8m0 bytes (MXFP4). Only the activations are float32:
+colibri computes what `transformers` computes on CPU from the same checkpoint, the weights
+dequantized to float32 (the models' own GPU code may also quantize activations to FP8;
+colibri does not). NaN and infinity codes are refused when read (NonFiniteWeights): the
+kernels decode every code as a finite value.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigInvalid, NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
+from .quant import FP8_KINDS, MX_GROUP, QuantWeight
+
+METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
+FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}  # safetensors dtype -> kind
+SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # what an FP8 weight's scales may be stored as
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv (DeepSeek's name: the factor that undoes the quantization)
+BLOCKS, SCALES = "_blocks", "_scales"  # MXFP4: X -> X_blocks, X_scales
+
+
+def _fp8_values(kind: str) -> np.ndarray:
+    # [256] float32: the value of each code, as torch's float8 types decode it
+    b = np.arange(256)
+    mb, bias = (3, 7) if kind == "fp8_e4m3" else (2, 15)
+    e, m = (b & 0x7F) >> mb, b & ((1 << mb) - 1)
+    v = np.where(e == 0, m * 2.0 ** (1 - bias - mb), (1 + m / (1 << mb)) * 2.0 ** (e.astype(np.float64) - bias))
+    if kind == "fp8_e4m3":  # "fn": no infinity, all ones is NaN
+        v[(b & 0x7F) == 0x7F] = np.nan
+    else:
+        v[e == 31] = np.where(m[e == 31] == 0, np.inf, np.nan)
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+FP8_VALUES = {kind: _fp8_values(kind) for kind in FP8_KINDS}  # kind -> [256] f32
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+with np.errstate(over="ignore"):
+    E8M0_VALUES = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)  # 2 ** (e - 127); 255: inf, as torch.ldexp
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # fp8 or mxfp4
+    block: tuple[int, int] | None = None  # fp8: (bn, bk); None: one scale per matrix
+
+
+def quant_config(config: dict, where: str) -> QuantConfig | None:
+    """The checkpoint's quantization_config, checked; None when it has none. Raises
+    QuantizationUnsupported naming a method or format colibri does not read, ConfigInvalid."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigInvalid(f"{where}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method not in METHODS:
+        raise QuantizationUnsupported(f"{where}: quantization method {method!r} is not supported; colibri reads "
+                                      "fp8 (block-scaled FP8 weights) and mxfp4 checkpoints, or bf16/f16/f32 ones")
+    if method == "mxfp4":
+        return QuantConfig("mxfp4")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "e5m2"):
+        raise QuantizationUnsupported(f"{where}: fp8 format {fmt!r} is not supported (e4m3, e5m2)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return QuantConfig("fp8")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigInvalid(f"{where}: quantization_config.weight_block_size must be two positive integers, not {block!r}")
+    return QuantConfig("fp8", (block[0], block[1]))
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def fp8_scale_shape(qc: QuantConfig | None, shape: tuple) -> tuple[int, int]:
+    # the scales' shape for an FP8 matrix of `shape` [N, K]
+    n, k = shape
+    bn, bk = qc.block if qc is not None and qc.block else (n, k)
+    return (-(-n // bn), -(-k // bk))
+
+
+def check_fp8(ckpt, name: str, entry) -> None:
+    """An FP8 weight has scales shaped as its blocks: raises ScalesMismatch, QuantizationUnsupported."""
+    file = ckpt.file_of(name)
+    if ckpt.quant is None or ckpt.quant.method != "fp8":
+        raise QuantizationUnsupported(f"{file}: tensor {name!r} is {entry.dtype}, but config.json has no fp8 "
+                                      "quantization_config saying how it is scaled")
+    if len(entry.shape) != 2:
+        raise ScalesMismatch(f"{file}: FP8 tensor {name!r} has shape {list(entry.shape)}; FP8 weights are matrices")
+    sname = scale_name(name)
+    if not ckpt.has(sname):
+        raise ScalesMismatch(f"{file}: FP8 tensor {name!r} has no scales ({sname!r} is missing)")
+    s = ckpt.entry(sname)
+    want = fp8_scale_shape(ckpt.quant, entry.shape)
+    shape = tuple(s.shape) if s.shape else (1, 1)
+    if s.dtype not in SCALE_DTYPES or shape != want:
+        raise ScalesMismatch(f"{ckpt.file_of(sname)}: {sname!r} is {s.dtype} {list(s.shape)}; weight {list(entry.shape)} "
+                             f"in blocks of {list(ckpt.quant.block or entry.shape)} needs {list(want)} scales "
+                             f"({', '.join(SCALE_DTYPES)})")
+
+
+def scales_f32(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Scales as stored (F32, BF16 as uint16, F8_E8M0 as uint8) -> float32, exactly."""
+    if dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E8M0":
+        return E8M0_VALUES[a]
+    return a.astype(np.float32)
+
+
+def read_fp8(ckpt, name: str) -> QuantWeight:
+    """An FP8 weight and its scales as a QuantWeight (codes as stored, scales float32).
+    Raises ScalesMismatch, NonFiniteWeights."""
+    e = ckpt.entry(name)
+    check_fp8(ckpt, name, e)
+    kind = FP8_DTYPES[e.dtype]
+    q = ckpt.files[ckpt.where[name]].read(name)
+    check_finite(q, kind, f"{ckpt.file_of(name)}: {name!r}")
+    s_entry = ckpt.entry(scale_name(name))
+    s = scales_f32(ckpt.files[ckpt.where[s_entry.name]].read(s_entry.name), s_entry.dtype)
+    s = np.ascontiguousarray(s.reshape(fp8_scale_shape(ckpt.quant, e.shape)))
+    n, k = e.shape
+    bn, bk = ckpt.quant.block or (n, k)
+    return QuantWeight(kind, q, s, bk, bn)
+
+
+def check_finite(codes: np.ndarray, kind: str, where: str) -> None:
+    # FP8 codes that are NaN or infinity: a damaged checkpoint (the kernels decode every code
+    # as a finite value, so they are refused here)
+    mag = codes & 0x7F
+    bad = (mag == 0x7F) if kind == "fp8_e4m3" else (mag >= 0x7C)
+    if bad.any():
+        raise NonFiniteWeights(f"{where}: {int(bad.sum())} NaN or infinity codes in {kind} weights")
+
+
+def mxfp4_pair(ckpt, base: str, shape: tuple) -> None:
+    """MXFP4 `base_blocks` / `base_scales` for a weight of `shape` [..., N, K]: raises
+    TensorMissing (through entry), ScalesMismatch."""
+    blocks, scales = ckpt.entry(base + BLOCKS), ckpt.entry(base + SCALES)
+    *lead, n, k = shape
+    want_b, want_s = (*lead, n, k // MX_GROUP, 16), (*lead, n, k // MX_GROUP)
+    if k % MX_GROUP or blocks.dtype != "U8" or tuple(blocks.shape) != want_b:
+        raise ScalesMismatch(f"{ckpt.file_of(blocks.name)}: {blocks.name!r} is {blocks.dtype} {list(blocks.shape)}; "
+                             f"an MXFP4 weight {list(shape)} needs U8 {list(want_b)}")
+    if scales.dtype not in ("U8", "F8_E8M0") or tuple(scales.shape) != want_s:
+        raise ScalesMismatch(f"{ckpt.file_of(scales.name)}: {scales.name!r} is {scales.dtype} {list(scales.shape)}; "
+                             f"the scales of {blocks.name!r} must be U8 {list(want_s)}")
+
+
+def dequantize_published(w: QuantWeight) -> np.ndarray:
+    """The float32 matrix an FP8 or MXFP4 weight stands for, exactly as transformers
+    dequantizes it (value times scale, one rounding)."""
+    if w.kind == "mxfp4":
+        n, half = w.q.shape
+        vals = np.empty((n, half * 2), np.float32)
+        vals[:, 0::2], vals[:, 1::2] = E2M1_VALUES[w.q & 15], E2M1_VALUES[w.q >> 4]
+        return vals * np.repeat(E8M0_VALUES[w.scales], MX_GROUP, axis=1)
+    n, k = w.q.shape
+    s = np.repeat(np.repeat(w.scales, w.row_block, axis=0), w.group_size, axis=1)[:n, :k]
+    return FP8_VALUES[w.kind][w.q] * s
