@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from synthetic import SHAPES, build, load_model, prompt  # noqa: E402
+from synthetic import PRECISIONS, SHAPES, build, load_model, prompt  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
 from colibri.engine.generate import SamplingParams, generate  # noqa: E402
@@ -173,12 +173,14 @@ def main():
                     help="checksums of expert reads (colibri's default: each expert's first read)")
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
                     help="the layers' shape (bench/synthetic.py SHAPES): Qwen3-30B-A3B, DeepSeek-V3, GLM-4.5, gpt-oss-120b")
+    ap.add_argument("--precision", default="int4", choices=PRECISIONS,
+                    help="the experts' precision: int4 g64, or kept as published (FP8 128 x 128 blocks, MXFP4)")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     layers.init()
-    path = build(a.workdir, a.expert_gb, family=a.family)
+    path = build(a.workdir, a.expert_gb, family=a.family, precision=a.precision)
     if a.ab:
         print(json.dumps(ab(a, path), indent=2))
         return
@@ -249,7 +251,8 @@ def main():
         del model
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(json.dumps({"benchmark": "decode", "family": a.family, "container": path, "n_layer": len(c.moe_layers),
+    print(json.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
+                      "n_layer": len(c.moe_layers),
                       "kv_bytes_per_token": kv_bytes, "attention": attention,
                       "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,
                       "io_threads": a.io_threads, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,

@@ -1,6 +1,7 @@
-"""Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec and the int4
-expert (gate, up, silu, down, as decode runs it) reach at batch 1, next to the memory read bandwidth
-measured in the same run, and their ratio.
+"""Kernel benchmark: GB/s of weight bytes the bf16 (and f16) expert matvec and the int4,
+FP8 (e4m3, 128 x 128 scale blocks) and MXFP4 experts (gate, up, silu, down, as decode runs
+them) reach at batch 1, next to the memory read bandwidth measured in the same run, and
+their ratio.
 
     python bench/kernels.py [--mib 512] [--repeat 3]
 
@@ -25,6 +26,8 @@ SHAPES = {  # (rows, cols) of one expert matrix (gate/up: [I, D])
     "qwen3_moe_30b_a3b": (768, 2048),
     "mixtral_8x7b_slice": (1792, 4096),
     "olmoe_1b_7b": (1024, 2048),
+    "deepseek_v3": (2048, 7168),
+    "gpt_oss_120b": (2880, 2880),
 }
 
 
@@ -62,18 +65,29 @@ def matvec_gbs(rows: int, cols: int, dtype: str, mib: int, repeat: int) -> float
     return ws.nbytes / best(sweep, repeat) / 1e9
 
 
-def int4_expert_gbs(rows: int, cols: int, group: int, mib: int, repeat: int) -> float:
-    """One int4 expert (gate and up [rows, cols], down [cols, rows]) per call, as decode runs it."""
+def make_weight(kind: str, rng, n: int, d: int):
+    """A random [n, d] QuantWeight of `kind` with finite values: int4 g64, fp8_e4m3 in 128 x
+    128 blocks, mxfp4."""
     from colibri.storage.quant import QuantWeight
 
-    rng = np.random.default_rng(0)
-
-    def q4(n, d):
+    if kind == "int4":
         return QuantWeight("int4", rng.integers(0, 256, (n, d // 2), dtype=np.uint8),
-                           rng.uniform(0.01, 0.02, (n, d // group)).astype(np.float16), group)
+                           rng.uniform(0.01, 0.02, (n, d // 64)).astype(np.float16), 64)
+    if kind == "fp8_e4m3":
+        return QuantWeight(kind, rng.integers(0, 0x7F, (n, d), dtype=np.uint8) | rng.choice([0, 0x80], (n, d)).astype(np.uint8),
+                           rng.uniform(1e-4, 2e-4, (-(-n // 128), -(-d // 128))).astype(np.float32), 128, 128)
+    return QuantWeight("mxfp4", rng.integers(0, 256, (n, d // 2), dtype=np.uint8),
+                       rng.integers(118, 122, (n, d // 32), dtype=np.uint8), 32)
 
-    one = 3 * (rows * cols // 2 + rows * cols // group * 2)
-    experts = [(q4(rows, cols), q4(rows, cols), q4(cols, rows)) for _ in range(max(2, mib * 2**20 // one))]
+
+def expert_gbs(rows: int, cols: int, kind: str, mib: int, repeat: int) -> float:
+    """One expert of `kind` (gate and up [rows, cols], down [cols, rows]) per call, as decode
+    runs it: GB/s of its bytes (values and scales)."""
+    rng = np.random.default_rng(0)
+    first = [make_weight(kind, rng, rows, cols), make_weight(kind, rng, rows, cols), make_weight(kind, rng, cols, rows)]
+    one = sum(w.nbytes for w in first)
+    experts = [first] + [[make_weight(kind, rng, rows, cols), make_weight(kind, rng, rows, cols),
+                          make_weight(kind, rng, cols, rows)] for _ in range(max(1, mib * 2**20 // one - 1))]
     x = rng.standard_normal((1, cols), dtype=np.float32)
 
     def sweep():
@@ -82,6 +96,10 @@ def int4_expert_gbs(rows: int, cols: int, group: int, mib: int, repeat: int) -> 
 
     sweep()
     return len(experts) * one / best(sweep, repeat) / 1e9
+
+
+EXPERT_KINDS = {"int4": "int4 g64 expert (gate+up+down)", "fp8_e4m3": "fp8_e4m3 128x128 expert (gate+up+down)",
+                "mxfp4": "mxfp4 expert (gate+up+down)"}
 
 
 def main():
@@ -97,10 +115,11 @@ def main():
             gbs = matvec_gbs(rows, cols, dtype, a.mib, a.repeat)
             results.append({"shape": name, "rows": rows, "cols": cols, "dtype": dtype, "batch": 1,
                             "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
-    for name, (rows, cols) in SHAPES.items():
-        gbs = int4_expert_gbs(rows, cols, 64, a.mib, a.repeat)
-        results.append({"shape": name, "rows": rows, "cols": cols, "dtype": "int4 g64 expert (gate+up+down)",
-                        "batch": 1, "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
+    for kind, label in EXPERT_KINDS.items():
+        for name, (rows, cols) in SHAPES.items():
+            gbs = expert_gbs(rows, cols, kind, a.mib, a.repeat)
+            results.append({"shape": name, "rows": rows, "cols": cols, "dtype": label, "batch": 1,
+                            "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
     bf16 = [r["weight_gbs"] for r in results if r["dtype"] == "bf16"]
     print(json.dumps({
         "benchmark": "kernels",

@@ -43,6 +43,7 @@ import numpy as np
 from colibri.engine.registry import build_model
 from colibri.storage.convert import ExpertPlan, convert
 from colibri.storage.demo import _tokenizer_json
+from colibri.storage.fpformats import QuantConfig
 from colibri.storage.quant import QuantWeight, quantized_shapes
 from colibri.storage.safetensors import TensorEntry, f32_to_bf16
 
@@ -93,12 +94,21 @@ def _unit_rows(seed: int, n: int, d: int) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
+PRECISIONS = ("int4", "fp8_e4m3", "mxfp4")  # the experts' precision: colibri's int4 g64, or a published one
+FP8_BLOCK = (128, 128)
+
+
 class SyntheticSource:
     """A checkpoint that exists only as a recipe: each tensor drawn from its own seed when
-    read; experts handed out already int4-quantized (random nibbles, small scales)."""
+    read; experts handed out already quantized: int4 (random nibbles, small scales), or in a
+    published precision as such a checkpoint holds them (`read_weight`: FP8 codes of values
+    below 2 with 128 x 128 block scales, MXFP4 random codes with one power-of-two scale)."""
 
-    def __init__(self, path: str, cfg: dict, recipe: dict = RECIPE):
+    def __init__(self, path: str, cfg: dict, recipe: dict = RECIPE, precision: str = "int4"):
         self.path, self.config, self.files, self.r = path, cfg, {}, recipe
+        self.precision = precision
+        self.quant = QuantConfig("fp8", FP8_BLOCK) if precision == "fp8_e4m3" else QuantConfig("mxfp4") \
+            if precision == "mxfp4" else None
         model = build_model(path, cfg)
         glob, per_layer, per_expert = model.shapes()
         self.shapes = {model.NAMES[k]: s for k, s in glob.items()}
@@ -109,6 +119,7 @@ class SyntheticSource:
         self.where = dict.fromkeys(self.shapes, "synthetic")
         self.seeds = {n: zlib.crc32(n.encode()) for n in self.shapes}
         self.model = model
+        self.expert_names = {n for il in model.moe_layers for ie in range(model.n_expert) for n in model.expert_names(il, ie)}
         self.routers = {model.NAMES["router"].format(il=il) for il in model.moe_layers}  # the family's router names
         D = cfg["hidden_size"]
         self.u = _unit_rows(1, 1, D)[0]  # [D]
@@ -157,6 +168,21 @@ class SyntheticSource:
         return QuantWeight(kind, q, np.full(sshape, np.float16(scale), np.float16), group)
 
 
+    def read_weight(self, name):
+        if self.precision == "int4" or name not in self.expert_names:
+            return self.read(name)
+        n, d = self.shapes[name]
+        rng = np.random.default_rng(self.seeds[name])
+        scale = d ** -0.5 * (self.r["expert_out"] if "down_proj" in name else 1.0)
+        if self.precision == "fp8_e4m3":  # codes of |v| < 2 (exponent field <= 7): RMS ~0.6
+            q = np.frombuffer(rng.bytes(n * d), np.uint8).reshape(n, d) & np.uint8(0xBF)
+            bn, bk = FP8_BLOCK
+            return QuantWeight("fp8_e4m3", q, np.full((-(-n // bn), -(-d // bk)), scale / 0.6, np.float32), bk, bn)
+        q = np.frombuffer(rng.bytes(n * d // 2), np.uint8).reshape(n, d // 2)  # e2m1 codes: RMS ~3.1
+        e = np.uint8(127 + round(np.log2(scale / 3.1)))
+        return QuantWeight("mxfp4", q, np.full((n, d // 32), e, np.uint8), 32)
+
+
 def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int = SHAPE["vocab_size"]) -> list[int]:
     """n token ids drawn like the model's own text: a topic kept with probability p_stay,
     Zipf-frequent tokens inside it."""
@@ -172,19 +198,21 @@ def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int =
     return out
 
 
-def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: str = "qwen3_moe") -> str:
+def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: str = "qwen3_moe",
+          precision: str = "int4") -> str:
     """The container's path, built into workdir unless it is there already: as many
     layers as give `expert_gb` of experts and fit in half the free disk (or n_layer), in
-    the shape SHAPES[family] says."""
+    the shape SHAPES[family] says, the experts in `precision` (PRECISIONS)."""
     shape = SHAPES[family]
     n_expert = shape.get("num_experts") or shape.get("num_local_experts") or shape["n_routed_experts"]
     D, I = shape["hidden_size"], shape["moe_intermediate_size"]
-    one_layer = n_expert * 3 * (I * D // 2 + I * D // GROUP * 2)
+    per_weight = {"int4": 0.5 + 2 / GROUP, "fp8_e4m3": 1 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[precision]
+    one_layer = int(n_expert * 3 * I * D * per_weight)
     if n_layer is None:
         free = shutil.disk_usage(workdir).free
         n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
     name = "qwen3-30b-a3b" if family == "qwen3_moe" else family
-    path = os.path.join(workdir, f"{name}-shaped-int4-{n_layer}l")
+    path = os.path.join(workdir, f"{name}-shaped-{precision}-{n_layer}l")
     cfg = shape | {"num_hidden_layers": n_layer}
     stamp = os.path.join(path, "bench-config.json")
     if os.path.isfile(stamp) and json.load(open(stamp)) == cfg | {"recipe": RECIPE}:
@@ -195,11 +223,12 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
         json.dump(cfg, f)
     with open(os.path.join(src, "tokenizer.json"), "w") as f:
         f.write(_tokenizer_json())
-    synth = SyntheticSource(src, cfg)
+    synth = SyntheticSource(src, cfg, precision=precision)
     plan = ExpertPlan(synth.model.moe_layers, synth.model.n_expert, synth.model.expert_names)
     t0 = time.perf_counter()
     print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
-    convert(synth, path, plan, expert_dtype="int4", group_size=GROUP, force=True,
+    convert(synth, path, plan, expert_dtype="int4" if precision == "int4" else None,
+            group_size=GROUP if precision == "int4" else None, force=True,
             progress=lambda d, t: print(f"\r{d}/{t}", end="", file=sys.stderr) if d % 512 == 0 else None)
     with open(stamp, "w") as f:
         json.dump(cfg | {"recipe": RECIPE}, f)

@@ -246,8 +246,9 @@ def demo_model(directory, force):
 @click.argument("src")
 @click.argument("dst")
 @click.option("--dtype", type=click.Choice(["bf16", "f16", "f32", "int8", "int4"]),
-              help="expert precision (default: the checkpoint's own). bf16/f16/f32 apply to the dense part too; "
-                   "int8/int4 quantize the routed experts only, which is lossy")
+              help="expert precision (default: the checkpoint's own, FP8 and MXFP4 kept as published). "
+                   "bf16/f16/f32 apply to the dense part too; int8/int4 quantize the routed experts only; "
+                   "either from FP8 or MXFP4, or int8/int4 from any, is lossy")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]),
               help="values per scale for int8/int4 (default: int4 64, int8 one scale per row)")
 @click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
@@ -292,4 +293,5 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
     click.echo(f"[colibri] {os.path.abspath(dst)}: {ex['n_layer']} MoE layers x {ex['n_expert']} experts of "
                f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}"
                f"{' g' + str(tc['experts']['group_size']) if tc['experts']['group_size'] else ''}), dense "
-               f"{tc['dense']['dtype']}, in {time.perf_counter() - t0:.1f} s", err=True)
+               f"{tc['dense']['dtype']}{' + ' + '/'.join(tc['dense']['fp8']) if tc['dense'].get('fp8') else ''}, "
+               f"in {time.perf_counter() - t0:.1f} s", err=True)

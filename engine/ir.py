@@ -421,14 +421,43 @@ def f8_matmul(typingctx, x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
     return sig, codegen
 
 
+# e2m1 codes -> twice their value, an int8 each: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives
+_E2M1_TWICE = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+
+
+def _has_byte_shuffle(context) -> bool:
+    # x86's pshufb (SSSE3): sixteen 16-entry table lookups in one instruction; numba compiles
+    # for the host, and its cache keys code on the host's features
+    return "+ssse3" in getattr(context.codegen(), "_tm_features", "")
+
+
+def _e2m1_block(context, builder, b):
+    # b: <16 x i8> bytes of 32 codes -> (low codes' values, high codes' values), <16 x float>
+    # each: by a byte-table lookup where the CPU has one (the values doubled are small
+    # integers: one shuffle, a widening, a conversion, then halved: exact), else in registers
+    # (_decode_e2m1)
+    v16i8, v16 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(_F32, 16)
+    lo = builder.and_(b, ir.Constant(v16i8, [15] * 16))
+    hi = builder.lshr(b, ir.Constant(v16i8, [4] * 16))
+    if _has_byte_shuffle(context):
+        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
+                                              "llvm.x86.ssse3.pshuf.b.128")
+        table = ir.Constant(v16i8, [v & 0xFF for v in _E2M1_TWICE])
+        half = ir.Constant(v16, [0.5] * 16)
+        return tuple(builder.fmul(builder.sitofp(builder.call(shuf, [table, c]), v16), half) for c in (lo, hi))
+    v16i32 = ir.VectorType(ir.IntType(32), 16)
+    return tuple(_decode_e2m1(builder, builder.zext(c, v16i32)) for c in (lo, hi))
+
+
 def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4: a byte holds the even
     # column's code in its low nibble, the odd one's in the high; xe / xo are x's even / odd
-    # columns. Per block of 32 values (16 bytes): two 8-byte chunks, each the low codes against
-    # xe and the high against xo, four independent sums added pairwise, times the block's scale
-    # (2 ** (e - 127), exact) into the token's 8-lane total.
+    # columns. Per block of 32 values (16 bytes, decoded once for the nt tokens): the low codes
+    # against xe and the high against xo in two independent 16-lane products, added, times
+    # the block's scale (2 ** (e - 127), exact) into the token's 16-lane total.
     xe_v, xo_v, q_v, s_v, lut_v, out_v = args[:6]
     i64, i32 = ir.IntType(64), ir.IntType(32)
+    v16, v16i8 = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
     erows = [_row(context, builder, sig.args[0], xe_v, t) for t in ts]
     orows = [_row(context, builder, sig.args[1], xo_v, t) for t in ts]
@@ -436,28 +465,24 @@ def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     srow = _row(context, builder, sig.args[3], s_v, n)
     lut = context.make_array(sig.args[4])(context, builder, lut_v).data
     n_blocks = builder.extract_value(context.make_array(sig.args[3])(context, builder, s_v).shape, 1)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(nt)]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(nt)]
     with cgutils.for_range(builder, n_blocks) as blk:
         s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [blk.index])), i64)]))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
-                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-        offs = [builder.add(builder.mul(blk.index, ir.Constant(i64, 16)), ir.Constant(i64, 8 * c)) for c in range(2)]
-        ws = []
-        for off in offs:
-            b = builder.zext(_vload(builder, qrow, off, _V8I8, 1), _V8I32)
-            ws.append((_decode_e2m1(builder, builder.and_(b, _splat_i32(_V8I32, 15))),
-                       _decode_e2m1(builder, builder.lshr(b, _splat_i32(_V8I32, 4)))))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), s, ir.Constant(i32, 0)),
+                                       ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+        off = builder.mul(blk.index, ir.Constant(i64, 16))
+        lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, off, v16i8, 1))
         for i in range(nt):
-            parts = []
-            for off, (lo, hi) in zip(offs, ws):
-                parts.append(builder.fmul(_vload(builder, erows[i], off, _V8, 4), lo))
-                parts.append(builder.fmul(_vload(builder, orows[i], off, _V8, 4), hi))
-            part = builder.fadd(builder.fadd(parts[0], parts[1]), builder.fadd(parts[2], parts[3]))
+            part = builder.fadd(builder.fmul(_vload(builder, erows[i], off, v16, 4), lo),
+                                builder.fmul(_vload(builder, orows[i], off, v16, 4), hi))
             builder.store(builder.call(fma, [part, splat, builder.load(accs[i])]), accs[i])
     for i in range(nt):
+        acc = builder.load(accs[i])
+        halves = [builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8))))
+                  for h in (0, 8)]
         orow = _row(context, builder, sig.args[5], out_v, ts[i])
-        builder.store(_hsum(builder, builder.load(accs[i])), builder.gep(orow, [n]))
+        builder.store(_hsum(builder, builder.fadd(halves[0], halves[1])), builder.gep(orow, [n]))
 
 
 @intrinsic

@@ -118,7 +118,7 @@ class Container:
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")
-        self.block = m["tensor_classes"]["experts"].get("block")  # a published format's scale block [rows, columns]
+        self.block = m["tensor_classes"]["experts"].get("block")  # a published format's scale block [rows, columns] (None: per matrix)
         self.dense_dtype = m["tensor_classes"]["dense"]["dtype"]
         self.record_bytes = int(ex["record_bytes"])
         self.layout = [RecordPart(p["part"], p["tensor"], p["dtype"], tuple(p["shape"]), p["offset"], p["bytes"])
@@ -175,10 +175,13 @@ class Container:
                 cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
                 out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
             return tuple(out) + biases
-        if self.expert_dtype in PUBLISHED_DTYPES:
-            rows, cols = self.block
-            return tuple(QuantWeight(self.expert_dtype, parts[(n, "weight")], parts[(n, "scales")], cols, rows)
-                         for n in PARTS) + biases
+        if self.expert_dtype in PUBLISHED_DTYPES:  # block None: one scale per matrix
+            out = []
+            for n in PARTS:
+                q = parts[(n, "weight")]
+                rows, cols = self.block or q.shape
+                out.append(QuantWeight(self.expert_dtype, q, parts[(n, "scales")], cols, rows))
+            return tuple(out) + biases
         return tuple(parts[(n, "weight")] for n in PARTS) + biases
 
     @property

@@ -238,7 +238,8 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         parts = []
         for part, qw in zip(PARTS, first):
             parts += [(part, "weight", code_dtype, qw.q.shape), (part, "scales", dtype_name(qw.scales), qw.scales.shape)]
-        block = [published.row_block, published.group_size]
+        qc = src.quant  # FP8's scale block; None: one scale per matrix
+        block = [1, published.group_size] if expert_dtype == "mxfp4" else list(qc.block) if qc.block else None
     else:
         keep = ST_NAME[expert_dtype] if expert_dtype else (gate0.dtype if gate0 else "BF16")
         parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
@@ -285,10 +286,10 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         "model_type": src.config.get("model_type"),
         "tensor_classes": {
             # its FP8 matrices (with their scales) are kept as published whatever dtype the rest has
-            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense], "fp8": fp8_dense or None},
+            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense], **({"fp8": fp8_dense} if fp8_dense else {})},
             "experts": {"dtype": expert_dtype or src_experts,
-                        "group_size": block[1] if block else group_size if quant else None,
-                        "block": block},
+                        "group_size": block[1] if block else None if published else group_size if quant else None,
+                        **({"block": block} if published else {})},
         },
         "experts": {
             "n_layer": len(plan.moe_layers),

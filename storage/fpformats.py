@@ -22,32 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigInvalid, NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
-from .quant import FP8_KINDS, MX_GROUP, QuantWeight
+from .quant import E8M0_VALUES, MX_GROUP, QuantWeight
 
 METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
 FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}  # safetensors dtype -> kind
 SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # what an FP8 weight's scales may be stored as
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv (DeepSeek's name: the factor that undoes the quantization)
 BLOCKS, SCALES = "_blocks", "_scales"  # MXFP4: X -> X_blocks, X_scales
-
-
-def _fp8_values(kind: str) -> np.ndarray:
-    # [256] float32: the value of each code, as torch's float8 types decode it
-    b = np.arange(256)
-    mb, bias = (3, 7) if kind == "fp8_e4m3" else (2, 15)
-    e, m = (b & 0x7F) >> mb, b & ((1 << mb) - 1)
-    v = np.where(e == 0, m * 2.0 ** (1 - bias - mb), (1 + m / (1 << mb)) * 2.0 ** (e.astype(np.float64) - bias))
-    if kind == "fp8_e4m3":  # "fn": no infinity, all ones is NaN
-        v[(b & 0x7F) == 0x7F] = np.nan
-    else:
-        v[e == 31] = np.where(m[e == 31] == 0, np.inf, np.nan)
-    return np.where(b & 0x80, -v, v).astype(np.float32)
-
-
-FP8_VALUES = {kind: _fp8_values(kind) for kind in FP8_KINDS}  # kind -> [256] f32
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-with np.errstate(over="ignore"):
-    E8M0_VALUES = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)  # 2 ** (e - 127); 255: inf, as torch.ldexp
 
 
 @dataclass(frozen=True)
@@ -158,16 +139,3 @@ def mxfp4_pair(ckpt, base: str, shape: tuple) -> None:
     if scales.dtype not in ("U8", "F8_E8M0") or tuple(scales.shape) != want_s:
         raise ScalesMismatch(f"{ckpt.file_of(scales.name)}: {scales.name!r} is {scales.dtype} {list(scales.shape)}; "
                              f"the scales of {blocks.name!r} must be U8 {list(want_s)}")
-
-
-def dequantize_published(w: QuantWeight) -> np.ndarray:
-    """The float32 matrix an FP8 or MXFP4 weight stands for, exactly as transformers
-    dequantizes it (value times scale, one rounding)."""
-    if w.kind == "mxfp4":
-        n, half = w.q.shape
-        vals = np.empty((n, half * 2), np.float32)
-        vals[:, 0::2], vals[:, 1::2] = E2M1_VALUES[w.q & 15], E2M1_VALUES[w.q >> 4]
-        return vals * np.repeat(E8M0_VALUES[w.scales], MX_GROUP, axis=1)
-    n, k = w.q.shape
-    s = np.repeat(np.repeat(w.scales, w.row_block, axis=0), w.group_size, axis=1)[:n, :k]
-    return FP8_VALUES[w.kind][w.q] * s

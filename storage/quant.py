@@ -28,6 +28,25 @@ QUANT_DTYPES = ("int8", "int4")  # colibri's own quantizations (lossy, on reques
 PUBLISHED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "mxfp4")  # a checkpoint's own formats, kept as they are
 FP8_KINDS = ("fp8_e4m3", "fp8_e5m2")
 MX_GROUP = 32  # MXFP4: weights per e8m0 scale
+
+
+def _fp8_values(kind: str) -> np.ndarray:
+    # [256] float32: the value of each code, as torch's float8 types decode it
+    b = np.arange(256)
+    mb, bias = (3, 7) if kind == "fp8_e4m3" else (2, 15)
+    e, m = (b & 0x7F) >> mb, b & ((1 << mb) - 1)
+    v = np.where(e == 0, m * 2.0 ** (1 - bias - mb), (1 + m / (1 << mb)) * 2.0 ** (e.astype(np.float64) - bias))
+    if kind == "fp8_e4m3":  # "fn": no infinity, all ones is NaN
+        v[(b & 0x7F) == 0x7F] = np.nan
+    else:
+        v[e == 31] = np.where(m[e == 31] == 0, np.inf, np.nan)
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+FP8_VALUES = {kind: _fp8_values(kind) for kind in FP8_KINDS}  # kind -> [256] f32
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+with np.errstate(over="ignore"):
+    E8M0_VALUES = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)  # 2 ** (e - 127); 255: inf, as torch.ldexp
 INT4_GROUPS = (32, 64, 128)  # the group sizes the int4 kernels are built for
 QMAX = {"int8": 127, "int4": 7}
 
@@ -97,9 +116,7 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     """The float32 matrix a quantized weight stands for (a reference, not for the hot path;
     exact for the published formats: a code's value times its scale, rounded once)."""
     if w.kind in PUBLISHED_DTYPES:
-        from .fpformats import dequantize_published
-
-        return dequantize_published(w)
+        return _dequantize_published(w)
     if w.kind == "int4":
         n, half = w.q.shape
         vals = np.empty((n, half * 2), np.float32)
@@ -110,3 +127,16 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     n, d = vals.shape
     s = w.scales.astype(np.float32)
     return (vals.reshape(n, d // w.group_size, w.group_size) * s[..., None]).reshape(n, d)
+
+
+def _dequantize_published(w: QuantWeight) -> np.ndarray:
+    """The float32 matrix an FP8 or MXFP4 weight stands for, exactly as transformers
+    dequantizes it (value times scale, one rounding)."""
+    if w.kind == "mxfp4":
+        n, half = w.q.shape
+        vals = np.empty((n, half * 2), np.float32)
+        vals[:, 0::2], vals[:, 1::2] = E2M1_VALUES[w.q & 15], E2M1_VALUES[w.q >> 4]
+        return vals * np.repeat(E8M0_VALUES[w.scales], MX_GROUP, axis=1)
+    n, k = w.q.shape
+    s = np.repeat(np.repeat(w.scales, w.row_block, axis=0), w.group_size, axis=1)[:n, :k]
+    return FP8_VALUES[w.kind][w.q] * s

@@ -19,9 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...storage.experts import QuantWeight
-from ...storage.fpformats import BLOCKS, SCALES, mxfp4_pair
-from ...storage.quant import MX_GROUP
+from ...storage.experts import BLOCKS, MX_GROUP, SCALES, QuantWeight, mxfp4_pair
 from ..layers import AttnSpec, attention, linear, moe, rmsnorm, to_f32
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 

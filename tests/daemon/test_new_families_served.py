@@ -11,15 +11,23 @@ from test_daemon import ctl, serving
 
 from colibri.storage.demo import CHAT_TEMPLATE, _tokenizer_json
 
-from hf_models import build
+from hf_models import build, build_fp8, build_mxfp4
+
+PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), vocab_size=259),
+             "mxfp4": lambda f, c, p: build_mxfp4(f, c, p, seed=13, vocab_size=259, hidden_size=64, intermediate_size=32)}
 
 
-@pytest.mark.parametrize("family,case", [("deepseek_v3", "q_lora_groups_interleaved"),
-                                         ("glm_moe_dsa", "full_shared_topk4"), ("glm4_moe", "odd_no_norm_two_shared"),
-                                         ("minimax_m2", "rotary_dim_half"), ("gpt_oss", "sinks_sliding_clamped")])
-def test_a_frontier_family_converts_and_is_served(tmp_path, family, case):
+@pytest.mark.parametrize("family,case,precision", [
+    ("deepseek_v3", "q_lora_groups_interleaved", None), ("glm_moe_dsa", "full_shared_topk4", None),
+    ("glm4_moe", "odd_no_norm_two_shared", None), ("minimax_m2", "rotary_dim_half", None),
+    ("gpt_oss", "sinks_sliding_clamped", None),
+    ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4")])
+def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precision):
     hf = tmp_path / "hf"
-    build(family, case, hf, seed=13, vocab_size=259)  # the byte-level tokenizer's 256 + 3 tokens
+    if precision:  # at its published precision, kept by convert
+        PUBLISHED[precision](family, case, hf)
+    else:
+        build(family, case, hf, seed=13, vocab_size=259)  # the byte-level tokenizer's 256 + 3 tokens
     (hf / "tokenizer.json").write_text(_tokenizer_json())
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     colictl = [sys.executable, "-m", "colibri.ctl"]
@@ -36,3 +44,5 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case):
         assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
         status = json.loads(ctl(sock, "status", "--json").stdout)
         assert status["model"]["type"] == family
+        if precision:
+            assert precision in json.dumps(status["model"])
