@@ -14,7 +14,7 @@ every token. Activations stay float32; nothing is dequantized but a few rows at 
 import numba as nb
 import numpy as np
 
-from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES  # noqa: F401 (the formats' values, for callers too)
+from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_SCALE_LIMIT, FP8_VALUES  # noqa: F401 (for callers too)
 from .ir import F8_E4M3, F8_E5M2, f8_matmul, mx4_matmul
 from .jit import JIT
 from .kernels import ROW_BLOCK, tiles
@@ -46,6 +46,7 @@ def _mx4_rows(q, scales, e8m0, values, n0, nr, wb):
 
 def _make_f8(fmt: int):
     # the FP8 kernels of one format (a constant, so the decoder is compiled in)
+    limit = np.float32(FP8_SCALE_LIMIT["fp8_e4m3" if fmt == F8_E4M3 else "fp8_e5m2"])
 
     @nb.njit(**JIT)
     def linear_f8(x, q, scales, bn, bk, out):
@@ -56,6 +57,9 @@ def _make_f8(fmt: int):
         if (q.shape[1] != K or out.shape[0] != T or out.shape[1] != N or bn < 1 or bk < 1
                 or scales.shape[0] != (N + bn - 1) // bn or scales.shape[1] != (K + bk - 1) // bk):
             raise ValueError("fp8 kernel: weight, scale, activation and output shapes do not match")
+        for v in scales.ravel():
+            if not abs(v) < limit:
+                raise ValueError("fp8 kernel: a scale out of range")
         f8_matmul(x, q, scales, bn, bk, out, fmt, 0, T, 0, N)
 
     @nb.njit(**JIT)

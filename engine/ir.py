@@ -267,22 +267,21 @@ def _float_ty(ty):
     return ir.VectorType(_F32, ty.count) if isinstance(ty, ir.VectorType) else _F32
 
 
-def _decode_fp8(builder, b, fmt):
-    # b: i8 lanes, one FP8 code each -> float32 lanes of its value. The code's sign, exponent and
-    # mantissa are shifted into a float32's places as they are (sign-extending the byte puts its
-    # sign in bit 31), which reads the code's value times 2 ** -rebias: a normal float32 for a
-    # normal code, a subnormal one for a subnormal code (the same mantissa, the same scale);
-    # multiplying by 2 ** rebias is then exact for both. Five instructions per 8 weights. The
-    # NaN and infinity codes would read as finite values: the reader refuses weights holding
-    # them (storage/fpformats.py), so none reaches a kernel.
-    mb, rebias = _FP_FORMATS[fmt]
+def _decode_fp8(builder, b, fmt, scale):
+    # b: i8 lanes, one FP8 code each; scale: float32 lanes (or a float) of the block's scale
+    # times 2 ** rebias -> float32 lanes of value(code) * block scale, rounded once: the very
+    # weight transformers dequantizes. The code's sign, exponent and mantissa are shifted into
+    # a float32's places as they are (sign-extending the byte puts its sign in bit 31), which
+    # reads value(code) * 2 ** -rebias exactly: a normal float32 for a normal code, a subnormal
+    # one for a subnormal code; one multiply by the scale times 2 ** rebias (exact itself: the
+    # reader keeps scales below 2 ** (127 - rebias)) gives the weight. Five instructions per 8
+    # weights. NaN and infinity codes would read as finite values: the reader refuses weights
+    # holding them (storage/fpformats.py), so none reaches a kernel.
+    mb, _ = _FP_FORMATS[fmt]
     ity = ir.VectorType(ir.IntType(32), b.type.count) if isinstance(b.type, ir.VectorType) else ir.IntType(32)
-    fty = _float_ty(ity)
     c = lambda v: _splat_i32(ity, v)  # noqa: E731
     bits = builder.and_(builder.shl(builder.sext(b, ity), c(23 - mb)), c(0x80000000 | (0x7F << (23 - mb))))
-    unit = float(2.0 ** rebias)
-    return builder.fmul(builder.bitcast(bits, fty), ir.Constant(fty, [unit] * ity.count) if isinstance(ity, ir.VectorType)
-                        else ir.Constant(fty, unit))
+    return builder.fmul(builder.bitcast(bits, _float_ty(ity)), scale)
 
 
 def _decode_e2m1(builder, n):
@@ -330,13 +329,15 @@ _CHAINS = 4  # independent 8-lane sums per token inside a scale block (a depende
 
 
 def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
-    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt: per block of bk columns, 8-byte
-    # chunks decoded once for the nt tokens and multiplied into _CHAINS sums per token (chunk c
-    # into sum c % _CHAINS), the sums added pairwise, times the block's scale into the token's
-    # 8-lane total; a block's last bk % 8 columns one by one into a scalar total. A token's
-    # floats go through the same operations whatever tokens are beside it.
+    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt: per block of bk columns, the
+    # scale times 2 ** rebias once; 8-byte chunks decoded into weights (value times scale,
+    # _decode_fp8) once for the nt tokens and multiplied into _CHAINS sums per token (chunk c
+    # of a block's groups of _CHAINS chunks into sum c; a block's last chunks into sums 0, 1,
+    # ..), its last bk % 8 columns one by one into a scalar sum; at the end the sums added
+    # pairwise. A token's floats go through the same operations whatever tokens are beside it.
     x_v, q_v, s_v, bn_v, bk_v, out_v = args[:6]
-    i64 = ir.IntType(64)
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    _, rebias = _FP_FORMATS[fmt]
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
     xrows = [_row(context, builder, sig.args[0], x_v, t) for t in ts]
     qrow = _row(context, builder, sig.args[1], q_v, n)
@@ -345,14 +346,13 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
     n_blocks = builder.sdiv(builder.add(K, builder.sub(bk_v, ir.Constant(i64, 1))), bk_v)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
     fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
-    zero8 = ir.Constant(_V8, [0.0] * 8)
-    accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
+    chains = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(_CHAINS)] for _ in range(nt)]
     tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]
-    chains = [[cgutils.alloca_once_value(builder, zero8) for _ in range(_CHAINS)] for _ in range(nt)]
-    tail_part = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]
+    splat_p = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
+    scale_p = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
 
     def chunk(off, which):  # 8 columns from `off` into sum `which` of every token
-        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt)
+        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt, builder.load(splat_p))
         for i in range(nt):
             xv = _vload(builder, xrows[i], off, _V8, 4)
             builder.store(builder.call(fma, [xv, w, builder.load(chains[i][which])]), chains[i][which])
@@ -361,16 +361,17 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
         k0 = builder.mul(blk.index, bk_v)
         k1 = builder.select(builder.icmp_signed("<", builder.add(k0, bk_v), K), builder.add(k0, bk_v), K)
         width = builder.sub(k1, k0)
-        for i in range(nt):
-            for c in range(_CHAINS):
-                builder.store(zero8, chains[i][c])
-            builder.store(ir.Constant(_F32, 0.0), tail_part[i])
+        s = builder.fmul(builder.load(builder.gep(srow, [blk.index])), ir.Constant(_F32, float(2.0 ** rebias)))
+        builder.store(s, scale_p)
+        builder.store(builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
+                                             ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8)), splat_p)
         step = 8 * _CHAINS
-        with cgutils.for_range(builder, builder.sdiv(width, ir.Constant(i64, step))) as grp:
+        groups = builder.sdiv(width, ir.Constant(i64, step))
+        with cgutils.for_range(builder, groups) as grp:
             base = builder.add(k0, builder.mul(grp.index, ir.Constant(i64, step)))
             for c in range(_CHAINS):
                 chunk(builder.add(base, ir.Constant(i64, 8 * c)), c)
-        done = builder.mul(builder.sdiv(width, ir.Constant(i64, step)), ir.Constant(i64, step))
+        done = builder.mul(groups, ir.Constant(i64, step))
         left = builder.sdiv(builder.sub(width, done), ir.Constant(i64, 8))  # 0 .. _CHAINS - 1 chunks
         for c in range(_CHAINS - 1):
             with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, c))):
@@ -378,21 +379,15 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
         k_tail = builder.add(k0, builder.add(done, builder.mul(left, ir.Constant(i64, 8))))
         with cgutils.for_range(builder, builder.sub(k1, k_tail)) as tl:
             k = builder.add(k_tail, tl.index)
-            w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt)
+            w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt, builder.load(scale_p))
             for i in range(nt):
-                builder.store(builder.call(fma1, [builder.load(builder.gep(xrows[i], [k])), w, builder.load(tail_part[i])]),
-                              tail_part[i])
-        s = builder.load(builder.gep(srow, [blk.index]))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-        for i in range(nt):
-            cs = [builder.load(chains[i][c]) for c in range(_CHAINS)]
-            part = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
-            builder.store(builder.call(fma, [part, splat, builder.load(accs[i])]), accs[i])
-            builder.store(builder.call(fma1, [builder.load(tail_part[i]), s, builder.load(tails[i])]), tails[i])
+                builder.store(builder.call(fma1, [builder.load(builder.gep(xrows[i], [k])), w, builder.load(tails[i])]),
+                              tails[i])
     for i in range(nt):
+        cs = [builder.load(chains[i][c]) for c in range(_CHAINS)]
+        total = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
         orow = _row(context, builder, sig.args[5], out_v, ts[i])
-        builder.store(builder.fadd(_hsum(builder, builder.load(accs[i])), builder.load(tails[i])), builder.gep(orow, [n]))
+        builder.store(builder.fadd(_hsum(builder, total), builder.load(tails[i])), builder.gep(orow, [n]))
 
 
 @intrinsic
@@ -401,7 +396,7 @@ def f8_matmul(typingctx, x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
     [N, K] uint8 FP8 codes of format `fmt` (F8_E4M3 or F8_E5M2, a compile-time constant),
     scales [ceil(N / bn), ceil(K / bk)] f32, one per bn x bk block (the last ones may be
     partial), out [T, N] f32; every array 2-D C-contiguous; the caller checks shapes and ranges.
-    The codes are decoded in registers (_decode_fp8) and each block's sum is scaled once (see
+    The codes are decoded in registers into the weights transformers dequantizes (_decode_fp8,
     f8_rows_dot); a (token, row) result is the same alone or batched, in every process."""
     arrays = (x, q, scales, out)
     if not (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in _FP_FORMATS
@@ -431,11 +426,12 @@ def _has_byte_shuffle(context) -> bool:
     return "+ssse3" in getattr(context.codegen(), "_tm_features", "")
 
 
-def _e2m1_block(context, builder, b):
-    # b: <16 x i8> bytes of 32 codes -> (low codes' values, high codes' values), <16 x float>
-    # each: by a byte-table lookup where the CPU has one (the values doubled are small
-    # integers: one shuffle, a widening, a conversion, then halved: exact), else in registers
-    # (_decode_e2m1)
+def _e2m1_block(context, builder, b, scale):
+    # b: <16 x i8> bytes of 32 codes; scale: <16 x float> of the block's scale -> (low codes'
+    # weights, high codes' weights), <16 x float> each: value(code) * scale, exact (a power of
+    # two times a value of two significant bits). By a byte-table lookup where the CPU has one
+    # (the values doubled are small integers: a shuffle, a widening, a conversion, and the
+    # scale halved), else in registers (_decode_e2m1)
     v16i8, v16 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(_F32, 16)
     lo = builder.and_(b, ir.Constant(v16i8, [15] * 16))
     hi = builder.lshr(b, ir.Constant(v16i8, [4] * 16))
@@ -443,18 +439,20 @@ def _e2m1_block(context, builder, b):
         shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
                                               "llvm.x86.ssse3.pshuf.b.128")
         table = ir.Constant(v16i8, [v & 0xFF for v in _E2M1_TWICE])
-        half = ir.Constant(v16, [0.5] * 16)
+        half = builder.fmul(scale, ir.Constant(v16, [0.5] * 16))
         return tuple(builder.fmul(builder.sitofp(builder.call(shuf, [table, c]), v16), half) for c in (lo, hi))
     v16i32 = ir.VectorType(ir.IntType(32), 16)
-    return tuple(_decode_e2m1(builder, builder.zext(c, v16i32)) for c in (lo, hi))
+    return tuple(builder.fmul(_decode_e2m1(builder, builder.zext(c, v16i32)), scale) for c in (lo, hi))
 
 
 def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4: a byte holds the even
     # column's code in its low nibble, the odd one's in the high; xe / xo are x's even / odd
-    # columns. Per block of 32 values (16 bytes, decoded once for the nt tokens): the low codes
-    # against xe and the high against xo in two independent 16-lane products, added, times
-    # the block's scale (2 ** (e - 127), exact) into the token's 16-lane total.
+    # columns. Per block of 32 values (16 bytes, decoded once for the nt tokens into the
+    # weights, the block's scale 2 ** (e - 127) in them, exactly): the low weights against xe
+    # and the high against xo, into 16-lane sums per token, even and odd blocks into sums of
+    # their own (a dependent chain through every block would wait on FMA latency); at the end
+    # the sums added in a fixed order.
     xe_v, xo_v, q_v, s_v, lut_v, out_v = args[:6]
     i64, i32 = ir.IntType(64), ir.IntType(32)
     v16, v16i8 = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
@@ -466,19 +464,29 @@ def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     lut = context.make_array(sig.args[4])(context, builder, lut_v).data
     n_blocks = builder.extract_value(context.make_array(sig.args[3])(context, builder, s_v).shape, 1)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(nt)]
-    with cgutils.for_range(builder, n_blocks) as blk:
-        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [blk.index])), i64)]))
+    zero = ir.Constant(v16, [0.0] * 16)
+    sums = [[[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(2)] for _ in range(nt)]
+
+    def block(bi, parity):  # block bi into the sums of its parity
+        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [bi])), i64)]))
         splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), s, ir.Constant(i32, 0)),
                                        ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-        off = builder.mul(blk.index, ir.Constant(i64, 16))
-        lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, off, v16i8, 1))
+        off = builder.mul(bi, ir.Constant(i64, 16))
+        lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, off, v16i8, 1), splat)
         for i in range(nt):
-            part = builder.fadd(builder.fmul(_vload(builder, erows[i], off, v16, 4), lo),
-                                builder.fmul(_vload(builder, orows[i], off, v16, 4), hi))
-            builder.store(builder.call(fma, [part, splat, builder.load(accs[i])]), accs[i])
+            for half, (rows, w) in enumerate(((erows, lo), (orows, hi))):
+                acc = sums[i][parity][half]
+                builder.store(builder.call(fma, [_vload(builder, rows[i], off, v16, 4), w, builder.load(acc)]), acc)
+
+    with cgutils.for_range(builder, builder.sdiv(n_blocks, ir.Constant(i64, 2))) as pair:
+        first = builder.mul(pair.index, ir.Constant(i64, 2))
+        block(first, 0)
+        block(builder.add(first, ir.Constant(i64, 1)), 1)
+    with builder.if_then(builder.icmp_signed("!=", builder.srem(n_blocks, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
+        block(builder.sub(n_blocks, ir.Constant(i64, 1)), 0)
     for i in range(nt):
-        acc = builder.load(accs[i])
+        e0, o0, e1, o1 = (builder.load(sums[i][p][h]) for p in range(2) for h in range(2))
+        acc = builder.fadd(builder.fadd(e0, o0), builder.fadd(e1, o1))
         halves = [builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8))))
                   for h in (0, 8)]
         orow = _row(context, builder, sig.args[5], out_v, ts[i])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigInvalid, NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
-from .quant import E8M0_VALUES, MX_GROUP, QuantWeight
+from .quant import E8M0_VALUES, FP8_SCALE_LIMIT, MX_GROUP, QuantWeight
 
 METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
 FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}  # safetensors dtype -> kind
@@ -113,6 +113,9 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
     s_entry = ckpt.entry(scale_name(name))
     s = scales_f32(ckpt.files[ckpt.where[s_entry.name]].read(s_entry.name), s_entry.dtype)
     s = np.ascontiguousarray(s.reshape(fp8_scale_shape(ckpt.quant, e.shape)))
+    if not np.all(np.abs(s) < FP8_SCALE_LIMIT[kind]):
+        raise ScalesMismatch(f"{ckpt.file_of(s_entry.name)}: {s_entry.name!r} holds scales of {float(np.abs(s).max()):g}; "
+                             f"{kind} scales must be finite and below {FP8_SCALE_LIMIT[kind]:g}")
     n, k = e.shape
     bn, bk = ckpt.quant.block or (n, k)
     return QuantWeight(kind, q, s, bk, bn)

@@ -28,6 +28,9 @@ QUANT_DTYPES = ("int8", "int4")  # colibri's own quantizations (lossy, on reques
 PUBLISHED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "mxfp4")  # a checkpoint's own formats, kept as they are
 FP8_KINDS = ("fp8_e4m3", "fp8_e5m2")
 MX_GROUP = 32  # MXFP4: weights per e8m0 scale
+# FP8 scales colibri computes with: below 2 ** (128 - the format's float32 rebias), so the
+# kernels' scale times 2 ** rebias is exact (engine/ir.py _decode_fp8); real ones are ~1e-4
+FP8_SCALE_LIMIT = {"fp8_e4m3": 2.0 ** 8, "fp8_e5m2": 2.0 ** 16}
 
 
 def _fp8_values(kind: str) -> np.ndarray:

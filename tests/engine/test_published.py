@@ -202,3 +202,12 @@ def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(QuantizationUnsupported, match="no fp8 quantization_config"):
         load_model(tmp_path)
+
+
+def test_scales_out_of_range_are_refused(tmp_path):
+    # the kernels fold the scale into an exact power-of-two product; a scale that would
+    # overflow it is refused, not computed wrong
+    build_fp8("deepseek_v3", "q_lora_groups_interleaved", tmp_path, block=(16, 16))
+    _edit_tensor(tmp_path, "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda s: s * 0 + 1e6)
+    with pytest.raises(ScalesMismatch, match="below 256"):
+        load_model(tmp_path)
