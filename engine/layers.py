@@ -416,7 +416,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
             return
         gate, up, down = ew
         p = prompt_rows[rows // A]
-        parts = [(rows[p], True), (rows[~p], False)] if is_int4(gate, up, down) else [(rows, bool(p[0]))]
+        # quantized experts have a prompt and a decode path: each row takes its sequence's
+        parts = [(rows[p], True), (rows[~p], False)] if isinstance(gate, QuantWeight) else [(rows, False)]
         for r, prompt in parts:
             if len(r):
                 ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]

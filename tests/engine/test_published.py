@@ -15,6 +15,7 @@ from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
 from colibri.storage.convert import ExpertPlan, convert
 from colibri.storage.errors import NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
+from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.safetensors import SafetensorsFile
 
 from hf_models import build_fp8, build_mxfp4, load_model, rewrite_config
@@ -211,3 +212,24 @@ def test_scales_out_of_range_are_refused(tmp_path):
     _edit_tensor(tmp_path, "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda s: s * 0 + 1e6)
     with pytest.raises(ScalesMismatch, match="below 256"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("family,case,how", [CASES[1], CASES[5]], ids=[IDS[1], IDS[5]])
+def test_bit_identical_at_every_budget_and_alone_or_batched(tmp_path, family, case, how):
+    # the codes are the container's own weights: whatever the budget and cache policy, and
+    # whatever shares a step, a token's logits are the same bits as all-resident and alone
+    build_published(family, case, tmp_path / "hf", how)
+    to_container(tmp_path / "hf", tmp_path / "c")
+    probe = load_model(tmp_path / "c", budget="min")
+    rb, n_moe, n_exp = probe.experts.c.record_bytes, len(probe.moe_layers), probe.n_expert
+    ids = np.random.default_rng(5).integers(0, probe.args.vocab_size, 9)
+    resident = load_model(tmp_path / "c", budget="all")
+    want = resident.forward(ids, resident.new_cache(16), all_logits=True)
+    for budget in ("min", rb * n_moe * max(n_exp // 2, 1)):
+        for policy in POLICIES:
+            model = load_model(tmp_path / "c", budget=budget, policy=Policy(name=policy, prefetch_reads=2))
+            np.testing.assert_array_equal(model.forward(ids, model.new_cache(16), all_logits=True), want)
+    seqs = [ids, np.arange(3), np.array([7])]
+    batched = resident.forward_batch([(s, resident.new_cache(16)) for s in seqs], all_logits=True)
+    for s, got in zip(seqs, batched):
+        np.testing.assert_array_equal(got, resident.forward(s, resident.new_cache(16), all_logits=True))
