@@ -242,6 +242,13 @@ def demo_model(directory, force):
     click.echo(path)
 
 
+def grouping(experts: dict) -> str:
+    # how the experts' scales are laid out, for the convert line: " g64", " 128x128 blocks"
+    if "block" in experts:
+        return f" {experts['block'][0]}x{experts['block'][1]} blocks" if experts["block"] else " one scale a matrix"
+    return f" g{experts['group_size']}" if experts.get("group_size") else ""
+
+
 @click.command()
 @click.argument("src")
 @click.argument("dst")
@@ -291,7 +298,6 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
     ex = manifest["experts"]
     tc = manifest["tensor_classes"]
     click.echo(f"[colibri] {os.path.abspath(dst)}: {ex['n_layer']} MoE layers x {ex['n_expert']} experts of "
-               f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}"
-               f"{' g' + str(tc['experts']['group_size']) if tc['experts']['group_size'] else ''}), dense "
+               f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}{grouping(tc['experts'])}), dense "
                f"{tc['dense']['dtype']}{' + ' + '/'.join(tc['dense']['fp8']) if tc['dense'].get('fp8') else ''}, "
                f"in {time.perf_counter() - t0:.1f} s", err=True)
