@@ -22,7 +22,7 @@ from .qkernels import q4_split_row
 
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
 # did; then each job's descriptor
-BOARD_HEAD, JOB_LEN = 4, 13
+BOARD_HEAD, JOB_LEN = 4, 15
 JOB_MOE_Q4, JOB_U16, JOB_F32 = 1, 2, 3  # a job's kind
 SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
 YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
@@ -30,27 +30,33 @@ MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g 
 CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wake: worth it from 256 Ki weights
 
 
+N_ADDRS = 9  # per expert: gate q, scales, up q, scales, down q, scales, then its biases (0: none)
+ACT_SILU, ACT_CLAMPED = 0, 1  # an expert job's activation: SwiGLU; gpt-oss's clamped one (params alpha, limit)
+
+
 @nb.njit(**JIT)
 def moe_q4_sizes(R, E, D, I, g):
     # (ints, work) lengths of a JOB_MOE_Q4 job of E experts over R rows: ints = rows [R],
-    # starts [E + 1], addrs [E, 6], ctl [2 + 3 E]; work = xe, xd [R, D/2], xs [R, D/g], h, u
-    # [R, I], he, hd [R, I/2], hs [R, I/g], out [R, D] (f32)
-    return R + (E + 1) + 6 * E + (2 + 3 * E), R * (2 * D + D // g + 3 * I + I // g)
+    # starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 3 E]; work = xe, xd [R, D/2], xs [R, D/g],
+    # h, u [R, I], he, hd [R, I/2], hs [R, I/g], out [R, D] (f32)
+    return R + (E + 1) + N_ADDRS * E + (2 + 3 * E), R * (2 * D + D // g + 3 * I + I // g)
 
 
 @nb.njit(**JIT)
 def moe_q4_ints(ints, R, E):
-    # a JOB_MOE_Q4 job's ints -> views rows [R], starts [E + 1], addrs [E, 6], ctl [2 + 3 E]
-    return ints[:R], ints[R : R + E + 1], ints[R + E + 1 : R + 7 * E + 1].reshape(E, 6), ints[R + 7 * E + 1 :]
+    # a JOB_MOE_Q4 job's ints -> views rows [R], starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 3 E]
+    a = R + E + 1
+    return ints[:R], ints[R:a], ints[a : a + N_ADDRS * E].reshape(E, N_ADDRS), ints[a + N_ADDRS * E :]
 
 
 @nb.njit(**JIT)
-def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys):
+def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params):
     # job `job`'s JOB_MOE_Q4 descriptor (see crew_g) onto the board, from the arrays themselves
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
     d[0], d[1], d[2], d[3] = JOB_MOE_Q4, x_all.ctypes.data, x_all.shape[0], x_all.shape[1]
     d[4], d[5], d[6], d[7], d[8] = ints.ctypes.data, R, E, work.ctypes.data, n_work
     d[9], d[10], d[11], d[12] = I, A, wts.ctypes.data, ys.ctypes.data
+    d[13], d[14] = act, params.ctypes.data
 
 
 @nb.njit(**JIT)
@@ -59,6 +65,17 @@ def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
     d[0], d[1], d[2], d[3] = kind, x.ctypes.data, x.shape[0], x.shape[1]
     d[4], d[5], d[6], d[7], d[8] = w.ctypes.data, w.shape[0], out.ctypes.data, ctl.ctypes.data, is_bf16
+
+
+@nb.njit(**JIT)
+def clamped(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
+    # gpt-oss's expert activation on rows i_lo .. i_hi, columns n_lo .. n_hi of h (gate x) and u
+    # (up x), into h: g = min(h + gb, limit), h = g * sigmoid(alpha g) * (clip(u + ub) + 1)
+    for i in range(i_lo, i_hi):
+        for n in range(n_lo, n_hi):
+            g = min(h[i, n] + gb[n], limit)
+            v = min(max(u[i, n] + ub[n], -limit), limit)
+            h[i, n] = (v + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
 
 
 def _make_crew(g: int):
@@ -71,15 +88,18 @@ def _make_crew(g: int):
         # board[0] the jobs published, board[1] nonzero once closed, board[2] the helpers in the
         # kernel, board[3] the units they did; job j's descriptor at BOARD_HEAD + j * JOB_LEN, its kind first:
         # - JOB_MOE_Q4: the decode path of int4 experts of group g: addresses and sizes of
-        #   x_all [T_all, D] f32; ints: rows [R], starts [E + 1], addrs [E, 6], ctl [2 + 3 E]
-        #   (int64, one after the other); work f32 [n_work]; wts [T_all * A] f32; ys
-        #   [T_all * A, D] f32; and I, A. Expert e's rows are rows[starts[e]:starts[e + 1]],
-        #   the flat positions token * A + slot that chose it; addrs[e] the addresses of its
-        #   gate q [I, D/2] uint8, gate scales [I, D/g] f16 bits, up q, up scales, down q
-        #   [D, I/2], down scales [D, I/g] (C-contiguous, alive through the job: the caller
-        #   vouches for them, the kernel cannot see their shapes); ys[r] = wts[r] * down(silu(
-        #   gate x) * up x) for x = x_all[r // A]; work >= R * (2 D + D/g + 3 I + I/g) scratch;
-        #   ctl zeros, the job's counters.
+        #   x_all [T_all, D] f32; ints: rows [R], starts [E + 1], addrs [E, N_ADDRS], ctl
+        #   [2 + 3 E] (int64, one after the other); work f32 [n_work]; wts [T_all * A] f32; ys
+        #   [T_all * A, D] f32; I, A; the activation and its params (f32 [2]). Expert e's rows
+        #   are rows[starts[e]:starts[e + 1]], the flat positions token * A + slot that chose
+        #   it; addrs[e] the addresses of its gate q [I, D/2] uint8, gate scales [I, D/g] f16
+        #   bits, up q, up scales, down q [D, I/2], down scales [D, I/g], then of its gate, up
+        #   and down biases f32 [I], [I], [D] or 0 (C-contiguous, alive through the job: the
+        #   caller vouches for them, the kernel cannot see their shapes); ys[r] = wts[r] *
+        #   (down act(gate x + gb, up x + ub) + db) for x = x_all[r // A], act silu(g) * u
+        #   (ACT_SILU) or min(g, l) * sigmoid(alpha min(g, l)) * (clip(u, -l, l) + 1)
+        #   (ACT_CLAMPED, params alpha, l); work >= R * (2 D + D/g + 3 I + I/g) scratch; ctl
+        #   zeros, the job's counters.
         # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
         #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
         #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
@@ -114,6 +134,7 @@ def _make_crew(g: int):
             job_d = board[BOARD_HEAD + j * JOB_LEN : BOARD_HEAD + (j + 1) * JOB_LEN]  # its descriptor
             if job_d[0] == JOB_MOE_Q4:
                 T_all, D, R, E, n_work, I, A = job_d[2], job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
+                act, params = job_d[13], nb.carray(f32_at(job_d[14]), (2,))
                 x_all = nb.carray(f32_at(job_d[1]), (T_all, D))
                 n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
                 rows, starts, addrs, ctl = moe_q4_ints(nb.carray(i64_at(job_d[4]), (n_ints,)), R, E)
@@ -161,9 +182,13 @@ def _make_crew(g: int):
                         uq, us = nb.carray(u8_at(addrs[e, 2]), (I, D // 2)), nb.carray(u16_at(addrs[e, 3]), (I, D // g))
                         q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, starts[e], starts[e + 1], n_lo, n_hi)
                         q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, starts[e], starts[e + 1], n_lo, n_hi)
-                        for i in range(starts[e], starts[e + 1]):
-                            for n in range(n_lo, n_hi):
-                                h[i, n] = silu(h[i, n]) * u[i, n]
+                        if act == ACT_SILU:
+                            for i in range(starts[e], starts[e + 1]):
+                                for n in range(n_lo, n_hi):
+                                    h[i, n] = silu(h[i, n]) * u[i, n]
+                        else:
+                            clamped(h, u, nb.carray(f32_at(addrs[e, 6]), (I,)), nb.carray(f32_at(addrs[e, 7]), (I,)),
+                                    params[0], params[1], starts[e], starts[e + 1], n_lo, n_hi)
                         atomic_add(ctl, 2 + E + e, 1)
                     elif k < u_out:
                         e = k - u_h
@@ -179,6 +204,11 @@ def _make_crew(g: int):
                         d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
                         dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, I // 2)), nb.carray(u16_at(addrs[e, 5]), (D, I // g))
                         q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, starts[e], starts[e + 1], d_lo, d_hi)
+                        if addrs[e, 8] != 0:  # the down bias
+                            db = nb.carray(f32_at(addrs[e, 8]), (D,))
+                            for i in range(starts[e], starts[e + 1]):
+                                for d in range(d_lo, d_hi):
+                                    out[i, d] += db[d]
                         for i in range(starts[e], starts[e + 1]):
                             w = wts[rows[i]]
                             for d in range(d_lo, d_hi):
@@ -299,29 +329,43 @@ class Crew:
         self.kernel(self.board, self.jobs - 1, f16_lut(), 0)
 
     def experts(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray, experts: list,
-                ys: np.ndarray) -> None:
+                ys: np.ndarray, act: tuple | None = None) -> None:
         # int4 experts of one shape on the decode path, for some rows of a step: ys[r] = wts[r] *
         # expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; x [T, D] f32, rows [R] int64,
-        # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down) each
-        gate, up, down = experts[0]
+        # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down), with their biases
+        # (gate, up, down; storage precision) when act is gpt-oss's (alpha, limit)
+        gate, up, down = experts[0][:3]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
         layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
         bad = (g != self.g or gate.layout != ("int4", g, (I, D // 2), (I, D // g)) or up.layout != gate.layout
                or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
-               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous))
-        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn in experts):
+               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)
+               or any(len(e) != (6 if act else 3) for e in experts))
+        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn, *_ in experts):
             raise ValueError("int4 experts: the weight, activation and output shapes do not match")
         E, R = len(experts), len(rows)
         n_ints, n_work = moe_q4_sizes(R, E, D, I, g)
         ints = np.zeros(n_ints, np.int64)  # new for each job (a helper late for a job still reads its counters)
         rows_, starts_, addrs, _ = moe_q4_ints(ints, R, E)  # views of ints
         rows_[:], starts_[:] = rows, starts
-        addrs[:] = np.array([a for e in experts for w in e for a in w.addresses], np.int64).reshape(E, 6)
+        addrs[:, :6] = np.array([a for e in experts for w in e[:3] for a in w.addresses], np.int64).reshape(E, 6)
+        biases = []
+        if act:  # the biases in float32, kept alive with the job
+            for k, e in enumerate(experts):
+                for j, (b, n) in enumerate(zip(e[3:], (I, I, D))):
+                    b = np.ascontiguousarray(b.view(np.uint16).astype(np.uint32) << 16).view(np.float32) \
+                        if b.dtype == np.uint16 else np.ascontiguousarray(b, dtype=np.float32)
+                    if b.shape != (n,):
+                        raise ValueError("int4 experts: a bias does not match its matrix")
+                    biases.append(b)
+                    addrs[k, 6 + j] = b.ctypes.data
+        params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
             self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
-        self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys),
-                  (x, ints, self.work, wts, ys, experts))
+        self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys,
+                                    ACT_CLAMPED if act else ACT_SILU, params),
+                  (x, ints, self.work, wts, ys, experts, biases, params))
 
     def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as

@@ -372,10 +372,12 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None,
-        ffn=None) -> np.ndarray:
+        ffn=None, clamped: tuple | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]. ffn(x [n, D],
     # expert weights) -> [n, D]: a family's own expert (biases, another activation); None:
-    # SwiGLU of (gate, up, down), which the crew's int4 kernels also compute
+    # SwiGLU of (gate, up, down), which the crew's int4 kernels also compute. clamped: (alpha,
+    # limit) when ffn is gpt-oss's biased, clamped SwiGLU, which the crew computes too
+    # (crew.ACT_CLAMPED) for int4 experts on the decode path
     t0 = time.perf_counter()
     T, A = ids.shape
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
@@ -433,7 +435,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
             mine, rest = [], []
             for item in batch:
                 ie, ew = item
-                crew_takes = ffn is None and team is not None and is_int4(*ew) and ew[0].group_size == g
+                crew_takes = (ffn is None or clamped is not None) and team is not None and is_int4(*ew[:3]) \
+                    and ew[0].group_size == g
                 (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
             if mine:
                 if len(mine) == len(union):  # the whole step at once (all resident): rows as sorted
@@ -443,7 +446,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
                     rs = [rows_of(ie) for ie, _ in mine]
                     rows, starts = np.concatenate(rs), np.zeros(len(rs) + 1, np.int64)
                     np.cumsum([len(r) for r in rs], out=starts[1:])
-                team.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys)
+                team.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys, clamped)
             if not crew.threads_set() or len(rest) <= 1:
                 for item in rest:
                     expert(item)

@@ -210,5 +210,6 @@ class Model(MoEModel):
         h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il, self.windows[il])
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         ids, w = self.router(il, x)  # [T, A]
-        return h + moe(x, ids, w, self.experts, il, step, ffn=self.expert)
+        return h + moe(x, ids, w, self.experts, il, step, ffn=self.expert,
+                       clamped=(np.float32(a.swiglu_alpha), np.float32(a.swiglu_limit)))
 

@@ -63,3 +63,44 @@ def test_a_quantized_container_keeps_the_biases_float(tmp_path, dtype):
     got = q.forward(ids, q.new_cache(8), all_logits=True)
     rel = np.abs(got - full).max() / np.abs(full).max()
     assert rel < (0.4 if dtype == "int4" else 0.1), rel  # lossy by name, not broken
+
+
+def test_the_crew_computes_the_clamped_experts_as_the_family_does(tmp_path, monkeypatch):
+    # int4 experts on the decode path go to the crew's kernel with gpt-oss's biases and
+    # clamped activation (crew.ACT_CLAMPED): the same values as the family's own expert
+    # function, to float32 rounding; and, as every path, the same bits at every budget and
+    # alone or batched
+    from colibri.engine.models import gpt_oss
+
+    build("gpt_oss", "sinks_sliding_clamped", tmp_path / "hf", seed=6, hidden_size=64, intermediate_size=64)
+    model = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
+    convert(model.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "q",
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()),
+            expert_dtype="int4", group_size=32)
+    ids = [np.array([t]) for t in (3, 9, 27, 4, 11)]  # one token a step: the decode path
+
+    def decode(m):
+        cache = m.new_cache(8)
+        return np.concatenate([m.forward(t, cache) for t in ids])
+
+    want = decode(load_model(tmp_path / "q", budget="all"))
+    for budget in ("min", "all"):
+        m = load_model(tmp_path / "q", budget=budget)
+        np.testing.assert_array_equal(decode(m), want)
+    m = load_model(tmp_path / "q", budget="all")
+    caches = [m.new_cache(8), m.new_cache(8)]
+    both = m.forward_batch([(ids[0], caches[0]), (ids[1], caches[1])])
+    np.testing.assert_array_equal(both[0], want[0:1])
+
+    calls = []
+    real_moe = gpt_oss.moe
+
+    def own_expert_only(*a, clamped=None, **k):  # the family's expert function for every expert
+        calls.append(clamped)
+        return real_moe(*a, **k)
+
+    monkeypatch.setattr(gpt_oss, "moe", own_expert_only)
+    theirs = decode(load_model(tmp_path / "q", budget="all"))
+    assert calls and all(c is not None for c in calls)  # the crew was offered the experts before
+    np.testing.assert_allclose(want, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
+    assert not np.array_equal(want, theirs)  # (two computations: not the same bits)
