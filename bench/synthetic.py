@@ -94,7 +94,7 @@ def _unit_rows(seed: int, n: int, d: int) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-PRECISIONS = ("int4", "fp8_e4m3", "mxfp4")  # the experts' precision: colibri's int4 g64, or a published one
+PRECISIONS = ("int4", "bf16", "fp8_e4m3", "mxfp4")  # the experts' precision: colibri's int4 g64, bf16, or a published one
 FP8_BLOCK = (128, 128)
 
 
@@ -155,6 +155,8 @@ class SyntheticSource:
         scale = shape[-1] ** -0.5
         if name.endswith("o_proj.weight"):
             scale *= r["attn_out"]
+        if "down_proj" in name and name in self.expert_names:  # bf16 experts: as the quantized ones
+            scale *= r["expert_out"]
         return f32_to_bf16(x * scale)
 
     def read_quantized(self, name, kind, group):
@@ -169,7 +171,7 @@ class SyntheticSource:
 
 
     def read_weight(self, name):
-        if self.precision == "int4" or name not in self.expert_names:
+        if self.precision in ("int4", "bf16") or name not in self.expert_names:
             return self.read(name)
         n, d = self.shapes[name]
         rng = np.random.default_rng(self.seeds[name])
@@ -200,19 +202,22 @@ def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int =
 
 
 def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: str = "qwen3_moe",
-          precision: str = "int4") -> str:
+          precision: str = "int4", overrides: dict | None = None) -> str:
     """The container's path, built into workdir unless it is there already: as many
     layers as give `expert_gb` of experts and fit in half the free disk (or n_layer), in
-    the shape SHAPES[family] says, the experts in `precision` (PRECISIONS)."""
-    shape = SHAPES[family]
+    the shape SHAPES[family] says (with `overrides` of its config), the experts in
+    `precision` (PRECISIONS)."""
+    shape = SHAPES[family] | (overrides or {})
     n_expert = shape.get("num_experts") or shape.get("num_local_experts") or shape["n_routed_experts"]
     D, I = shape["hidden_size"], shape["moe_intermediate_size"]
-    per_weight = {"int4": 0.5 + 2 / GROUP, "fp8_e4m3": 1 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[precision]
+    per_weight = {"int4": 0.5 + 2 / GROUP, "bf16": 2, "fp8_e4m3": 1 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32}[precision]
     one_layer = int(n_expert * 3 * I * D * per_weight)
     if n_layer is None:
         free = shutil.disk_usage(workdir).free
         n_layer = int(max(1, min(expert_gb * 1e9 // one_layer + 1, free * 0.5 // (one_layer * 1.15))))
     name = "qwen3-30b-a3b" if family == "qwen3_moe" else family
+    if overrides:
+        name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     path = os.path.join(workdir, f"{name}-shaped-{precision}-{n_layer}l")
     cfg = shape | {"num_hidden_layers": n_layer}
     stamp = os.path.join(path, "bench-config.json")
