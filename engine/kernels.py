@@ -158,32 +158,28 @@ def rope(x, cos, sin):
                 x[t, h, i + half] = b * cos[t, i] + a * sin[t, i]
 
 
-@nb.njit(**JIT_FAST)
-def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
-    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache [Hkv, S, hd], v_cache
-    # [Hkv, S, hv] holding positions 0..pos0+T-1 (hv, the value head size, may differ from hd);
-    # out [T, Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
-    # sinks [Hq] f32 (gpt-oss), or empty: a logit per head that joins the softmax's
-    # denominator and nothing else (attention may go nowhere).
+@nb.njit(**JIT)
+def attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores):
+    # token t of q [T, Hq, hd] against the keys it sees (see attention), into out[t]; scores
+    # [n_rep, S] f32 scratch. Each kv head's query heads against its keys as one float32 tile
+    # product (tiles: 8-lane multiply-adds, the same operations for a (head, key) pair whatever
+    # else is in the call), then per head a softmax and the values summed in key order.
     T, Hq, hd = q.shape
     hv = v_cache.shape[2]
     Hkv = k_cache.shape[0]
     n_rep = Hq // Hkv
-    scores = np.empty(pos0 + T, np.float32)
-    for t in range(T):
-        p = pos0 + t
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        for h in range(Hq):
-            g = h // n_rep
+    p = pos0 + t
+    lo = 0
+    if window > 0 and p - window + 1 > 0:
+        lo = p - window + 1
+    for g in range(Hkv):
+        tiles(q[t, g * n_rep : (g + 1) * n_rep], k_cache[g], lo, p + 1, scores, 0)  # [n_rep, lo:p+1]
+        for r in range(n_rep):
+            h = g * n_rep + r
             m = np.float32(-np.inf)
             for j in range(lo, p + 1):
-                s = np.float32(0.0)
-                for d in range(hd):
-                    s += q[t, h, d] * k_cache[g, j, d]
-                s *= scale
-                scores[j] = s
+                s = scores[r, j] * scale
+                scores[r, j] = s
                 if s > m:
                     m = s
             if sinks.shape[0] > 0 and sinks[h] > m:
@@ -192,15 +188,39 @@ def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
             if sinks.shape[0] > 0:
                 z += np.exp(sinks[h] - m)
             for j in range(lo, p + 1):
-                e = np.exp(scores[j] - m)
-                scores[j] = e
+                e = np.exp(scores[r, j] - m)
+                scores[r, j] = e
                 z += e
             for d in range(hv):
                 out[t, h, d] = 0.0
             for j in range(lo, p + 1):
-                a = scores[j] / z
+                a = scores[r, j] / z
                 for d in range(hv):
                     out[t, h, d] += a * v_cache[g, j, d]
+
+
+@nb.njit(**JIT)
+def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
+    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache [Hkv, S, hd], v_cache
+    # [Hkv, S, hv] holding positions 0..pos0+T-1 (hv, the value head size, may differ from hd);
+    # out [T, Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
+    # sinks [Hq] f32 (gpt-oss), or empty: a logit per head that joins the softmax's
+    # denominator and nothing else (attention may go nowhere). No T x T matrix: a token's
+    # scores at a time.
+    scores = np.empty((q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]), np.float32)
+    for t in range(q.shape[0]):
+        attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores)
+
+
+@nb.njit(parallel=True, **JIT)
+def attention_par(q, k_cache, v_cache, pos0, window, scale, sinks, out):
+    # attention (same arguments, the same bits) with the tokens shared among numba's threads
+    n_rep, S = q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]
+    for t in nb.prange(q.shape[0]):
+        attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, np.empty((n_rep, S), np.float32))
+
+
+ATTENTION_PAR_MIN = 2**22  # query x key pairs x head dims from which a prompt's attention runs on every thread
 
 
 @nb.njit(**JIT)

@@ -43,13 +43,21 @@ def init(n_threads: int | None = None, progress=None) -> None:
         swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
         swiglu(x64, q4, q4, q4, prompt=True)
 
+    def published():  # FP8 and MXFP4, both paths
+        for kind in fpkernels.FP8_FORMATS:
+            w = QuantWeight(kind, np.ones((2, 64), np.uint8), np.ones((1, 1), np.float32), 64, 2)
+            qlinear(x64[:, :64], w), qlinear(x64[:, :64], w, True)
+        w = QuantWeight("mxfp4", np.ones((2, 32), np.uint8), np.full((2, 2), 127, np.uint8), 32)
+        qlinear(x64[:, :64], w), qlinear(x64[:, :64], w, True)
+
     def attention():
         rmsnorm(x, np.ones(4, np.float32), 1e-6)
         kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
-        kernels.attention(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
+        for kernel in (kernels.attention, kernels.attention_par):
+            kernel(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
         kernels.silu_mul(x, x, np.empty_like(x))
 
-    steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), attention]
+    steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), published, attention]
     for i, step in enumerate(steps):
         if progress:
             progress("compiling kernels", i, len(steps))
@@ -320,8 +328,20 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
         rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
         cache.k[il, :, pos0 : pos0 + sg.n] = k[rows].transpose(1, 0, 2)  # [Hkv, n, hd]
         cache.v[il, :, pos0 : pos0 + sg.n] = v[rows].transpose(1, 0, 2)
-        kernels.attention(q[rows], cache.k[il], cache.v[il], pos0, window, scale, sinks, out[rows])
+        attend(q[rows], cache.k[il], cache.v[il], pos0, window, scale, sinks, out[rows])
     return linear(out.reshape(T, Hq * hv), w["o"], w.get("o_bias"))
+
+
+def attend(q, k_cache, v_cache, pos0: int, window: int, scale, sinks, out) -> None:
+    # kernels.attention for one sequence's rows; a long prompt's on every thread (the same
+    # bits), the step's crew parked first: its spinning helpers would hold the CPUs
+    T, Hq, hd = q.shape
+    if T > 1 and T * (pos0 + T) * Hq * hd >= kernels.ATTENTION_PAR_MIN:
+        if crew.session() is not None:
+            crew.session().close()
+        kernels.attention_par(q, k_cache, v_cache, pos0, window, scale, sinks, out)
+    else:
+        kernels.attention(q, k_cache, v_cache, pos0, window, scale, sinks, out)
 
 
 # ---- MoE -----------------------------------------------------------------------------------

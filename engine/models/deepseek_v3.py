@@ -25,6 +25,7 @@ from ..layers import (
     AttnSpec,
     KVCache,
     Rope,
+    attend,
     deinterleave,
     linear,
     moe,
@@ -233,7 +234,7 @@ class Model(GroupedMoE, MoEModel):
         out = np.empty(qa.shape[:2] + (self.args.kv_lora_rank,), np.float32)  # [T, H, latent]
         for sg in step.segments:
             rows = slice(sg.start, sg.start + sg.n)
-            kernels.attention(qa[rows], sg.cache.k[il], sg.cache.v[il], sg.cache.n_pos, 0,
+            attend(qa[rows], sg.cache.k[il], sg.cache.v[il], sg.cache.n_pos, 0,
                               np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
         return self.lift(il, out)
 

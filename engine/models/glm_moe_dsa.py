@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from ..layers import NO_SINKS, deinterleave, linear
+from ..layers import NO_SINKS, attend, deinterleave, linear
 from ..model import require
 from . import deepseek_v3
 
@@ -146,8 +146,8 @@ class Model(deepseek_v3.Model):
         for sg, allowed in zip(step.segments, step.chosen):
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
             if allowed is None:  # every cached token chosen: the dense kernel
-                kernels.attention(qa[rows], cache.k[il], cache.v[il], pos0, 0, np.float32(self.attn_spec.scale),
-                                  NO_SINKS, out[rows])
+                attend(qa[rows], cache.k[il], cache.v[il], pos0, 0, np.float32(self.attn_spec.scale), NO_SINKS,
+                       out[rows])
             else:
                 out[rows] = masked_attention(qa[rows], cache.k[il, 0, : pos0 + sg.n], lat, allowed,
                                              self.attn_spec.scale)

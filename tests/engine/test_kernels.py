@@ -134,6 +134,26 @@ def test_attention(T, pos0, Hq, Hkv, hd, window):
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, window, hd**-0.5, sinks), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,sinks", [(0, False), (5, True)])
+def test_attention_is_the_same_bits_parallel_chunked_and_alone(window, sinks):
+    # a long prompt's attention runs on every thread (attention_par); a token's output is the
+    # same bits there, in the serial kernel, and whether its prompt came in one step or in
+    # chunks (the key cache then holding the earlier chunks)
+    T, Hq, Hkv, hd = 37, 6, 2, 24
+    q, k, v = rand(T, Hq, hd), rand(Hkv, T, hd), rand(Hkv, T, hd)
+    s = rand(Hq) * 2 if sinks else layers.NO_SINKS
+    one, par = np.empty_like(q), np.empty_like(q)
+    kernels.attention(q, k, v, 0, window, np.float32(0.2), s, one)
+    kernels.attention_par(q, k, v, 0, window, np.float32(0.2), s, par)
+    np.testing.assert_array_equal(par, one)
+    np.testing.assert_allclose(one, ref_attention(q, k, v, 0, window, 0.2, s if sinks else None), rtol=1e-5, atol=1e-5)
+    for cut in (1, 16, 36):  # a prompt in two chunks
+        a, b = np.empty((cut, Hq, hd), np.float32), np.empty((T - cut, Hq, hd), np.float32)
+        kernels.attention(np.ascontiguousarray(q[:cut]), k, v, 0, window, np.float32(0.2), s, a)
+        kernels.attention_par(np.ascontiguousarray(q[cut:]), k, v, cut, window, np.float32(0.2), s, b)
+        np.testing.assert_array_equal(np.concatenate([a, b]), one)
+
+
 @pytest.mark.parametrize("hd,hv", [(24, 16), (16, 40)])
 def test_attention_with_a_value_head_of_its_own_size(hd, hv):
     # MLA-style heads: keys and queries of one size, values of another (the output is the values')
