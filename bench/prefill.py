@@ -4,7 +4,7 @@ in bf16 and in int4, warm (every expert in RAM) and at a 10 % expert budget cold
 the machine's limits measured in the same run.
 
     python bench/prefill.py [--workdir DIR] [--layers 12] [--experts 64] [--precisions int4,bf16]
-                            [--prompts 16,64,512,2048] [--budget 0.1] [--threads N]
+                            [--prompts 16,64,512,2048] [--budget 0.1] [--threads 1,N]
 
 Per prompt and precision it prints: wall time, prompt tokens/s, the weight bytes the step
 touches (the dense part plus the union of the experts its tokens chose, each once), the
@@ -15,7 +15,8 @@ multiply-adds it does; and the ratios the targets are stated in:
   tokens: compute-bound, target >= 0.5);
 - cold at the budget: wall / max(disk floor, warm wall) (target <= 1.3), the disk floor
   being the bytes read / the O_DIRECT bandwidth.
-The peaks are measured at the run's thread count: memory by a parallel sum over 256 MiB,
+Warm runs go at each thread count of --threads (default 1 and every CPU: the scaling), the
+cold ones at the largest. The peaks are measured at each thread count: memory by a parallel sum over 256 MiB,
 FMA by independent 8-lane multiply-add chains on every thread (a numba kernel in LLVM IR,
 so that what it measures is the CPU, not a compiler's choice), disk by decode.py's random
 O_DIRECT record reads.
@@ -137,44 +138,52 @@ def main():
     ap.add_argument("--precisions", default="int4,bf16")
     ap.add_argument("--prompts", default="16,64,512,2048")
     ap.add_argument("--budget", type=float, default=0.1, help="the cold run's expert budget, a fraction (0: none)")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
+                    help="thread counts of the warm runs (the cold ones at the largest)")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
-    layers.init(a.threads)
+    counts = sorted({int(n) for n in a.threads.split(",")})
+    layers.init(counts[-1])
     lengths = [int(n) for n in a.prompts.split(",")]
     rng = np.random.default_rng(11)
     prompts = {n: prompt(rng, n) for n in lengths}
-    limits = {"threads": a.threads, "memory_gbs": round(memory_gbs(a.threads), 2),
-              "fma_peak_gflops": round(fma_peak_gflops(a.threads), 1)}
+    limits = {}
+    for n_threads in counts:
+        limits[n_threads] = {"threads": n_threads, "memory_gbs": round(memory_gbs(n_threads), 2),
+                             "fma_peak_gflops": round(fma_peak_gflops(n_threads), 1)}
     out = []
     for precision in a.precisions.split(","):
         path = build(a.workdir, 0, n_layer=a.layers, family="qwen3_moe", precision=precision,
                      overrides={"num_experts": a.experts})
         warm = load_model(path, budget="all")
         prefill(warm, prompts[lengths[0]][:4])  # compile every kernel the steps take
-        cold_disk = None
-        for n in lengths:
-            prefill(warm, prompts[n])  # every expert this prompt chooses in RAM, its kernels warm
-            wall, st = prefill(warm, prompts[n])
-            touched, macs = step_work(warm, st, n)
-            row = {"precision": precision, "prompt_tokens": n, "wall_s": round(wall, 3),
-                   "prompt_tok_s": round(n / wall, 1), "bytes_touched": touched, "macs": macs,
-                   "memory_ratio": round(touched / (limits["memory_gbs"] * 1e9) / wall, 3),
-                   "fma_ratio": round(2 * macs / (limits["fma_peak_gflops"] * 1e9) / wall, 3)}
-            out.append(row)
-            print(json.dumps(row), file=sys.stderr)
+        for n_threads in counts:
+            layers.init(n_threads)  # the compute threads (crew, side-by-side experts, numba's)
+            lim = limits[n_threads]
+            for n in lengths:
+                prefill(warm, prompts[n])  # every expert this prompt chooses in RAM, its kernels warm
+                wall, st = prefill(warm, prompts[n])
+                touched, macs = step_work(warm, st, n)
+                row = {"precision": precision, "threads": n_threads, "prompt_tokens": n, "wall_s": round(wall, 3),
+                       "prompt_tok_s": round(n / wall, 1), "bytes_touched": touched, "macs": macs,
+                       "memory_ratio": round(touched / (lim["memory_gbs"] * 1e9) / wall, 3),
+                       "fma_ratio": round(2 * macs / (lim["fma_peak_gflops"] * 1e9) / wall, 3)}
+                out.append(row)
+                print(json.dumps(row), file=sys.stderr)
         if a.budget:
             c = warm.experts.c
             budget = int(c.expert_bytes * a.budget)
             del warm
             cold_disk = max(disk_gbs(c, 2), disk_gbs(c, 4))
             for n in lengths:
-                warm_wall = next(r["wall_s"] for r in out if r["precision"] == precision and r["prompt_tokens"] == n)
+                warm_wall = next(r["wall_s"] for r in out if r["precision"] == precision and r["prompt_tokens"] == n
+                                 and r["threads"] == counts[-1])
                 dropped = drop_caches()
                 model = load_model(path, budget=budget)
                 wall, st = prefill(model, prompts[n])
                 floor = st.bytes_read / (cold_disk * 1e9)
-                row = {"precision": precision, "prompt_tokens": n, "budget_fraction": a.budget, "cold": dropped,
+                row = {"precision": precision, "threads": counts[-1], "prompt_tokens": n, "budget_fraction": a.budget,
+                       "cold": dropped,
                        "wall_s": round(wall, 3), "bytes_read": st.bytes_read, "disk_odirect_gbs": round(cold_disk, 3),
                        "disk_floor_s": round(floor, 3), "warm_wall_s": warm_wall,
                        "ratio_to_floor": round(wall / max(floor, warm_wall), 3)}
@@ -184,7 +193,7 @@ def main():
                 del model
     print(json.dumps({"benchmark": "prefill", "model": {"shape": "qwen3_moe", "layers": a.layers, "experts": a.experts,
                                                         "hidden": SHAPE["hidden_size"]},
-                      "limits": limits, "results": out,
+                      "limits": list(limits.values()), "results": out,
                       "targets": {"memory_ratio (<= 64 tokens)": round(1 / 1.5, 3), "fma_ratio (>= 512 tokens)": 0.5,
                                   "ratio_to_floor (budget)": 1.3}}, indent=2))
 
