@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numba as nb
 import numpy as np
 
+from ..storage.experts import bf16_to_f32
 from .ir import atomic_add, atomic_load, f32_at, i64_at, q4_matmul, u8_at, u16_at, yield_cpu
 from .jit import JIT
 from .kernels import ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, silu, tiles
@@ -354,8 +355,7 @@ class Crew:
         if act:  # the biases in float32, kept alive with the job
             for k, e in enumerate(experts):
                 for j, (b, n) in enumerate(zip(e[3:], (I, I, D))):
-                    b = np.ascontiguousarray(b.view(np.uint16).astype(np.uint32) << 16).view(np.float32) \
-                        if b.dtype == np.uint16 else np.ascontiguousarray(b, dtype=np.float32)
+                    b = np.ascontiguousarray(bf16_to_f32(b) if b.dtype == np.uint16 else b, dtype=np.float32)
                     if b.shape != (n,):
                         raise ValueError("int4 experts: a bias does not match its matrix")
                     biases.append(b)

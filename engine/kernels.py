@@ -159,7 +159,7 @@ def rope(x, cos, sin):
 
 
 @nb.njit(**JIT)
-def attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores):
+def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores):
     # token t of q [T, Hq, hd] against the keys it sees (see attention), into out[t]; scores
     # [n_rep, S] f32 scratch. Each kv head's query heads against its keys as one float32 tile
     # product (tiles: 8-lane multiply-adds, the same operations for a (head, key) pair whatever
@@ -209,7 +209,7 @@ def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
     # scores at a time.
     scores = np.empty((q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]), np.float32)
     for t in range(q.shape[0]):
-        attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores)
+        attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores)
 
 
 @nb.njit(parallel=True, **JIT)
@@ -217,7 +217,7 @@ def attention_par(q, k_cache, v_cache, pos0, window, scale, sinks, out):
     # attention (same arguments, the same bits) with the tokens shared among numba's threads
     n_rep, S = q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]
     for t in nb.prange(q.shape[0]):
-        attend(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, np.empty((n_rep, S), np.float32))
+        attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, np.empty((n_rep, S), np.float32))
 
 
 ATTENTION_PAR_MIN = 2**22  # query x key pairs x head dims from which a prompt's attention runs on every thread

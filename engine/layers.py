@@ -43,12 +43,13 @@ def init(n_threads: int | None = None, progress=None) -> None:
         swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
         swiglu(x64, q4, q4, q4, prompt=True)
 
-    def published():  # FP8 and MXFP4, both paths
-        for kind in fpkernels.FP8_FORMATS:
-            w = QuantWeight(kind, np.ones((2, 64), np.uint8), np.ones((1, 1), np.float32), 64, 2)
-            qlinear(x64[:, :64], w), qlinear(x64[:, :64], w, True)
-        w = QuantWeight("mxfp4", np.ones((2, 32), np.uint8), np.full((2, 2), 127, np.uint8), 32)
-        qlinear(x64[:, :64], w), qlinear(x64[:, :64], w, True)
+    def published():  # FP8 and MXFP4, the decode and the prompt path
+        weights = [QuantWeight(kind, np.ones((2, 64), np.uint8), np.ones((1, 1), np.float32), 64, 2)
+                   for kind in fpkernels.FP8_FORMATS]
+        weights.append(QuantWeight("mxfp4", np.ones((2, 32), np.uint8), np.full((2, 2), 127, np.uint8), 32))
+        for w in weights:
+            for prompt in (False, True):
+                qlinear(np.ones((1, 64), np.float32), w, prompt)
 
     def attention():
         rmsnorm(x, np.ones(4, np.float32), 1e-6)

@@ -90,37 +90,32 @@ def to_f32(a) -> np.ndarray:
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
-def read_weight(src, name: str):
-    # the matrix as the source keeps it: an array, or a QuantWeight of a published format
-    return src.read_weight(name) if hasattr(src, "read_weight") else src.read(name)
-
-
 def expert_values(src, name: str, expert_dtype: str | None, group_size: int | None) -> dict:
     """One expert matrix as the record stores it: {"weight"} or {"weight", "scales"}.
     A published format (FP8, MXFP4) is kept as its codes and scales; asked for another
     precision, its values are converted (lossy, and said so). A source may hand out
     matrices already quantized (`read_quantized`), as the benchmarks' synthetic models do."""
     if expert_dtype in PUBLISHED_DTYPES:
-        qw = read_weight(src, name)
+        qw = src.read_weight(name)
         if not isinstance(qw, QuantWeight) or qw.kind != expert_dtype:
             raise ConvertError(f"{name}: not {expert_dtype} in the checkpoint; colibri converts to "
                                f"{', '.join(FLOAT_DTYPES + QUANT_DTYPES)} only")
         return {"weight": qw.q, "scales": qw.scales}
     if expert_dtype not in QUANT_DTYPES:
-        a = read_weight(src, name)
-        return {"weight": cast(to_f32(a), expert_dtype or "f32") if isinstance(a, QuantWeight) else cast(a, expert_dtype)}
+        a = src.read_weight(name)  # a published format's values in float32 (exact), then cast as asked
+        return {"weight": cast(dequantize(a) if isinstance(a, QuantWeight) else a, expert_dtype)}
     group = group_size or src.entry(name).shape[1]
     if hasattr(src, "read_quantized"):
         qw = src.read_quantized(name, expert_dtype, group)
     else:
-        qw = quantize(to_f32(read_weight(src, name)), expert_dtype, group)
+        qw = quantize(to_f32(src.read_weight(name)), expert_dtype, group)
     return {"weight": qw.q, "scales": qw.scales}
 
 
 def published_kind(src, plan: "ExpertPlan") -> QuantWeight | None:
     """The first expert's gate as read, when the checkpoint's experts are in a published
     format (its kind, block and shapes are every expert's), else None."""
-    if not plan.moe_layers or not hasattr(src, "read_weight"):
+    if not plan.moe_layers:
         return None
     w = src.read_weight(plan.names(plan.moe_layers[0], 0)[0])
     return w if isinstance(w, QuantWeight) else None
@@ -174,10 +169,10 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
 
 
 def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, quant: bool) -> list:
-    # quant: the matrices have values and scales (colibri's int8/int4 or a published format)
     """The safetensors entries of layer il's expert file: each record's parts under the
-    checkpoint's names (`.qweight`/`.scales` when quantized), with `__pad__.*` U8 tensors
-    filling the alignment gaps, since safetensors allows no holes."""
+    checkpoint's names (`.qweight`/`.scales` when `quant`: values and scales, colibri's
+    int8/int4 or a published format), with `__pad__.*` U8 tensors filling the alignment
+    gaps, since safetensors allows no holes."""
     entries = []
     for ie in range(plan.n_expert):
         names, cursor = plan.names(il, ie), 0

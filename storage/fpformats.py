@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import ConfigInvalid, NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
 from .quant import E8M0_VALUES, FP8_SCALE_LIMIT, MX_GROUP, QuantWeight
+from .safetensors import bf16_to_f32
 
 METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
 FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}  # safetensors dtype -> kind
@@ -96,7 +97,7 @@ def check_fp8(ckpt, name: str, entry) -> None:
 def scales_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     """Scales as stored (F32, BF16 as uint16, F8_E8M0 as uint8) -> float32, exactly."""
     if dtype == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
+        return bf16_to_f32(a)
     if dtype == "F8_E8M0":
         return E8M0_VALUES[a]
     return a.astype(np.float32)
@@ -108,10 +109,10 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
     e = ckpt.entry(name)
     check_fp8(ckpt, name, e)
     kind = FP8_DTYPES[e.dtype]
-    q = ckpt.files[ckpt.where[name]].read(name)
+    q = ckpt.read(name)
     check_finite(q, kind, f"{ckpt.file_of(name)}: {name!r}")
     s_entry = ckpt.entry(scale_name(name))
-    s = scales_f32(ckpt.files[ckpt.where[s_entry.name]].read(s_entry.name), s_entry.dtype)
+    s = scales_f32(ckpt.read(s_entry.name), s_entry.dtype)
     s = np.ascontiguousarray(s.reshape(fp8_scale_shape(ckpt.quant, e.shape)))
     if not np.all(np.abs(s) < FP8_SCALE_LIMIT[kind]):
         raise ScalesMismatch(f"{ckpt.file_of(s_entry.name)}: {s_entry.name!r} holds scales of {float(np.abs(s).max()):g}; "
