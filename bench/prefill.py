@@ -117,7 +117,8 @@ def prefill(model, ids) -> tuple[float, dict]:
 def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     """(weight bytes the step touched, multiply-adds it did): the dense part once plus each
     expert of the union once; per token the dense matrices (embeddings excluded: a lookup)
-    and the experts it chose (attention over the prompt not counted)."""
+    and the experts it chose, the LM head once (a prompt step computes the last position's
+    logits only; attention over the prompt not counted)."""
     c = model.experts.c
     embed = model.glob["embed"].size
     dense_bytes = model.describe()["dense_bytes"] - model.glob["embed"].nbytes
@@ -126,7 +127,8 @@ def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     if model.args.tie_word_embeddings:
         dense_params += embed
     expert_params = 3 * model.args.hidden_size * model.args.moe_intermediate_size
-    macs = n_tokens * (dense_params + model.n_expert_used * len(model.moe_layers) * expert_params)
+    head = model.lm_head.size
+    macs = n_tokens * (dense_params - head + model.n_expert_used * len(model.moe_layers) * expert_params) + head
     return dense_bytes + st.experts * c.record_bytes, macs
 
 

@@ -105,6 +105,8 @@ def resolve_model(model: str | None) -> str:
                    "(default: all that fits in half the available memory)")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="threads reading experts from disk")
+@click.option("--threads", type=click.IntRange(0, 1024), default=0, show_default=True,
+              help="threads computing (0: every CPU this process may run on)")
 @click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
 @click.option("--routing-trace", type=click.Path(dir_okay=False, writable=True), metavar="PATH",
               help="write the experts each layer used at each step as JSON lines")
@@ -118,7 +120,7 @@ def resolve_model(model: str | None) -> str:
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        mlock, routing_trace, prefetch, policy, history_dir, history_read_only, input_errors):
+        threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
@@ -142,7 +144,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     tokenizers = []  # loaded once the files' checks pass, before a weight is read
     placed = open_model(path, placement, build_model, checked=lambda: tokenizers.append(Tokenizer(path)))
     model, tok = placed.model, tokenizers[0]
-    layers.init()  # compiles the kernels on a machine's first run
+    layers.init(threads or None)  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     if chat:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_in}]), special=False)

@@ -1,5 +1,6 @@
-"""The thread crew: the parallel work of a forward step (int4 experts on the decode path,
-the big dense matrices) shared by this thread and the crew threads, inside one kernel.
+"""The thread crew: the parallel work of a forward step (a layer's experts: int4 on the
+decode path, every kind on the prompt path, float experts on both; the big dense matrices)
+shared by this thread and the crew threads, inside one kernel.
 
 A Crew publishes jobs on an int64 board; its helpers stay in the kernel between jobs
 (spinning, so nothing has to wake them) and take units of each job from atomic counters.
@@ -15,16 +16,17 @@ from contextlib import contextmanager
 import numba as nb
 import numpy as np
 
-from ..storage.experts import bf16_to_f32
-from .ir import atomic_add, atomic_load, f32_at, i64_at, q4_matmul, u8_at, u16_at, yield_cpu
+from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32
+from .fpkernels import f8_rows, mx4_rows
+from .ir import atomic_add, atomic_load, f32_at, i8_at, i64_at, q4_matmul, u8_at, u16_at, yield_cpu
 from .jit import JIT
-from .kernels import ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, silu, tiles
-from .qkernels import q4_split_row
+from .kernels import ROW_BLOCK, ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, silu, tiles, u16_rows
+from .qkernels import q4_rows_32, q4_rows_64, q4_rows_128, q4_split_row, q8_rows
 
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
 # did; then each job's descriptor
-BOARD_HEAD, JOB_LEN = 4, 15
-JOB_MOE_Q4, JOB_U16, JOB_F32 = 1, 2, 3  # a job's kind
+BOARD_HEAD, JOB_LEN = 4, 21
+JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK = 1, 2, 3, 4  # a job's kind
 SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
 YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
 MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g takes (~128 KiB, ~96 KiB of int4 at 2048 x 768)
@@ -33,6 +35,10 @@ CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wa
 
 N_ADDRS = 9  # per expert: gate q, scales, up q, scales, down q, scales, then its biases (0: none)
 ACT_SILU, ACT_CLAMPED = 0, 1  # an expert job's activation: SwiGLU; gpt-oss's clamped one (params alpha, limit)
+# a JOB_MOE_TOK job's weights: what widen_rows turns into float32 rows
+W_BF16, W_F16, W_INT8, W_INT4, W_FP8, W_MXFP4, W_F32 = 0, 1, 2, 3, 4, 5, 6
+TOK_KINDS = {"int8": W_INT8, "int4": W_INT4, "fp8_e4m3": W_FP8, "fp8_e5m2": W_FP8, "mxfp4": W_MXFP4}
+N_TABLE = 16 + 256  # a JOB_MOE_TOK job's value table: FP8's 256 values, or MXFP4's 16 (e2m1) then 256 (e8m0)
 
 
 @nb.njit(**JIT)
@@ -61,6 +67,50 @@ def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, 
 
 
 @nb.njit(**JIT)
+def moe_tok_sizes(R, E, D, I):
+    # (ints, work) lengths of a JOB_MOE_TOK job of E experts over R rows: ints = rows [R],
+    # starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 2 E]; work = xg [R, D], h, u [R, I], out [R, D] (f32)
+    return R + (E + 1) + N_ADDRS * E + (2 + 2 * E), R * (2 * D + 2 * I)
+
+
+@nb.njit(**JIT)
+def describe_moe_tok(board, job, x_all, ints, R, E, work, I, A, wts, ys, act, params, wkind, blocks, table):
+    # job `job`'s JOB_MOE_TOK descriptor (see crew_g) onto the board; blocks: the (rows, columns) a
+    # scale covers in gate and up, then in down
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = JOB_MOE_TOK, x_all.ctypes.data, x_all.shape[0], x_all.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = ints.ctypes.data, R, E, work.ctypes.data, work.shape[0]
+    d[9], d[10], d[11], d[12] = I, A, wts.ctypes.data, ys.ctypes.data
+    d[13], d[14], d[15], d[16] = act, params.ctypes.data, wkind, table.ctypes.data
+    d[17], d[18], d[19], d[20] = blocks
+
+
+@nb.njit(**JIT)
+def widen_rows(wkind, qa, sa, N, K, bn, bk, table, f16_lut, n0, nr, wb):
+    # wb[:nr] = rows n0 .. n0 + nr of the [N, K] matrix at address qa (its scales at sa) as the
+    # float32 values they stand for (exact: as the kind's prompt-path kernel widens them); bk
+    # the columns a scale covers (int8, int4: the group size), bn the rows (FP8)
+    if wkind == W_BF16 or wkind == W_F16:
+        u16_rows(nb.carray(u16_at(qa), (N, K)), wkind == W_BF16, f16_lut, n0, nr, wb)
+    elif wkind == W_INT4:
+        q, scales = nb.carray(u8_at(qa), (N, K // 2)), nb.carray(u16_at(sa), (N, K // bk))
+        if bk == 32:
+            q4_rows_32(q, scales, f16_lut, n0, nr, wb)
+        elif bk == 64:
+            q4_rows_64(q, scales, f16_lut, n0, nr, wb)
+        else:
+            q4_rows_128(q, scales, f16_lut, n0, nr, wb)
+    elif wkind == W_INT8:
+        q8_rows(nb.carray(i8_at(qa), (N, K)), nb.carray(u16_at(sa), (N, K // bk)), bk, f16_lut, n0, nr, wb)
+    elif wkind == W_FP8:
+        f8_rows(nb.carray(u8_at(qa), (N, K)), nb.carray(f32_at(sa), ((N + bn - 1) // bn, (K + bk - 1) // bk)),
+                bn, bk, table[:256], n0, nr, wb)
+    else:
+        mx4_rows(nb.carray(u8_at(qa), (N, K // 2)), nb.carray(u8_at(sa), (N, K // 32)), table[16:], table[:16],
+                 n0, nr, wb)
+
+
+@nb.njit(**JIT)
 def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
     # job `job`'s JOB_U16 / JOB_F32 descriptor (see crew_g) onto the board
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
@@ -77,6 +127,60 @@ def clamped(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
             g = min(h[i, n] + gb[n], limit)
             v = min(max(u[i, n] + ub[n], -limit), limit)
             h[i, n] = (v + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
+
+
+@nb.njit(**JIT)
+def expert_job(job_d, n_ints):
+    # an expert job's arrays from its descriptor (describe_moe_q4, describe_moe_tok): x_all
+    # [T_all, D], rows [R], starts [E + 1], addrs [E, N_ADDRS], ctl, work, wts [T_all * A],
+    # ys [T_all * A, D]
+    T_all, D, R, E, A = job_d[2], job_d[3], job_d[5], job_d[6], job_d[10]
+    rows, starts, addrs, ctl = moe_q4_ints(nb.carray(i64_at(job_d[4]), (n_ints,)), R, E)
+    return (nb.carray(f32_at(job_d[1]), (T_all, D)), rows, starts, addrs, ctl, nb.carray(f32_at(job_d[7]), (job_d[8],)),
+            nb.carray(f32_at(job_d[11]), (T_all * A,)), nb.carray(f32_at(job_d[12]), (T_all * A, D)))
+
+
+@nb.njit(**JIT)
+def check_expert_job(rows, starts, ys, shapes_ok):
+    # what an expert job's kernel checks before it trusts the job
+    E, R = starts.shape[0] - 1, rows.shape[0]
+    if not shapes_ok or starts[0] != 0 or starts[E] != R:
+        raise ValueError("experts: weight, activation and output shapes do not match")
+    for e in range(E):
+        if starts[e + 1] < starts[e]:
+            raise ValueError("experts: rows out of order")
+    for i in range(R):
+        if rows[i] < 0 or rows[i] >= ys.shape[0]:
+            raise ValueError("experts: a row outside the step")
+
+
+@nb.njit(inline="always", **JIT)  # inlined: as a call, decode's int4 job ran ~10 % slower (measured)
+def activate(act, h, u, params, gb, ub, I, i_lo, i_hi, n_lo, n_hi):
+    # an expert unit's activation on rows i_lo .. i_hi, columns n_lo .. n_hi of h (gate x), u
+    # (up x), into h: silu(h) * u (ACT_SILU), or gpt-oss's (ACT_CLAMPED: biases at gb, ub)
+    if act == ACT_SILU:
+        for i in range(i_lo, i_hi):
+            for n in range(n_lo, n_hi):
+                h[i, n] = silu(h[i, n]) * u[i, n]
+    else:
+        clamped(h, u, nb.carray(f32_at(gb), (I,)), nb.carray(f32_at(ub), (I,)), params[0], params[1],
+                i_lo, i_hi, n_lo, n_hi)
+
+
+@nb.njit(inline="always", **JIT)
+def weigh(out, db, rows, wts, ys, i_lo, i_hi, d_lo, d_hi):
+    # an expert unit's down rows d_lo .. d_hi into ys: ys[rows[i]] = wts[rows[i]] * (out[i] + the
+    # down bias at db, if any) for i_lo <= i < i_hi
+    D = out.shape[1]
+    if db != 0:
+        b = nb.carray(f32_at(db), (D,))
+        for i in range(i_lo, i_hi):
+            for d in range(d_lo, d_hi):
+                out[i, d] += b[d]
+    for i in range(i_lo, i_hi):
+        w = wts[rows[i]]
+        for d in range(d_lo, d_hi):
+            ys[rows[i], d] = out[i, d] * w
 
 
 def _make_crew(g: int):
@@ -101,6 +205,16 @@ def _make_crew(g: int):
         #   (ACT_SILU) or min(g, l) * sigmoid(alpha min(g, l)) * (clip(u, -l, l) + 1)
         #   (ACT_CLAMPED, params alpha, l); work >= R * (2 D + D/g + 3 I + I/g) scratch; ctl
         #   zeros, the job's counters.
+        # - JOB_MOE_TOK: experts of any kind (W_*) as the prompt path computes them: the same
+        #   fields as JOB_MOE_Q4 (addrs[e]: each matrix's values, then its scales or 0), then
+        #   the weights' kind, a value table (N_TABLE f32: FP8's, or MXFP4's e2m1 and e8m0) and
+        #   the rows and columns one scale covers in gate/up and in down. Units: each expert's
+        #   rows gathered; its gate and up rows MOE_IN_ROWS at a time, widened to float32
+        #   ROW_BLOCK rows at a time (widen_rows: exact) and tiled with the expert's tokens
+        #   (bf16 for up to four tokens and f32 tiled as they are), then the activation; its
+        #   down rows MOE_OUT_ROWS at a time, the same way, then bias and weighting. The
+        #   result of a (token, row) is the kind's prompt-token kernel's (qlinear), whatever
+        #   else is in the job; work >= R * (2 D + 2 I).
         # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
         #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
         #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
@@ -134,22 +248,11 @@ def _make_crew(g: int):
                 atomic_add(board, 0, 1)  # published: helpers may start on it
             job_d = board[BOARD_HEAD + j * JOB_LEN : BOARD_HEAD + (j + 1) * JOB_LEN]  # its descriptor
             if job_d[0] == JOB_MOE_Q4:
-                T_all, D, R, E, n_work, I, A = job_d[2], job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
+                D, R, E, n_work, I, A = job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
                 act, params = job_d[13], nb.carray(f32_at(job_d[14]), (2,))
-                x_all = nb.carray(f32_at(job_d[1]), (T_all, D))
                 n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
-                rows, starts, addrs, ctl = moe_q4_ints(nb.carray(i64_at(job_d[4]), (n_ints,)), R, E)
-                work = nb.carray(f32_at(job_d[7]), (n_work,))
-                wts = nb.carray(f32_at(job_d[11]), (T_all * A,))
-                ys = nb.carray(f32_at(job_d[12]), (T_all * A, D))
-                if starts[0] != 0 or starts[E] != R or I % g or D % g or f16_lut.shape[0] != 65536 or n_work < n_need:
-                    raise ValueError("int4 experts: weight, activation and output shapes do not match")
-                for e in range(E):
-                    if starts[e + 1] < starts[e]:
-                        raise ValueError("int4 experts: rows out of order")
-                for i in range(R):
-                    if rows[i] < 0 or rows[i] >= ys.shape[0]:
-                        raise ValueError("int4 experts: a row outside the step")
+                x_all, rows, starts, addrs, ctl, work, wts, ys = expert_job(job_d, n_ints)
+                check_expert_job(rows, starts, ys, I % g == 0 and D % g == 0 and f16_lut.shape[0] == 65536 and n_work >= n_need)
                 # work, carved as moe_q4_sizes counts it
                 xe, o = carve(work, 0, R, D // 2)
                 xd, o = carve(work, o, R, D // 2)
@@ -183,13 +286,7 @@ def _make_crew(g: int):
                         uq, us = nb.carray(u8_at(addrs[e, 2]), (I, D // 2)), nb.carray(u16_at(addrs[e, 3]), (I, D // g))
                         q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, starts[e], starts[e + 1], n_lo, n_hi)
                         q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, starts[e], starts[e + 1], n_lo, n_hi)
-                        if act == ACT_SILU:
-                            for i in range(starts[e], starts[e + 1]):
-                                for n in range(n_lo, n_hi):
-                                    h[i, n] = silu(h[i, n]) * u[i, n]
-                        else:
-                            clamped(h, u, nb.carray(f32_at(addrs[e, 6]), (I,)), nb.carray(f32_at(addrs[e, 7]), (I,)),
-                                    params[0], params[1], starts[e], starts[e + 1], n_lo, n_hi)
+                        activate(act, h, u, params, addrs[e, 6], addrs[e, 7], I, starts[e], starts[e + 1], n_lo, n_hi)
                         atomic_add(ctl, 2 + E + e, 1)
                     elif k < u_out:
                         e = k - u_h
@@ -205,15 +302,75 @@ def _make_crew(g: int):
                         d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
                         dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, I // 2)), nb.carray(u16_at(addrs[e, 5]), (D, I // g))
                         q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, starts[e], starts[e + 1], d_lo, d_hi)
-                        if addrs[e, 8] != 0:  # the down bias
-                            db = nb.carray(f32_at(addrs[e, 8]), (D,))
-                            for i in range(starts[e], starts[e + 1]):
-                                for d in range(d_lo, d_hi):
-                                    out[i, d] += db[d]
-                        for i in range(starts[e], starts[e + 1]):
-                            w = wts[rows[i]]
-                            for d in range(d_lo, d_hi):
-                                ys[rows[i], d] = out[i, d] * w
+                        weigh(out, addrs[e, 8], rows, wts, ys, starts[e], starts[e + 1], d_lo, d_hi)
+                    atomic_add(ctl, 1, 1)
+                    if serve:
+                        atomic_add(board, 3, 1)
+                while atomic_load(ctl, 1) < total:  # the units the other threads are still on
+                    pass
+            elif job_d[0] == JOB_MOE_TOK:
+                D, R, E, n_work, I, A = job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
+                act, params = job_d[13], nb.carray(f32_at(job_d[14]), (2,))
+                wkind, table = job_d[15], nb.carray(f32_at(job_d[16]), (N_TABLE,))
+                bn, bk, bn_d, bk_d = job_d[17], job_d[18], job_d[19], job_d[20]
+                n_ints, n_need = moe_tok_sizes(R, E, D, I)
+                x_all, rows, starts, addrs, ctl, work, wts, ys = expert_job(job_d, n_ints)
+                check_expert_job(rows, starts, ys, f16_lut.shape[0] == 65536 and n_work >= n_need)
+                xg, o = carve(work, 0, R, D)  # each expert's tokens, gathered
+                h, o = carve(work, o, R, I)
+                u, o = carve(work, o, R, I)
+                out, o = carve(work, o, R, D)
+                n_in, n_out = (I + MOE_IN_ROWS - 1) // MOE_IN_ROWS, (D + MOE_OUT_ROWS - 1) // MOE_OUT_ROWS
+                # units: [0, E) gather; then E * n_in gate/up; then E * n_out down. ctl[0]: next unit;
+                # ctl[1]: units done; ctl[2 + e]: e's gather; ctl[2 + E + e]: its gate/up units done
+                u_in, u_out = E, E + E * n_in
+                total = u_out + E * n_out
+                wb_in, wb_out = np.empty((ROW_BLOCK, D), np.float32), np.empty((ROW_BLOCK, I), np.float32)  # this thread's widened rows
+                while True:
+                    k = atomic_add(ctl, 0, 1)
+                    if k >= total:
+                        break
+                    if k < u_in:
+                        for i in range(starts[k], starts[k + 1]):
+                            xg[i] = x_all[rows[i] // A]
+                        atomic_add(ctl, 2 + k, 1)
+                    elif k < u_out:
+                        e, c = (k - u_in) // n_in, (k - u_in) % n_in
+                        while atomic_load(ctl, 2 + e) == 0:
+                            pass
+                        lo, hi = starts[e], starts[e + 1]
+                        n_lo, n_hi = c * MOE_IN_ROWS, min(I, (c + 1) * MOE_IN_ROWS)
+                        for m in range(2):  # gate into h, up into u
+                            qa, sa, dst = addrs[e, 2 * m], addrs[e, 2 * m + 1], h if m == 0 else u
+                            if wkind == W_F32:
+                                tiles(xg[lo:hi], nb.carray(f32_at(qa), (I, D)), n_lo, n_hi, dst[lo:hi], 0)
+                                continue
+                            if wkind == W_BF16 and hi - lo <= 4:  # a few tokens: widened in registers
+                                tiles(xg[lo:hi], nb.carray(u16_at(qa), (I, D)), n_lo, n_hi, dst[lo:hi], 0)
+                                continue
+                            for n0 in range(n_lo, n_hi, ROW_BLOCK):
+                                nr = min(ROW_BLOCK, n_hi - n0)
+                                widen_rows(wkind, qa, sa, I, D, bn, bk, table, f16_lut, n0, nr, wb_in)
+                                tiles(xg[lo:hi], wb_in, 0, nr, dst[lo:hi], n0)
+                        activate(act, h, u, params, addrs[e, 6], addrs[e, 7], I, lo, hi, n_lo, n_hi)
+                        atomic_add(ctl, 2 + E + e, 1)
+                    else:
+                        e, c = (k - u_out) // n_out, (k - u_out) % n_out
+                        while atomic_load(ctl, 2 + E + e) < n_in:
+                            pass
+                        lo, hi = starts[e], starts[e + 1]
+                        d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
+                        qa, sa = addrs[e, 4], addrs[e, 5]
+                        if wkind == W_F32:
+                            tiles(h[lo:hi], nb.carray(f32_at(qa), (D, I)), d_lo, d_hi, out[lo:hi], 0)
+                        elif wkind == W_BF16 and hi - lo <= 4:
+                            tiles(h[lo:hi], nb.carray(u16_at(qa), (D, I)), d_lo, d_hi, out[lo:hi], 0)
+                        else:
+                            for n0 in range(d_lo, d_hi, ROW_BLOCK):
+                                nr = min(ROW_BLOCK, d_hi - n0)
+                                widen_rows(wkind, qa, sa, D, I, bn_d, bk_d, table, f16_lut, n0, nr, wb_out)
+                                tiles(h[lo:hi], wb_out, 0, nr, out[lo:hi], n0)
+                        weigh(out, addrs[e, 8], rows, wts, ys, lo, hi, d_lo, d_hi)
                     atomic_add(ctl, 1, 1)
                     if serve:
                         atomic_add(board, 3, 1)
@@ -351,21 +508,53 @@ class Crew:
         rows_, starts_, addrs, _ = moe_q4_ints(ints, R, E)  # views of ints
         rows_[:], starts_[:] = rows, starts
         addrs[:, :6] = np.array([a for e in experts for w in e[:3] for a in w.addresses], np.int64).reshape(E, 6)
-        biases = []
-        if act:  # the biases in float32, kept alive with the job
-            for k, e in enumerate(experts):
-                for j, (b, n) in enumerate(zip(e[3:], (I, I, D))):
-                    b = np.ascontiguousarray(bf16_to_f32(b) if b.dtype == np.uint16 else b, dtype=np.float32)
-                    if b.shape != (n,):
-                        raise ValueError("int4 experts: a bias does not match its matrix")
-                    biases.append(b)
-                    addrs[k, 6 + j] = b.ctypes.data
+        biases = _biases(experts, I, D, addrs) if act else []
         params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
             self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
         self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys,
                                     ACT_CLAMPED if act else ACT_SILU, params),
                   (x, ints, self.work, wts, ys, experts, biases, params))
+
+    def experts_tok(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
+                    experts: list, ys: np.ndarray, act: tuple | None = None) -> None:
+        # experts of one shape and kind (tok_kind), for some rows of a step, as the prompt path
+        # computes them (rows widened to float32, tiles with the expert's tokens): ys[r] = wts[r]
+        # * expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; arguments as experts'
+        gate, up, down = experts[0][:3]
+        I, D = gate.shape
+        wkind = tok_kind(gate, up, down)
+        sig = _signature(gate)
+        bad = (wkind is None or gate.shape != up.shape or down.shape != (D, I) or x.shape[1] != D
+               or x.dtype != np.float32 or ys.dtype != np.float32 or wts.dtype != np.float32
+               or ys.shape != (x.shape[0] * A, D) or wts.shape != (x.shape[0] * A,)
+               or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)
+               or any(len(e) != (6 if act else 3) for e in experts))
+        if bad or any((_signature(gt), _signature(u), _signature(dn)) != (sig, sig, _signature(down))
+                      for gt, u, dn, *_ in experts):
+            raise ValueError("experts: the weight, activation and output shapes do not match")
+        E, R = len(experts), len(rows)
+        n_ints, n_work = moe_tok_sizes(R, E, D, I)
+        ints = np.zeros(n_ints, np.int64)
+        rows_, starts_, addrs, _ = moe_q4_ints(ints, R, E)
+        rows_[:], starts_[:] = rows, starts
+        addrs[:, :6] = np.array([a for e in experts for w in e[:3] for a in _addresses(w)], np.int64).reshape(E, 6)
+        biases = _biases(experts, I, D, addrs) if act else []
+        params = np.array(act or (0.0, 0.0), np.float32)
+        table = np.zeros(N_TABLE, np.float32)
+        blocks = (1, 1, 1, 1)
+        if isinstance(gate, QuantWeight):
+            blocks = (gate.row_block, gate.group_size, down.row_block, down.group_size)
+            if wkind == W_FP8:
+                table[:256] = FP8_VALUES[gate.kind]
+            elif wkind == W_MXFP4:
+                table[:16], table[16:] = E2M1_VALUES, E8M0_VALUES
+        if self.work.size < n_work:
+            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
+        work = self.work[:n_work]
+        self._run(describe_moe_tok, (x, ints, R, E, work, I, A, wts, ys, ACT_CLAMPED if act else ACT_SILU, params,
+                                     wkind, blocks, table),
+                  (x, ints, self.work, wts, ys, experts, biases, params, table))
 
     def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         # out [T, N] = x [T, D] f32 @ w [N, D].T, w in storage precision (f32, f16, bf16 as
@@ -383,6 +572,47 @@ class Crew:
         # the helpers leave (and are called back by the next job, if any: `close` also parks
         # them while other threads need the CPUs)
         self.board[1] = 1
+
+
+def tok_kind(gate, up, down) -> int | None:
+    """The JOB_MOE_TOK weight kind of an expert's three matrices, None when the job cannot
+    take them (kinds that differ, a layout it does not know)."""
+    kinds = set()
+    for w in (gate, up, down):
+        if isinstance(w, QuantWeight) and w.q.flags.c_contiguous and w.scales.flags.c_contiguous:
+            kinds.add(TOK_KINDS.get(w.kind, -1))
+        elif isinstance(w, np.ndarray) and w.ndim == 2 and w.flags.c_contiguous:
+            kinds.add({np.dtype(np.uint16): W_BF16, np.dtype(np.float16): W_F16, np.dtype(np.float32): W_F32}.get(w.dtype, -1))
+        else:
+            return None
+    if len(kinds) != 1 or -1 in kinds:
+        return None
+    return kinds.pop()
+
+
+def _signature(w) -> tuple:
+    # what must be the same for every expert of a job (the kernel trusts the shapes)
+    if isinstance(w, QuantWeight):
+        return w.layout + (w.row_block,)
+    return w.dtype, w.shape
+
+
+def _addresses(w) -> tuple[int, int]:
+    return w.addresses if isinstance(w, QuantWeight) else (w.ctypes.data, 0)
+
+
+def _biases(experts: list, I: int, D: int, addrs: np.ndarray) -> list:
+    # each expert's gate, up and down biases (e[3:]) in float32, their addresses into addrs[:, 6:9];
+    # the arrays, to keep alive with the job
+    biases = []
+    for k, e in enumerate(experts):
+        for j, (b, n) in enumerate(zip(e[3:], (I, I, D))):
+            b = np.ascontiguousarray(bf16_to_f32(b) if b.dtype == np.uint16 else b, dtype=np.float32)
+            if b.shape != (n,):
+                raise ValueError("experts: a bias does not match its matrix")
+            biases.append(b)
+            addrs[k, 6 + j] = b.ctypes.data
+    return biases
 
 
 _SESSION = threading.local()  # .crew: the crew of the forward step this thread is in

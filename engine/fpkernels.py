@@ -23,7 +23,7 @@ FP8_FORMATS = {"fp8_e4m3": F8_E4M3, "fp8_e5m2": F8_E5M2}  # QuantWeight kind -> 
 
 
 @nb.njit(**JIT)
-def _f8_rows(q, scales, bn, bk, values, n0, nr, wb):
+def f8_rows(q, scales, bn, bk, values, n0, nr, wb):
     # wb[:nr] = the float32 values of rows n0 .. n0 + nr of an FP8 matrix
     K = q.shape[1]
     for r in range(nr):
@@ -33,7 +33,7 @@ def _f8_rows(q, scales, bn, bk, values, n0, nr, wb):
 
 
 @nb.njit(**JIT)
-def _mx4_rows(q, scales, e8m0, values, n0, nr, wb):
+def mx4_rows(q, scales, e8m0, values, n0, nr, wb):
     # wb[:nr] = the float32 values of rows n0 .. n0 + nr of an MXFP4 matrix
     half = q.shape[1]
     for r in range(nr):
@@ -73,7 +73,7 @@ def _make_f8(fmt: int):
         wb = np.empty((ROW_BLOCK, K), np.float32)
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
-            _f8_rows(q, scales, bn, bk, values, n0, nr, wb)
+            f8_rows(q, scales, bn, bk, values, n0, nr, wb)
             tiles(x, wb, 0, nr, out, n0)
 
     return linear_f8, linear_f8_tok
@@ -111,5 +111,5 @@ def linear_mx4_tok(x, q, scales, e8m0, values, out):
     wb = np.empty((ROW_BLOCK, K), np.float32)
     for n0 in range(0, N, ROW_BLOCK):
         nr = min(ROW_BLOCK, N - n0)
-        _mx4_rows(q, scales, e8m0, values, n0, nr, wb)
+        mx4_rows(q, scales, e8m0, values, n0, nr, wb)
         tiles(x, wb, 0, nr, out, n0)

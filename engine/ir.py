@@ -248,7 +248,7 @@ def _pointer_from(dtype):
     return pointer
 
 
-u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.uint8, types.uint16, types.int64, types.float32))
+i8_at, u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.int8, types.uint8, types.uint16, types.int64, types.float32))
 
 
 # ---- float-format weights: FP8 (e4m3, e5m2) and MXFP4 (e2m1), decoded in registers ----------

@@ -68,18 +68,25 @@ def matmul_u16_rows(x, w, is_bf16, f16_lut, out, r_lo, r_hi):
     if is_bf16 and T <= 4:  # a few tokens: the tile widens bf16 in registers (a copy would be read few times)
         tiles(x, w, r_lo, r_hi, out, 0)
         return
-    bits = np.empty((ROW_BLOCK, D), np.uint32)  # one buffer per call, not per row
-    wb = bits.view(np.float32)  # [ROW_BLOCK, D] widened rows
+    wb = np.empty((ROW_BLOCK, D), np.float32)  # [ROW_BLOCK, D] widened rows: one buffer per call, not per row
     for n0 in range(r_lo, r_hi, ROW_BLOCK):
         nr = min(ROW_BLOCK, r_hi - n0)
-        for r in range(nr):
-            if is_bf16:
-                for d in range(D):
-                    bits[r, d] = np.uint32(w[n0 + r, d]) << 16
-            else:
-                for d in range(D):
-                    wb[r, d] = f16_lut[w[n0 + r, d]]
+        u16_rows(w, is_bf16, f16_lut, n0, nr, wb)
         tiles(x, wb, 0, nr, out, n0)
+
+
+@nb.njit(**JIT)
+def u16_rows(w, is_bf16, f16_lut, n0, nr, wb):
+    # wb[:nr] = rows n0 .. n0 + nr of w [N, D] (bf16 or f16 bits) as float32 (exact)
+    D = w.shape[1]
+    bits = wb.view(np.uint32)
+    for r in range(nr):
+        if is_bf16:
+            for d in range(D):
+                bits[r, d] = np.uint32(w[n0 + r, d]) << 16
+        else:
+            for d in range(D):
+                wb[r, d] = f16_lut[w[n0 + r, d]]
 
 
 def _make_matmul_u16(parallel: bool):

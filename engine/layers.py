@@ -37,6 +37,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
         for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
                   QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
             linear(x, w)
+        qlinear(x, QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2), prompt=True)
 
     def experts(g):
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
@@ -93,6 +94,8 @@ def qlinear(x: np.ndarray, w: QuantWeight, prompt: bool = False) -> np.ndarray:
             fpkernels.linear_mx4_tok(x, w.q, w.scales, fpkernels.E8M0_VALUES, fpkernels.E2M1_VALUES, y)
         else:
             fpkernels.linear_mx4(x, w.q, w.scales, fpkernels.E8M0_VALUES, y)
+    elif w.kind == "int8" and prompt:
+        qkernels.linear_q8_tok(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), y)
     elif w.kind == "int8":
         qkernels.matmul_q8(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), y)
     elif prompt:
@@ -396,9 +399,11 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         ffn=None, clamped: tuple | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]. ffn(x [n, D],
     # expert weights) -> [n, D]: a family's own expert (biases, another activation); None:
-    # SwiGLU of (gate, up, down), which the crew's int4 kernels also compute. clamped: (alpha,
-    # limit) when ffn is gpt-oss's biased, clamped SwiGLU, which the crew computes too
-    # (crew.ACT_CLAMPED) for int4 experts on the decode path
+    # SwiGLU of (gate, up, down), which the crew's jobs also compute. clamped: (alpha, limit)
+    # when ffn is gpt-oss's biased, clamped SwiGLU, which the crew computes too
+    # (crew.ACT_CLAMPED). A layer step's experts are one or two crew jobs over (expert, row
+    # block) units, no Python per expert: the int4 decode rows, and the prompt rows of every
+    # kind with the rows of float experts; only what the jobs cannot take runs expert by expert
     t0 = time.perf_counter()
     T, A = ids.shape
     # rows of a prompt (a sequence with several tokens in this step) take the int4 kernels'
@@ -410,11 +415,13 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     any_prompt, all_prompt = any(sg.n > 1 for sg in segments), all(sg.n > 1 for sg in segments)
     g = experts.int4_group
     session = crew.session()  # the forward step's crew, else one for this call
+    # int4 decode rows: a crew of their group size; the prompt-path job: any crew
     team = session if session is not None and session.g == g else crew.Crew(g, share=True) if g and not all_prompt else None
+    tok_team = session if session is not None else team if team is not None else crew.Crew(64, share=True)
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
-    w_flat = np.ascontiguousarray(weights).reshape(T * A)
+    w_flat = np.ascontiguousarray(weights, dtype=np.float32).reshape(T * A)
     # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most
     # once; union[k]'s rows are order[bounds[k]:bounds[k + 1]]
     flat = ids.reshape(T * A)
@@ -426,24 +433,20 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
     union = by_expert[bounds[:-1]].tolist()  # each expert of the step once
     index = {ie: k for k, ie in enumerate(union)}
+    crew_ffn = ffn is None or clamped is not None  # the crew's jobs compute this expert
 
-    def rows_of(ie):
-        k = index[ie]
-        return order[bounds[k] : bounds[k + 1]]
-
-    def expert(item):  # an expert the crew does not take, on its own
-        ie, ew = item
-        rows = rows_of(ie)
+    def expert(part):  # rows of an expert the crew does not take, on their own
+        r, ew, prompt = part
         if ffn is not None:
-            ys[rows] = ffn(x[rows // A], ew) * w_flat[rows][:, None]
-            return
-        gate, up, down = ew
-        p = prompt_rows[rows // A]
-        # quantized experts have a prompt and a decode path: each row takes its sequence's
-        parts = [(rows[p], True), (rows[~p], False)] if isinstance(gate, QuantWeight) else [(rows, False)]
-        for r, prompt in parts:
-            if len(r):
-                ys[r] = swiglu(x[r // A], gate, up, down, prompt) * w_flat[r][:, None]
+            ys[r] = ffn(x[r // A], ew) * w_flat[r][:, None]
+        else:
+            ys[r] = swiglu(x[r // A], *ew, prompt) * w_flat[r][:, None]
+
+    def run(job, parts):  # one crew job over (rows, expert weights) parts of one kind and shape
+        rows = np.concatenate([r for r, _ in parts])
+        starts = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(r) for r, _ in parts], out=starts[1:])
+        job(x, rows, starts, A, w_flat, [ew for _, ew in parts], ys, clamped)
 
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
         routed = sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
@@ -451,34 +454,43 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         routed = len(union)
     try:
         for batch in experts.stream(il, union):  # in any order
-            # int4 experts whose rows are all decode rows: one job for the crew; the rest one by
-            # one, side by side
-            mine, rest = [], []
-            for item in batch:
-                ie, ew = item
-                crew_takes = (ffn is None or clamped is not None) and team is not None and is_int4(*ew[:3]) \
-                    and ew[0].group_size == g
-                (mine if crew_takes and not (any_prompt and prompt_rows[rows_of(ie) // A].any()) else rest).append(item)
-            if mine:
-                if len(mine) == len(union):  # the whole step at once (all resident): rows as sorted
-                    mine.sort(key=lambda item: index[item[0]])
-                    rows, starts = order, bounds
-                else:
-                    rs = [rows_of(ie) for ie, _ in mine]
-                    rows, starts = np.concatenate(rs), np.zeros(len(rs) + 1, np.int64)
-                    np.cumsum([len(r) for r in rs], out=starts[1:])
-                team.experts(x, rows, starts, A, w_flat.astype(np.float32, copy=False), [w for _, w in mine], ys, clamped)
+            # each expert's rows by path: a quantized expert's prompt rows (rows of a sequence
+            # with several tokens in this step) take the prompt path, its other rows the decode
+            # path; float experts have one path. int4 decode rows: the crew's int4 job; prompt
+            # rows and float experts: its prompt-path job (one per kind and shape); the rest one
+            # expert at a time, side by side
+            q4, tok, rest = [], {}, []
+            for ie, ew in batch:
+                k = index[ie]
+                r = order[bounds[k] : bounds[k + 1]]
+                quant = isinstance(ew[0], QuantWeight)
+                kind = crew.tok_kind(*ew[:3]) if crew_ffn else None
+                q4_ok = crew_ffn and team is not None and is_int4(*ew[:3]) and ew[0].group_size == g
+                p = prompt_rows[r // A] if quant and any_prompt else np.zeros(len(r), bool) if quant else None
+                for sub, prompt in ((r, False),) if p is None else ((r[p], True), (r[~p], False)):
+                    if not len(sub):
+                        continue
+                    if (prompt or not quant) and kind is not None:
+                        tok.setdefault((kind, crew._signature(ew[0])), []).append((sub, ew))
+                    elif not prompt and q4_ok:
+                        q4.append((sub, ew))
+                    else:
+                        rest.append((sub, ew, prompt))
+            if q4:
+                run(team.experts, q4)
+            for parts in tok.values():
+                run(tok_team.experts_tok, parts)
             if not crew.threads_set() or len(rest) <= 1:
-                for item in rest:
-                    expert(item)
+                for part in rest:
+                    expert(part)
             else:  # the kernels release the GIL: the experts run side by side, the crews parked meanwhile
-                for c in (team, session):  # (their helpers would spin on the CPUs the pool's threads need)
+                for c in (team, tok_team, session):  # (their helpers would spin on the CPUs the pool's threads need)
                     if c is not None:
                         c.close()
                 crew.run_shared(rest, expert)
     finally:
-        if team is not None and team is not session:
-            team.close()
+        for c in {id(c): c for c in (team, tok_team) if c is not None and c is not session}.values():
+            c.close()
     out = np.empty_like(x)
     kernels.sum_slots(ys, A, out)  # slot by slot, a fixed order: the same sum whatever order the experts came in
     experts.layer_done(il, routed, time.perf_counter() - t0)

@@ -61,6 +61,37 @@ def q4_split(x, g, xe, xd, xsum8):
         q4_split_row(x, t, g, xe, xd, xsum8, t)
 
 
+@nb.njit(**JIT)
+def q8_rows(q, scales, g, f16_lut, n0, nr, wb):
+    # wb[:nr] = rows n0 .. n0 + nr of an int8 matrix (q [N, D] int8, scales [N, D/g] f16 bits)
+    # as float32: v * scale, exact
+    D = q.shape[1]
+    for r in range(nr):
+        for j in range(D):  # widened first, then scaled: two loops LLVM vectorises (one does not)
+            wb[r, j] = np.float32(q[n0 + r, j])
+        for gi in range(D // g):
+            s = f16_lut[scales[n0 + r, gi]]
+            for j in range(gi * g, gi * g + g):
+                wb[r, j] *= s
+
+
+@nb.njit(**JIT)
+def linear_q8_tok(x, q, scales, g, f16_lut, out):
+    # the prompt-token path of int8: x [T, D] f32, q [N, D] int8, scales [N, D/g]
+    # f16 bits, out [T, N] = x @ dequant(q).T: ROW_BLOCK rows dequantized (exact), then tiled
+    # with every token, as the crew's prompt-path expert job computes them
+    T, D = x.shape
+    N = q.shape[0]
+    if q.shape[1] != D or g < 1 or D % g or scales.shape[0] != N or scales.shape[1] * g != D or out.shape[0] != T \
+            or out.shape[1] != N:
+        raise ValueError("int8 kernel: weight, activation and output shapes do not match")
+    wb = np.empty((ROW_BLOCK, D), np.float32)
+    for n0 in range(0, N, ROW_BLOCK):
+        nr = min(ROW_BLOCK, N - n0)
+        q8_rows(q, scales, g, f16_lut, n0, nr, wb)
+        tiles(x, wb, 0, nr, out, n0)
+
+
 def _make_q4(g: int):
     # the int4 kernels of one group size (decode and prompt-token linear): the group's
     # length must be a constant (LLVM vectorises the prompt path's group loop only then; the decode path's vector code is
@@ -100,20 +131,33 @@ def _make_q4(g: int):
         wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
-            for r in range(nr):
-                for gi in range(D // g):
-                    s = f16_lut[scales[n0 + r, gi]]
-                    for j in range(gi * half, gi * half + half):
-                        b = np.float32(q[n0 + r, j])
-                        hi = np.floor(b * np.float32(0.0625))
-                        wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
-                        wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
+            if g == 32:  # (the module's kernels, not the closure below: see above)
+                q4_rows_32(q, scales, f16_lut, n0, nr, wb)
+            elif g == 64:
+                q4_rows_64(q, scales, f16_lut, n0, nr, wb)
+            else:
+                q4_rows_128(q, scales, f16_lut, n0, nr, wb)
             tiles(x, wb, 0, nr, out, n0)
 
-    return linear_q4_g, linear_q4_tok_g
+    @nb.njit(**JIT)
+    def q4_rows_g(q, scales, f16_lut, n0, nr, wb):
+        # wb[:nr] = rows n0 .. n0 + nr of q [N, D/2] (scales [N, D/g] f16 bits) as float32:
+        # (v - 8) * scale, exact (the high nibble by floor(b / 16) in float arithmetic, which
+        # LLVM vectorises over the group's constant length)
+        for r in range(nr):
+            for gi in range(q.shape[1] // half):
+                s = f16_lut[scales[n0 + r, gi]]
+                for j in range(gi * half, gi * half + half):
+                    b = np.float32(q[n0 + r, j])
+                    hi = np.floor(b * np.float32(0.0625))
+                    wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
+                    wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
+
+    return linear_q4_g, linear_q4_tok_g, q4_rows_g
 
 
 # group size -> kernel (storage/quant.py INT4_GROUPS); _TOK: the prompt-token path
-LINEAR_Q4, LINEAR_Q4_TOK = {}, {}
+LINEAR_Q4, LINEAR_Q4_TOK, Q4_ROWS = {}, {}, {}
 for _g in (32, 64, 128):
-    LINEAR_Q4[_g], LINEAR_Q4_TOK[_g] = _make_q4(_g)
+    LINEAR_Q4[_g], LINEAR_Q4_TOK[_g], Q4_ROWS[_g] = _make_q4(_g)
+q4_rows_32, q4_rows_64, q4_rows_128 = Q4_ROWS[32], Q4_ROWS[64], Q4_ROWS[128]  # for the crew's widen_rows

@@ -111,8 +111,10 @@ def test_generate_matches_run_in_process(daemon, demo):
     _, sock, _ = daemon
     r = ctl(sock, "generate", "--json", "--max-tokens", 20, stdin="The daemon and the process agree")
     assert r.returncode == 0, r.stderr
+    # the process on one thread, the daemon on every CPU: the same tokens
     ref = subprocess.run([sys.executable, "-m", "colibri.ctl", "run", "--model", str(demo), "--json", "--max-tokens",
-                          "20", "The daemon and the process agree"], capture_output=True, text=True, timeout=120)
+                          "20", "--threads", "1", "The daemon and the process agree"], capture_output=True, text=True,
+                         timeout=120)
     assert json.loads(r.stdout)["token_ids"] == json.loads(ref.stdout)["token_ids"]
     text = ctl(sock, "generate", "--max-tokens", 20, "The daemon and the process agree")
     assert text.stdout == json.loads(ref.stdout)["text"] + "\n"

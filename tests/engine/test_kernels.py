@@ -298,7 +298,8 @@ def test_experts_of_a_batch_use_every_compute_thread():
 def test_kernels_loaded_from_the_cache_compute_what_fresh_ones_do(tmp_path):
     """numba compiles a kernel in the first process and later ones load it from its disk
     cache: both must give the same bits (the daemon and `colictl run` must agree), for every
-    int4 group size and both int4 paths."""
+    int4 group size and both int4 paths; and the later one compiles nothing (a kernel numba
+    cannot cache, e.g. a closure calling another closure, costs every process its compile)."""
     import subprocess
     import sys
 
@@ -315,11 +316,14 @@ for g in (32, 64, 128):
         h.update(layers.swiglu(x, *w, prompt=prompt).tobytes())
 print(h.hexdigest())
 """
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_DEBUG_CACHE": "1"}
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
-    assert runs[0].stdout == runs[1].stdout  # the first compiled, the second loaded
+    first, second = (r.stdout.splitlines() for r in runs)
+    assert first[-1] == second[-1]  # the first compiled, the second loaded
+    assert any("data saved" in line for line in first)
+    assert not [line for line in second if "data saved" in line]
 
 
 def int4_experts(n, D, I, g):
@@ -420,3 +424,81 @@ def test_crew_bad_jobs_and_a_full_board():
         crew.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
     with pytest.raises(ValueError, match="shapes do not match"):
         team.matmul(x, rand(5, D + 1), np.empty((1, 5), np.float32))
+
+
+def expert_mats(kind, n, D, I, **kw):
+    """n experts' (gate, up, down) of one kind: float (bf16 bits, f16, f32), int8/int4 by
+    quantize, FP8 codes (no NaN) with float32 block scales, MXFP4 nibbles with e8m0 scales."""
+    from colibri.storage.quant import QuantWeight, quantize
+
+    def one(N, K):
+        w = rand(N, K) * 0.1
+        if kind == "bf16":
+            return f32_to_bf16(w)
+        if kind in ("f16", "f32"):
+            return w.astype(kind.replace("f", "float"))
+        if kind in ("int8", "int4"):
+            return quantize(w, kind, kw["g"])
+        if kind.startswith("fp8"):
+            bn, bk = kw["block"] or (N, K)
+            q = rng.integers(0, 256, (N, K), dtype=np.uint8)
+            q[(q & 0x7F) >= 0x7C] = 0x38  # no NaN / inf code in either format
+            return QuantWeight(kind, q, rand(-(-N // bn), -(-K // bk)) * 0.01, bk, bn)
+        return QuantWeight("mxfp4", rng.integers(0, 256, (N, K // 2), dtype=np.uint8),
+                           rng.integers(118, 130, (N, K // 32), dtype=np.uint8), 32)
+
+    return [(one(I, D), one(I, D), one(D, I)) for _ in range(n)]
+
+
+TOK_CASES = [("bf16", 48, 40, {}), ("f16", 48, 40, {}), ("f32", 44, 18, {}), ("int8", 96, 64, dict(g=32)),
+             ("int4", 128, 64, dict(g=32)), ("int4", 128, 128, dict(g=64)), ("fp8_e4m3", 44, 18, dict(block=(5, 13))),
+             ("fp8_e5m2", 40, 24, dict(block=None)), ("mxfp4", 64, 32, {})]
+
+
+@pytest.mark.parametrize("kind,D,I,kw", TOK_CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in TOK_CASES])
+def test_prompt_path_job_gives_each_kinds_bits(kind, D, I, kw):
+    """The crew's prompt-path job (a step's experts as (expert, row block) units, on two
+    threads) gives every row the bits of the kind's prompt-token kernels run on that expert
+    alone, for experts with 0 to 7 rows (around the 2 x 4 tile), and the same bits whichever
+    other experts and rows share the job."""
+    layers.init(2)
+    try:
+        E, A, T = 6, 3, 9
+        experts = expert_mats(kind, E, D, I, **kw)
+        x, wts = rand(T, D), rand(T * A)
+        rows = rng.permutation(T * A)[: 0 + 1 + 2 + 3 + 5 + 7]
+        starts = np.array([0, 0, 1, 3, 6, 11, 18], np.int64)  # expert 0 takes no row
+        ys = np.zeros((T * A, D), np.float32)
+        team = crew.Crew(64, share=True)
+        try:
+            team.experts_tok(x, rows, starts, A, wts, experts, ys)
+            split = np.zeros_like(ys)  # the same rows in two jobs, the experts in another order
+            team.experts_tok(x, rows[3:], starts[3:] - 3, A, wts, experts[3:], split)
+            team.experts_tok(x, rows[:3], starts[:4], A, wts, experts[:3], split)
+        finally:
+            team.close()
+        for e in range(E):
+            r = rows[starts[e] : starts[e + 1]]
+            if len(r):
+                want = layers.swiglu(x[r // A], *experts[e], prompt=True) * wts[r][:, None]
+                np.testing.assert_array_equal(ys[r], want)
+        np.testing.assert_array_equal(split, ys)
+        untouched = np.setdiff1d(np.arange(T * A), rows)
+        assert not ys[untouched].any()
+    finally:
+        layers.init()
+
+
+def test_prompt_path_job_refuses_what_it_cannot_take():
+    layers.init()
+    D, I = 128, 64
+    bf16, int4 = expert_mats("bf16", 1, D, I), expert_mats("int4", 1, D, I, g=32)
+    x, wts, ys = rand(1, D), rand(2), np.zeros((2, D), np.float32)
+    team = crew.Crew(64, share=False)
+    assert crew.tok_kind(bf16[0][0], int4[0][1], bf16[0][2]) is None  # kinds that differ in one expert
+    with pytest.raises(ValueError, match="shapes do not match"):  # experts of two kinds in one job
+        team.experts_tok(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [bf16[0], int4[0]], ys)
+    with pytest.raises(ValueError, match="shapes do not match"):  # another expert shape
+        team.experts_tok(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [bf16[0], expert_mats("bf16", 1, D, 2 * I)[0]], ys)
+    with pytest.raises(ValueError, match="a row outside the step"):
+        team.experts_tok(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, bf16 * 2, ys)
