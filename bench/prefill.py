@@ -118,7 +118,8 @@ def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     """(weight bytes the step touched, multiply-adds it did): the dense part once plus each
     expert of the union once; per token the dense matrices (embeddings excluded: a lookup)
     and the experts it chose, the LM head once (a prompt step computes the last position's
-    logits only; attention over the prompt not counted)."""
+    logits only), and attention: each token's query against the keys up to it and the
+    weights against the values (T (T + 1) / 2 pairs, heads x head_dim each way)."""
     c = model.experts.c
     embed = model.glob["embed"].size
     dense_bytes = model.describe()["dense_bytes"] - model.glob["embed"].nbytes
@@ -129,6 +130,8 @@ def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     expert_params = 3 * model.args.hidden_size * model.args.moe_intermediate_size
     head = model.lm_head.size
     macs = n_tokens * (dense_params - head + model.n_expert_used * len(model.moe_layers) * expert_params) + head
+    a = model.args
+    macs += model.n_layer * n_tokens * (n_tokens + 1) // 2 * a.num_attention_heads * a.head_dim * 2
     return dense_bytes + st.experts * c.record_bytes, macs
 
 
