@@ -183,6 +183,63 @@ def q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_h
     return sig, codegen
 
 
+def _splat(v: float):
+    return ir.Constant(_V8, [v] * 8)
+
+
+def _vexp(builder, x):
+    # [8] float32: exp(x) lane by lane, Cephes' expf (a degree-6 polynomial after reducing by
+    # ln 2, within ~1 ulp); 0 below -87.34 (where exp is below the smallest normal). Plain
+    # multiplies and adds, no fused ones: the same bits on every CPU and in every lane
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
+    low = builder.fcmp_ordered("<", x, _splat(-87.33654))
+    x = builder.select(low, _splat(-87.33654), x)
+    x = builder.select(builder.fcmp_ordered(">", x, _splat(88.3)), _splat(88.3), x)
+    n = builder.call(floor, [builder.fadd(builder.fmul(x, _splat(1.44269504088896341)), _splat(0.5))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, _splat(0.693359375))), builder.fmul(n, _splat(-2.12194440e-4)))
+    p = _splat(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), _splat(c))
+    y = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _splat(1.0))
+    bits = builder.shl(builder.add(builder.fptosi(n, _V8I32), ir.Constant(_V8I32, [127] * 8)), ir.Constant(_V8I32, [23] * 8))
+    y = builder.fmul(y, builder.bitcast(bits, _V8))  # times 2 ** n
+    return builder.select(low, _splat(0.0), y)
+
+
+@intrinsic
+def exp_shifted(typingctx, a, r, lo, hi, m):
+    """a[r, j] = exp(a[r, j] - m) for lo <= j < hi (a 2-D float32 C-contiguous; the caller
+    checks the range): eight lanes at a time by _vexp, the last ones through the same vector
+    code one lane at a time, so an element's value does not depend on where it sits. numba's
+    np.exp calls the C library's expf one element at a time: a third of a long prompt's
+    attention."""
+    if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+            and all(isinstance(v, types.Integer) for v in (r, lo, hi)) and isinstance(m, types.Float)):
+        return None
+    sig = types.void(a, r, lo, hi, m)
+
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        r_v, lo_v, hi_v = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[1:4], sig.args[1:4]))
+        m_v = context.cast(builder, args[4], sig.args[4], types.float32)
+        row = _row(context, builder, sig.args[0], args[0], r_v)
+        msplat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), m_v, ir.Constant(i32, 0)),
+                                        ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        n = builder.sub(hi_v, lo_v)
+        full = builder.sdiv(n, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, full) as loop:
+            ptr = builder.bitcast(builder.gep(row, [builder.add(lo_v, builder.mul(loop.index, ir.Constant(i64, 8)))]),
+                                  _V8.as_pointer())
+            builder.store(_vexp(builder, builder.fsub(builder.load(ptr, align=4), msplat)), ptr, align=4)
+        with cgutils.for_range(builder, builder.sub(n, builder.mul(full, ir.Constant(i64, 8)))) as tail:
+            ptr = builder.gep(row, [builder.add(builder.add(lo_v, builder.mul(full, ir.Constant(i64, 8))), tail.index)])
+            one = builder.insert_element(msplat, builder.load(ptr), ir.Constant(i32, 0))  # lane 0 the element
+            builder.store(builder.extract_element(_vexp(builder, builder.fsub(one, msplat)), ir.Constant(i32, 0)), ptr)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _int64_slot(context, builder, sig, args):
     # pointer to a[i] of a 1-D int64 array (args[0], args[1])
     a = context.make_array(sig.args[0])(context, builder, args[0])

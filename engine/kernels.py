@@ -18,7 +18,7 @@ import functools
 import numba as nb
 import numpy as np
 
-from .ir import f32_tile
+from .ir import exp_shifted, f32_tile
 from .jit import JIT, JIT_FAST
 
 
@@ -194,10 +194,9 @@ def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores
             z = np.float32(0.0)
             if sinks.shape[0] > 0:
                 z += np.exp(sinks[h] - m)
+            exp_shifted(scores, r, lo, p + 1, m)
             for j in range(lo, p + 1):
-                e = np.exp(scores[r, j] - m)
-                scores[r, j] = e
-                z += e
+                z += scores[r, j]
             for d in range(hv):
                 out[t, h, d] = 0.0
             for j in range(lo, p + 1):
