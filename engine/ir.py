@@ -240,6 +240,50 @@ def exp_shifted(typingctx, a, r, lo, hi, m):
     return sig, codegen
 
 
+@intrinsic
+def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, nh, nv):
+    """out[h0 + i, d0 + d] = sum over lo <= j < hi, in order, of a[r0 + i, j] * v[j, d0 + d]
+    for i < nh, d < 8 nv (compile-time constants): attention's weighted sum of values for nh
+    heads at once; a [n, S], v [S, hv], out [H, hv] float32, C-contiguous (v's rows may be
+    strided: MLA's values are a slice of its latent cache; the caller checks that its
+    columns are adjacent, and the ranges). Each (head, column) is one chain of separate multiplies and adds in key order,
+    from 0: the operations of the plain loop `out += a * v`, so the same bits, but with the
+    sums in registers for the whole key range instead of loaded and stored at every key."""
+    if not (isinstance(nh, types.IntegerLiteral) and isinstance(nv, types.IntegerLiteral)
+            and all(isinstance(x, types.Array) and x.ndim == 2 and x.layout in ("C", "A") and x.dtype == types.float32
+                    for x in (a, v, out)) and a.layout == out.layout == "C"):
+        return None
+    NH, NV = nh.literal_value, nv.literal_value
+    sig = types.void(a, v, out, r0, h0, d0, lo, hi, nh, nv)
+
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        a_v, v_v, out_v = args[:3]
+        r0_v, h0_v, d0_v, lo_v, hi_v = (context.cast(builder, x, ty, types.int64) for x, ty in zip(args[3:8], sig.args[3:8]))
+        arows = [_row(context, builder, sig.args[0], a_v, builder.add(r0_v, ir.Constant(i64, i))) for i in range(NH)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NV)] for _ in range(NH)]
+        zeros = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+        with cgutils.for_range(builder, builder.sub(hi_v, lo_v)) as loop:
+            j = builder.add(lo_v, loop.index)
+            vrow = _row(context, builder, sig.args[1], v_v, j)
+            vs = [builder.load(builder.bitcast(builder.gep(vrow, [builder.add(d0_v, ir.Constant(i64, 8 * k))]),
+                                               _V8.as_pointer()), align=4) for k in range(NV)]
+            for i in range(NH):
+                s = builder.load(builder.gep(arows[i], [j]))
+                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
+                                               ir.Constant(_V8, None), zeros)
+                for k in range(NV):
+                    builder.store(builder.fadd(builder.load(accs[i][k]), builder.fmul(splat, vs[k])), accs[i][k])
+        for i in range(NH):
+            orow = _row(context, builder, sig.args[2], out_v, builder.add(h0_v, ir.Constant(i64, i)))
+            for k in range(NV):
+                ptr = builder.gep(orow, [builder.add(d0_v, ir.Constant(i64, 8 * k))])
+                builder.store(builder.load(accs[i][k]), builder.bitcast(ptr, _V8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _int64_slot(context, builder, sig, args):
     # pointer to a[i] of a 1-D int64 array (args[0], args[1])
     a = context.make_array(sig.args[0])(context, builder, args[0])

@@ -18,7 +18,7 @@ import functools
 import numba as nb
 import numpy as np
 
-from .ir import exp_shifted, f32_tile
+from .ir import exp_shifted, f32_tile, pv_tile
 from .jit import JIT, JIT_FAST
 
 
@@ -172,7 +172,6 @@ def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores
     # product (tiles: 8-lane multiply-adds, the same operations for a (head, key) pair whatever
     # else is in the call), then per head a softmax and the values summed in key order.
     T, Hq, hd = q.shape
-    hv = v_cache.shape[2]
     Hkv = k_cache.shape[0]
     n_rep = Hq // Hkv
     p = pos0 + t
@@ -197,12 +196,33 @@ def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores
             exp_shifted(scores, r, lo, p + 1, m)
             for j in range(lo, p + 1):
                 z += scores[r, j]
-            for d in range(hv):
-                out[t, h, d] = 0.0
             for j in range(lo, p + 1):
-                a = scores[r, j] / z
-                for d in range(hv):
-                    out[t, h, d] += a * v_cache[g, j, d]
+                scores[r, j] = scores[r, j] / z
+        values(scores, v_cache[g], out[t], g * n_rep, n_rep, lo, p + 1)
+
+
+@nb.njit(**JIT)
+def values(a, v, out, h0, n_rep, lo, hi):
+    # out[h0 + r] = sum over lo <= j < hi, in key order, of a[r, j] * v[j] for r < n_rep: a kv
+    # head's query heads' weighted sums of its values (a [n_rep, S], v [S, hv], out [Hq, hv]),
+    # by pv_tile four heads and 32 columns at a time, the rest the same way in smaller blocks
+    hv = v.shape[1]
+    if hv > 1 and v.strides[1] != 4:
+        raise ValueError("attention: a value row's columns must be adjacent")
+    d32, d8 = hv - hv % 32, hv - hv % 8
+    for r in range(0, n_rep - n_rep % 4, 4):
+        for d0 in range(0, d32, 32):
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 4, 4)
+    for r in range(n_rep - n_rep % 4, n_rep):
+        for d0 in range(0, d32, 32):
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 1, 4)
+    for r in range(n_rep):
+        for d0 in range(d32, d8, 8):
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 1, 1)
+        for d in range(d8, hv):  # the last hv % 8 columns: the same chain, one lane
+            out[h0 + r, d] = 0.0
+            for j in range(lo, hi):
+                out[h0 + r, d] += a[r, j] * v[j, d]
 
 
 @nb.njit(**JIT)
