@@ -412,7 +412,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     prompt_rows = np.zeros(T, bool)
     for sg in segments:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
-    any_prompt, all_prompt = any(sg.n > 1 for sg in segments), all(sg.n > 1 for sg in segments)
+    all_prompt = all(sg.n > 1 for sg in segments)
     g = experts.int4_group
     session = crew.session()  # the forward step's crew, else one for this call
     # int4 decode rows: a crew of their group size; the prompt-path job: any crew
@@ -466,7 +466,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
                 quant = isinstance(ew[0], QuantWeight)
                 kind = crew.tok_kind(*ew[:3]) if crew_ffn else None
                 q4_ok = crew_ffn and team is not None and is_int4(*ew[:3]) and ew[0].group_size == g
-                p = prompt_rows[r // A] if quant and any_prompt else np.zeros(len(r), bool) if quant else None
+                p = prompt_rows[r // A] if quant else None  # a quantized expert's prompt rows
                 for sub, prompt in ((r, False),) if p is None else ((r[p], True), (r[~p], False)):
                     if not len(sub):
                         continue
