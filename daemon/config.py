@@ -42,6 +42,7 @@ class Config:
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     batch_window_ms: float = 20.0  # an idle engine waits this long after a request for others sent with it
+    prefill_chunk: int = 64  # prompt tokens a step takes while others decode (0: prompts whole)
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
@@ -68,6 +69,7 @@ _KINDS = {  # key -> what a valid value is
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
     "mirror": "path",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
+    "prefill_chunk": "count",
     "max_tokens_limit": "positive",
     "max_streams_per_client": "positive", "max_message_bytes": "positive",
     "watchdog_s": "seconds", "log_level": "level",

@@ -4,7 +4,7 @@ between two steps.
 The I/O thread feeds it typed messages through the daemon's inbox (a queue); it sends
 stream events and final replies back as (identity, frame) pairs over an inproc PUSH
 socket. Every active request advances one token per step; a new one joins at the next
-step. An idle engine's first request waits `batch_window_ms` for those sent with it.
+step, its prompt a `prefill_chunk` at a time while others decode. An idle engine's first request waits `batch_window_ms` for those sent with it.
 Budget, pin and policy changes run between two steps, so a running request sees them
 only in its speed.
 """
@@ -67,7 +67,7 @@ class Scheduler:
         from ..engine.generate import Batcher
 
         self.d, self.push = daemon, push
-        self.batcher = Batcher(daemon.model)
+        self.batcher = Batcher(daemon.model, daemon.cfg.prefill_chunk)
         self.waiting: list[Generate] = []
         self.state: dict[Key, tuple] = {}  # key -> (request, token ids, text pieces)
         self.by_client: set[Key] = set()  # requests their client cancelled (the others a stop cancels)
@@ -164,6 +164,7 @@ class Scheduler:
     def step(self) -> None:
         """One forward step of every active request; its events go out."""
         d = self.d
+        self.batcher.prefill_chunk = d.cfg.prefill_chunk or None  # (a reload may change it)
         try:
             events = self.batcher.step()
         except Exception as e:  # e.g. an expert read failed: fail this step's requests, serve on

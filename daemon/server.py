@@ -302,7 +302,8 @@ class Server:
         self.hup = True  # handled by the main loop, outside the signal handler
 
     POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
-    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "max_tokens_limit", "log_level", "watchdog_s",
+    RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "prefill_chunk", "max_tokens_limit",
+                    "log_level", "watchdog_s",
                     "history_save_s", *POLICY_KEYS)
 
     def reload(self) -> dict:

@@ -128,7 +128,7 @@ def check_prompt(prompt_ids: list[int], n_ctx: int) -> None:
 
 class Request:
     """One generation in a Batcher: its own KV cache, sampler and text; advances one step
-    (its whole prompt, then one token) each time the batcher steps."""
+    each time the batcher steps: its prompt (whole, or a chunk at a time), then one token."""
 
     def __init__(self, model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, rid=None):
         params.check()
@@ -141,6 +141,7 @@ class Request:
         self.text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None
         self.cache = model.new_cache(len(self.prompt_ids) + params.max_tokens)
         self.last = -1  # the token to feed next step (-1: the prompt)
+        self.fed = 0  # prompt tokens already in the KV cache
         self.n_gen = 0
         self.finish = ""  # set when done
         self.cancelled = False
@@ -151,11 +152,25 @@ class Request:
     def done(self) -> bool:
         return bool(self.finish)
 
-    def feed(self) -> list[int]:
-        return self.prompt_ids if self.last < 0 else [self.last]
+    @property
+    def prefilling(self) -> bool:
+        return self.last < 0
 
-    def advance(self, logits: np.ndarray) -> list[Event]:
-        # logits [V] of this request's last row -> its events for this step
+    def feed(self, limit: int | None = None) -> list[int]:
+        """The tokens of this step: the rest of the prompt (at most `limit` of them), then
+        the last sampled token."""
+        if not self.prefilling:
+            return [self.last]
+        end = len(self.prompt_ids) if limit is None else min(self.fed + limit, len(self.prompt_ids))
+        return self.prompt_ids[self.fed : end]
+
+    def advance(self, logits: np.ndarray, n_fed: int) -> list[Event]:
+        # logits [V] of this request's last row after a step that fed it n_fed tokens -> its
+        # events for this step (none while its prompt is not all in)
+        if self.prefilling:
+            self.fed += n_fed
+            if self.fed < len(self.prompt_ids):
+                return []
         tok = self.sampler(logits)
         self.n_gen += 1
         self.last = tok
@@ -197,10 +212,18 @@ class Batcher:
     """Continuous batching: every active request advances one step per forward (new ones
     with their prompt, the others with one token), so the step reads each weight and each
     expert of the union once for all of them. A request's tokens are the same as alone:
-    every row of the batch is computed on its own."""
+    every row of the batch is computed on its own.
 
-    def __init__(self, model):
+    Chunked prefill: while requests are decoding, a step takes at most `prefill_chunk`
+    prompt tokens (the oldest prompts first), so a long prompt arriving does not stop the
+    running streams for its whole prefill, only for a chunk's time at each step; with
+    nothing decoding, a prompt goes in one step (chunks would only read the experts again).
+    A prompt computed in chunks gives the same rows as in one step (the kernels' rows do
+    not depend on what shares the step; tested)."""
+
+    def __init__(self, model, prefill_chunk: int | None = None):
         self.model = model
+        self.prefill_chunk = prefill_chunk or None  # None or 0: prompts whole
         self.active: list[Request] = []
 
     def add(self, req: Request) -> None:
@@ -218,12 +241,27 @@ class Batcher:
         self.active = [r for r in self.active if not r.done]
         if not self.active:
             return out
-        logits = self.model.forward_batch([(np.asarray(r.feed()), r.cache) for r in self.active])
-        for r, lg in zip(self.active, logits):
-            out += [(r, ev) for ev in r.advance(lg[-1])]
+        feeds = self.feeds()
+        stepping = [r for r in self.active if feeds[id(r)]]
+        logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
+        for r, lg in zip(stepping, logits):
+            out += [(r, ev) for ev in r.advance(lg[-1], len(feeds[id(r)]))]
             if r.done:
                 out.append((r, r.done_event(self.model)))
         self.active = [r for r in self.active if not r.done]
+        return out
+
+    def feeds(self) -> dict[int, list[int]]:
+        """id(request) -> its tokens in this step: one for each decoding request; prompt
+        tokens up to the step's prefill budget (prefill_chunk while some request decodes,
+        else no limit) to the prompts in arrival order; a prompt beyond the budget waits."""
+        decoding = any(not r.prefilling for r in self.active)
+        left = self.prefill_chunk if decoding and self.prefill_chunk else None
+        out = {}
+        for r in self.active:
+            out[id(r)] = r.feed(left)
+            if r.prefilling and left is not None:
+                left -= len(out[id(r)])
         return out
 
 

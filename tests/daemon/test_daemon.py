@@ -169,6 +169,35 @@ def test_requests_sent_together_share_their_first_step(tmp_path, demo, window_ms
         proc.wait(30)
 
 
+@pytest.mark.parametrize("chunk", [4, 0])
+def test_a_long_prompt_arriving_does_not_stop_a_running_stream(tmp_path, demo, chunk):
+    """With prefill_chunk 4, a long prompt arriving while a request decodes goes in 4
+    tokens a step, the running request advancing at each (engine/generate.py's Batcher,
+    tested step by step in tests/engine/test_batching.py); with 0 it is one step (the
+    control). Counted in forward steps, not in wall time."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"prefill_chunk: {chunk}\n")
+    proc, sock, _ = start(tmp_path, demo, "--config", str(cfg))
+    try:
+        a, b = Client(sock).connect(), Client(sock).connect()
+        rid = a.send("generate", prompt="The", max_tokens=3000)  # (greedy, the demo runs past 200 tokens)
+        assert a.recv(30000)["type"] == "generate_stream"
+        steps0 = b.call("stats")["experts"]["steps"]
+        reply = b.call("generate", timeout_ms=120000, prompt="The law of the land says " * 12, max_tokens=1)
+        steps = b.call("stats")["experts"]["steps"] - steps0
+        n_prompt = reply["stats"]["n_prompt_tokens"]
+        assert n_prompt > 40
+        if chunk:
+            assert steps >= -(-n_prompt // chunk)  # a step for every chunk, the running request in each
+        else:
+            assert steps <= 10  # the prompt in one step (and the few the running request took meanwhile)
+        assert b.call("status")["requests"]["active"] == 1  # the running request was running throughout
+        a.send("cancel", target=rid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_cancel_and_status_during_generation(daemon):
     _, sock, _ = daemon
     c = Client(sock).connect()

@@ -22,8 +22,8 @@ def alone(model, ids, n):
     return [e.token_id for e in generate(model, ids, SamplingParams(max_tokens=n)) if e.kind == "token"]
 
 
-def together(model, prompts, n, join_at):
-    batcher, got, step = Batcher(model), {}, 0
+def together(model, prompts, n, join_at, prefill_chunk=None):
+    batcher, got, step = Batcher(model, prefill_chunk), {}, 0
     waiting = sorted(range(len(prompts)), key=lambda i: join_at[i])
     while waiting or batcher.active:
         while waiting and join_at[waiting[0]] <= step:
@@ -48,6 +48,48 @@ def test_tokens_identical_alone_and_batched(tmp_path, family, case, dtype):
     prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (3, 11, 6, 1)]
     want = {i: alone(model, p, 16) for i, p in enumerate(prompts)}
     assert together(model, prompts, 16, join_at=[0, 0, 3, 7]) == want
+
+
+@pytest.mark.parametrize("family,case", [("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved"),
+                                         ("gpt_oss", "sinks_sliding_clamped"), ("glm_moe_dsa", "full_shared_topk4"),
+                                         ("qwen3_moe", "basic")])
+def test_chunked_prefill_gives_the_tokens_of_one_step(tmp_path, family, case):
+    """Prompts that join running requests go in chunks of 4 tokens a step; every request's
+    tokens are those it gets alone (its prompt in one step)."""
+    build(family, case, tmp_path / "hf", seed=21)
+    model = load_model(str(tmp_path / "hf"))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (2, 17, 9, 13)]
+    want = {i: alone(model, p, 12) for i, p in enumerate(prompts)}
+    assert together(model, prompts, 12, join_at=[0, 2, 3, 9], prefill_chunk=4) == want
+
+
+def test_a_long_prompt_does_not_stop_a_running_stream(tmp_path):
+    """While a 30-token prompt is prefilled in chunks of 4, the running request gets a token
+    at every step and no step computes more than a chunk of prompt beside it; unchunked,
+    the whole prompt is one step. Alone, a prompt is one step whatever the chunk."""
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=22)
+    model = load_model(str(tmp_path / "hf"))
+    rows = []
+    real = model.forward_batch
+    model.forward_batch = lambda seqs, **kw: rows.append(sum(len(ids) for ids, _ in seqs)) or real(seqs, **kw)
+    for chunk, steps, most in ((4, 8, 4 + 1), (None, 1, 30 + 1)):
+        b = Batcher(model, chunk)
+        running = Request(model, [1, 2, 3], SamplingParams(max_tokens=40))
+        b.add(running)
+        b.step()
+        rows.clear()
+        long = Request(model, list(range(5, 35)), SamplingParams(max_tokens=2))
+        b.add(long)
+        gaps = []
+        while long.prefilling:
+            gaps.append(sum(ev.kind == "token" for r, ev in b.step() if r is running))
+        assert gaps == [1] * steps and max(rows) == most
+    rows.clear()
+    b = Batcher(model, 4)
+    b.add(Request(model, list(range(5, 35)), SamplingParams(max_tokens=2)))
+    b.step()
+    assert rows == [30]
 
 
 def test_forward_batch_rows_equal_alone(tmp_path):
@@ -81,6 +123,8 @@ def test_streamed_batch_reads_the_union_once(tmp_path):
     want = {i: alone(load_model(str(tmp_path / "c"), budget="min"), s.tolist(), 8) for i, s in enumerate(seqs[:3])}
     assert together(load_model(str(tmp_path / "c"), budget="min"), [s.tolist() for s in seqs[:3]], 8,
                     join_at=[0, 1, 2]) == want
+    assert together(load_model(str(tmp_path / "c"), budget="min"), [s.tolist() for s in seqs[:3]], 8,
+                    join_at=[0, 1, 2], prefill_chunk=2) == want  # streamed at the minimum budget, in chunks
 
 
 def test_cancel_leaves_with_a_done_event(tmp_path):
