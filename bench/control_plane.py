@@ -49,11 +49,11 @@ def wait_ready(sock: str, proc, timeout=900) -> None:
     raise SystemExit("colibrid did not start")
 
 
-def start_daemon(path: str, budget, tmp: str):
-    sock = os.path.join(tmp, f"c-{budget}.sock")
-    log = open(os.path.join(tmp, f"colibrid-{budget}.log"), "w")
+def start_daemon(path: str, budget, tmp: str, *extra: str, name: str = ""):
+    sock = os.path.join(tmp, f"c-{name or budget}.sock")
+    log = open(os.path.join(tmp, f"colibrid-{name or budget}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", path, "--socket", sock,
-                             "--expert-cache", str(budget)], stderr=log)
+                             "--expert-cache", str(budget), *extra], stderr=log)
     wait_ready(sock, proc)
     return sock, proc
 

@@ -42,7 +42,7 @@ class Config:
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     batch_window_ms: float = 20.0  # an idle engine waits this long after a request for others sent with it
-    prefill_chunk: int = 64  # prompt tokens a step takes while others decode (0: prompts whole)
+    prefill_chunk: int | str = 64  # prompt tokens a step takes while others decode: N, auto, 0 (whole)
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
@@ -69,7 +69,7 @@ _KINDS = {  # key -> what a valid value is
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
     "mirror": "path",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
-    "prefill_chunk": "count",
+    "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
     "max_streams_per_client": "positive", "max_message_bytes": "positive",
     "watchdog_s": "seconds", "log_level": "level",
@@ -99,6 +99,8 @@ def _valid(kind: str, v) -> str | None:
         return None if is_int and v >= 1 else "an integer of at least 1"
     if kind == "count":
         return None if is_int and v >= 0 else "an integer of at least 0"
+    if kind == "chunk":
+        return None if (is_int and v >= 0) or v == "auto" else "a number of tokens, auto, or 0 (prompts whole)"
     if kind == "cpus":
         ok = isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
         return None if ok else "a list of CPU numbers"

@@ -67,7 +67,8 @@ class Scheduler:
         from ..engine.generate import Batcher
 
         self.d, self.push = daemon, push
-        self.batcher = Batcher(daemon.model, daemon.cfg.prefill_chunk)
+        self._chunk = daemon.cfg.prefill_chunk
+        self.batcher = Batcher(daemon.model, self._chunk)
         self.waiting: list[Generate] = []
         self.state: dict[Key, tuple] = {}  # key -> (request, token ids, text pieces)
         self.by_client: set[Key] = set()  # requests their client cancelled (the others a stop cancels)
@@ -164,7 +165,9 @@ class Scheduler:
     def step(self) -> None:
         """One forward step of every active request; its events go out."""
         d = self.d
-        self.batcher.prefill_chunk = d.cfg.prefill_chunk or None  # (a reload may change it)
+        if d.cfg.prefill_chunk != self._chunk:  # (a reload may change it)
+            self._chunk = d.cfg.prefill_chunk
+            self.batcher.set_prefill_chunk(self._chunk)
         try:
             events = self.batcher.step()
         except Exception as e:  # e.g. an expert read failed: fail this step's requests, serve on

@@ -218,13 +218,24 @@ class Batcher:
     prompt tokens (the oldest prompts first), so a long prompt arriving does not stop the
     running streams for its whole prefill, only for a chunk's time at each step; with
     nothing decoding, a prompt goes in one step (chunks would only read the experts again).
+    `prefill_chunk` "auto" sizes the chunk from the steps' measured times (ChunkSizer).
     A prompt computed in chunks gives the same rows as in one step (the kernels' rows do
     not depend on what shares the step; tested)."""
 
-    def __init__(self, model, prefill_chunk: int | None = None):
+    def __init__(self, model, prefill_chunk: int | str | None = None):
         self.model = model
-        self.prefill_chunk = prefill_chunk or None  # None or 0: prompts whole
         self.active: list[Request] = []
+        self.sizer: ChunkSizer | None = None
+        self.set_prefill_chunk(prefill_chunk)
+
+    def set_prefill_chunk(self, value: int | str | None) -> None:
+        """Tokens of prompt a step takes beside decoding requests: a number, "auto", or None
+        or 0 (prompts whole)."""
+        if value == "auto":
+            self.sizer = self.sizer or ChunkSizer()
+            self.prefill_chunk = None
+        else:
+            self.sizer, self.prefill_chunk = None, value or None
 
     def add(self, req: Request) -> None:
         req.t_start = time.perf_counter()
@@ -243,7 +254,11 @@ class Batcher:
             return out
         feeds = self.feeds()
         stepping = [r for r in self.active if feeds[id(r)]]
+        t0 = time.perf_counter()
         logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
+        if self.sizer is not None:
+            self.sizer.observe(time.perf_counter() - t0, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
+                               sum(not r.prefilling for r in stepping))
         for r, lg in zip(stepping, logits):
             out += [(r, ev) for ev in r.advance(lg[-1], len(feeds[id(r)]))]
             if r.done:
@@ -256,13 +271,49 @@ class Batcher:
         tokens up to the step's prefill budget (prefill_chunk while some request decodes,
         else no limit) to the prompts in arrival order; a prompt beyond the budget waits."""
         decoding = any(not r.prefilling for r in self.active)
-        left = self.prefill_chunk if decoding and self.prefill_chunk else None
+        chunk = self.sizer.chunk if self.sizer is not None else self.prefill_chunk
+        left = chunk if decoding and chunk else None
         out = {}
         for r in self.active:
             out[id(r)] = r.feed(left)
             if r.prefilling and left is not None:
                 left -= len(out[id(r)])
         return out
+
+
+class ChunkSizer:
+    """`prefill_chunk: auto`: the prompt tokens a step takes beside decoding requests, sized
+    so that such a step lasts at most GAP times a step of the decoding requests alone (their
+    tokens come at most GAP times slower while a prompt goes in). A step's time is not
+    proportional to its tokens (a streamed model reads a chunk's union of experts, which
+    grows fast with the first tokens and then slowly), so the size is found by measuring:
+    halved after a step over the target, doubled after one well under it that used its
+    whole chunk, starting from one token (a first larger chunk would be the largest gap of
+    all). Timing moves only the chunk size, never a token. The price is the prompt's own
+    speed: where one prompt token beside the decode rows already costs most of a decode
+    step (a streamed MoE reads that token's experts too), the chunk stays at a token or
+    two and the prompt takes several times longer than whole (docs/benchmarks.md); a
+    fixed prefill_chunk trades the other way."""
+
+    GAP = 2.0
+    START, SMALLEST, LARGEST = 1, 1, 1024
+    EMA = 0.2  # weight of the newest decode-only step in their running average
+
+    def __init__(self):
+        self.chunk = self.START
+        self.decode_s: float | None = None  # a decode-only step's time, running average
+
+    def observe(self, step_s: float, prompt_tokens: int, decoding: int) -> None:
+        """A step took step_s with prompt_tokens of prompt beside `decoding` requests."""
+        if not decoding:
+            return
+        if not prompt_tokens:
+            self.decode_s = step_s if self.decode_s is None else (1 - self.EMA) * self.decode_s + self.EMA * step_s
+        elif self.decode_s is not None:
+            if step_s > self.GAP * self.decode_s:
+                self.chunk = max(self.SMALLEST, self.chunk // 2)
+            elif step_s < 0.7 * self.GAP * self.decode_s and prompt_tokens >= self.chunk:
+                self.chunk = min(self.LARGEST, self.chunk * 2)
 
 
 def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None) -> Iterator[Event]:

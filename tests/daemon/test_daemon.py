@@ -169,11 +169,12 @@ def test_requests_sent_together_share_their_first_step(tmp_path, demo, window_ms
         proc.wait(30)
 
 
-@pytest.mark.parametrize("chunk", [4, 0])
+@pytest.mark.parametrize("chunk", [4, "auto", 0])
 def test_a_long_prompt_arriving_does_not_stop_a_running_stream(tmp_path, demo, chunk):
     """With prefill_chunk 4, a long prompt arriving while a request decodes goes in 4
     tokens a step, the running request advancing at each (engine/generate.py's Batcher,
-    tested step by step in tests/engine/test_batching.py); with 0 it is one step (the
+    tested step by step in tests/engine/test_batching.py); `auto` starts at 1 and at most
+    doubles a step (so 85 tokens take at least 7 steps); with 0 it is one step (the
     control). Counted in forward steps, not in wall time."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"prefill_chunk: {chunk}\n")
@@ -187,7 +188,9 @@ def test_a_long_prompt_arriving_does_not_stop_a_running_stream(tmp_path, demo, c
         steps = b.call("stats")["experts"]["steps"] - steps0
         n_prompt = reply["stats"]["n_prompt_tokens"]
         assert n_prompt > 40
-        if chunk:
+        if chunk == "auto":
+            assert steps >= 7
+        elif chunk:
             assert steps >= -(-n_prompt // chunk)  # a step for every chunk, the running request in each
         else:
             assert steps <= 10  # the prompt in one step (and the few the running request took meanwhile)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from colibri.engine import layers
-from colibri.engine.generate import Batcher, Request, SamplingParams, generate
+from colibri.engine.generate import Batcher, ChunkSizer, Request, SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.convert import ExpertPlan, convert
@@ -90,6 +90,41 @@ def test_a_long_prompt_does_not_stop_a_running_stream(tmp_path):
     b.add(Request(model, list(range(5, 35)), SamplingParams(max_tokens=2)))
     b.step()
     assert rows == [30]
+
+
+def test_the_auto_chunk_follows_the_measured_steps():
+    """prefill_chunk auto: halved after a step beside decoding requests that took more than
+    twice a decode-only step, doubled after one well under that which used its whole chunk,
+    within its bounds; steps with nothing decoding teach it nothing."""
+    z = ChunkSizer()
+    assert z.chunk == 1 and z.decode_s is None
+    z.observe(0.05, 1, 1)  # no decode-only step measured yet: nothing to compare with
+    assert z.chunk == 1
+    z.observe(0.1, 0, 2)
+    z.observe(0.1, 40, 0)  # a prompt alone
+    assert z.decode_s == pytest.approx(0.1) and z.chunk == 1
+    for want in (2, 4, 8, 16):  # well under 2x with a whole chunk: double
+        z.observe(0.12, z.chunk, 1)
+        assert z.chunk == want
+    z.observe(0.25, 16, 1)  # over 2x: halve
+    assert z.chunk == 8
+    z.observe(0.12, 3, 1)  # under, but the prompt's rest was smaller than the chunk: no news
+    assert z.chunk == 8
+    for _ in range(20):
+        z.observe(1.0, z.chunk, 1)
+    assert z.chunk == ChunkSizer.SMALLEST
+    for _ in range(20):
+        z.observe(0.01, z.chunk, 1)
+    assert z.chunk == ChunkSizer.LARGEST
+
+
+def test_auto_chunks_give_the_tokens_of_one_step(tmp_path):
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=23)
+    model = load_model(str(tmp_path / "hf"))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, model.args.vocab_size, n).tolist() for n in (2, 40, 9)]
+    want = {i: alone(model, p, 10) for i, p in enumerate(prompts)}
+    assert together(model, prompts, 10, join_at=[0, 2, 3], prefill_chunk="auto") == want
 
 
 def test_forward_batch_rows_equal_alone(tmp_path):
