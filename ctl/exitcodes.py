@@ -27,7 +27,7 @@ MEANING = {  # code -> what it means, as the README's table says it
     BAD_REQUEST: "the request cannot run as asked: input that is not UTF-8, invalid sampling values, a prompt longer "
                  "than the model's context or larger than the daemon takes, an expert budget that is unreadable or "
                  "below the minimum (or given for a checkpoint rather than a container), an unknown expert or one "
-                 "not pinned",
+                 "not pinned, a session file of another model",
     DAEMON_DOWN: "no daemon answers: no socket, a stale socket, or the daemon stopped answering mid-request",
     BUSY: "the daemon is busy (its queue is full) or stopping, also when it stops in the middle of a request: "
           "retry later",

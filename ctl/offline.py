@@ -29,8 +29,10 @@ def error_code(e: Exception) -> int:
     from ..engine.errors import InvalidRequest
     from ..storage.convert import ConvertError
     from ..storage.errors import BudgetInvalid, CheckpointError, ExpertReadError
+    from ..storage.sessions import SessionMismatch
 
     table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
+             (SessionMismatch, exitcodes.BAD_REQUEST),
              (ConvertError, exitcodes.USAGE), (ConfigError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
     return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
 
@@ -117,10 +119,13 @@ def resolve_model(model: str | None) -> str:
 @click.option("--history", "history_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="keep the usage history in DIR/history (read at start, written at the end); default: none")
 @click.option("--history-read-only", is_flag=True, help="read the usage history but never write it")
+@click.option("--session", "session_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="continue the conversation saved in FILE (started when absent): PROMPT is appended to it as "
+                   "text, only its new tokens are computed, and FILE is rewritten after the turn")
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, input_errors):
+        threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
@@ -146,11 +151,22 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     model, tok = placed.model, tokenizers[0]
     layers.init(threads or None)  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
+    if chat and session_file:
+        raise click.UsageError("--session continues a conversation as raw text; --chat cannot be combined with it "
+                               "yet (a chat template's turns need the daemon's `chat --session`)")
     if chat:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_in}]), special=False)
     else:
         ids = tok.encode(text_in)
     check_prompt(ids, model.n_ctx)
+    prior, keys = None, None
+    if session_file:
+        from ..engine.generate import Conversation
+        from ..storage.sessions import fingerprints, load_session
+
+        keys = fingerprints(path)
+        saved = load_session(session_file, *keys, model.args.vocab_size)
+        prior = Conversation(*saved) if saved else None
     info = model.describe()
     if not as_json:
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
@@ -160,7 +176,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     if info.get("note"):
         click.echo(f"[colibri] {info['note']}", err=True)
     token_ids, pieces, done = [], [], None
-    for ev in generate(model, ids, params, eos_ids(path, _config(path), tok), tok):
+    for ev in generate(model, ids, params, eos_ids(path, _config(path), tok), tok, prior=prior,
+                       keep=bool(session_file)):
         if ev.kind == "token":
             token_ids.append(ev.token_id)
         if ev.text:
@@ -173,6 +190,12 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     if placed.history is not None:
         placed.history.save()  # when it has a path and is not read-only
     stats = done.stats | {"load_s": round(load_s, 3), "model": info}
+    if session_file and done.conversation is not None:
+        from ..storage.sessions import save_session
+
+        save_session(session_file, done.conversation.tokens, done.conversation.kv, *keys)
+        stats["session"] = {"file": session_file, "continued_tokens": len(prior.tokens) if prior else 0,
+                            "tokens": len(done.conversation.tokens)}
     if as_json:
         out = {"prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(pieces),
                "finish_reason": done.finish_reason, "stats": stats}

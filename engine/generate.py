@@ -107,6 +107,19 @@ class Event:
     text: str = ""
     finish_reason: str = ""  # "stop" or "length", with kind "done"
     stats: dict = field(default_factory=dict)
+    conversation: "Conversation | None" = None  # with kind "done", for a request that keeps it
+
+
+@dataclass
+class Conversation:
+    """A conversation between two turns (what a session keeps): its tokens, the last one
+    sampled and not yet fed to the model, and the KV cache of all the others
+    (KVCache.snapshot). The next turn feeds that last token and the new prompt on top of
+    the restored cache: its rows are computed as if the whole conversation had been one
+    request, its earlier prompts in one step each and each sampled token a step of its own."""
+
+    tokens: list[int]
+    kv: dict
 
 
 def expert_stats(st, n_tokens: int, wall_s: float) -> dict:
@@ -130,16 +143,33 @@ class Request:
     """One generation in a Batcher: its own KV cache, sampler and text; advances one step
     each time the batcher steps: its prompt (whole, or a chunk at a time), then one token."""
 
-    def __init__(self, model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, rid=None):
+    def __init__(self, model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, rid=None,
+                 prior: Conversation | None = None, keep: bool = False):
+        # prior: a conversation this request continues (prompt_ids its new turn); keep: its
+        # done event carries the conversation after it (Event.conversation)
         params.check()
-        self.prompt_ids = [int(i) for i in prompt_ids]
-        check_prompt(self.prompt_ids, model.n_ctx)
+        check_prompt([int(i) for i in prompt_ids], model.n_ctx)
+        self.prior, self.keep = prior, keep
+        before = prior.tokens[:-1] if prior is not None else []  # the tokens in the restored cache
+        self.prompt_ids = prior.tokens[-1:] + [int(i) for i in prompt_ids] if prior is not None else \
+            [int(i) for i in prompt_ids]
+        if len(before) + len(self.prompt_ids) >= model.n_ctx:
+            raise PromptTooLong(f"the conversation has {len(before) + len(self.prompt_ids)} tokens; the model's "
+                                f"context is {model.n_ctx}")
         self.id = rid
         self.params = params
         self.eos = {int(i) for i in eos_ids}
         self.sampler = Sampler(params)
         self.text = TextStream(tokenizer, tuple(params.stop)) if tokenizer is not None else None
-        self.cache = model.new_cache(len(self.prompt_ids) + params.max_tokens)
+        self.cache = model.new_cache(len(before) + len(self.prompt_ids) + params.max_tokens)
+        if prior is not None:
+            try:
+                self.cache.restore(prior.kv)
+            except ValueError as e:
+                raise InvalidRequest(f"the conversation's saved state does not fit this model: {e}") from None
+            if self.cache.n_pos != len(before):
+                raise InvalidRequest("the conversation's saved state does not match its tokens")
+        self.generated: list[int] = []
         self.last = -1  # the token to feed next step (-1: the prompt)
         self.fed = 0  # prompt tokens already in the KV cache
         self.n_gen = 0
@@ -172,6 +202,7 @@ class Request:
             if self.fed < len(self.prompt_ids):
                 return []
         tok = self.sampler(logits)
+        self.generated.append(tok)
         self.n_gen += 1
         self.last = tok
         if self.t_first is None:
@@ -186,6 +217,15 @@ class Request:
             self.finish = "length"
         return [Event("token", tok, delta)]
 
+    def conversation(self) -> Conversation | None:
+        """The conversation after this request (None before its first token): every token
+        fed so far, with their cache, and the last one sampled."""
+        if not self.generated:
+            return None
+        in_cache = (self.prior.tokens[:-1] if self.prior is not None else []) + self.prompt_ids + self.generated[:-1]
+        assert len(in_cache) == self.cache.n_pos
+        return Conversation(in_cache + self.generated[-1:], self.cache.snapshot())
+
     def done_event(self, model) -> Event:
         self.t_end = time.perf_counter()
         n_prompt, n_decode = len(self.prompt_ids), max(self.n_gen - 1, 0)
@@ -195,6 +235,7 @@ class Request:
             "done",
             text=self.text.flush() if self.text else "",
             finish_reason=self.finish,
+            conversation=self.conversation() if self.keep and self.finish != "cancelled" else None,
             stats={
                 "n_prompt_tokens": n_prompt,
                 "n_generated_tokens": self.n_gen,
@@ -316,13 +357,16 @@ class ChunkSizer:
                 self.chunk = min(self.LARGEST, self.chunk * 2)
 
 
-def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None) -> Iterator[Event]:
-    """Generate from prompt_ids, yielding a "token" event per new token and one "done".
+def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, prior: Conversation | None = None,
+             keep: bool = False) -> Iterator[Event]:
+    """Generate from prompt_ids, yielding a "token" event per new token and one "done"
+    (continuing `prior`; with `keep`, the done event carries the conversation after it).
 
-    Raises InvalidRequest (bad parameters, empty prompt) or PromptTooLong before any work.
+    Raises InvalidRequest (bad parameters, empty prompt, a prior that does not fit) or
+    PromptTooLong before any work.
     """
     batcher = Batcher(model)
-    batcher.add(Request(model, prompt_ids, params, eos_ids, tokenizer))
+    batcher.add(Request(model, prompt_ids, params, eos_ids, tokenizer, prior=prior, keep=keep))
     while batcher.active:
         for _, ev in batcher.step():
             yield ev

@@ -256,6 +256,40 @@ class KVCache:
         self.n_pos = 0  # positions filled
         self.n_ctx = n_ctx
 
+    def arrays(self) -> dict[str, tuple[np.ndarray, int]]:
+        # name -> (array, its position axis): what the cache holds per position (a family's
+        # cache with other arrays says so)
+        return {"k": (self.k, 2), "v": (self.v, 2)}
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of the filled positions of every array (a session keeps them)."""
+        out = {}
+        for name, (a, axis) in self.arrays().items():
+            cut = [slice(None)] * a.ndim
+            cut[axis] = slice(0, self.n_pos)
+            out[name] = np.ascontiguousarray(a[tuple(cut)])
+        return out
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        """Fill the first positions from a snapshot of a cache of the same model. Raises
+        ValueError when its arrays do not fit this cache."""
+        arrays = self.arrays()
+        if set(state) != set(arrays):
+            raise ValueError(f"the saved cache holds {sorted(state)}, this model's holds {sorted(arrays)}")
+        n = {state[name].shape[axis] for name, (_, axis) in arrays.items()}
+        if len(n) != 1 or next(iter(n)) > self.n_ctx:
+            raise ValueError("the saved cache's positions do not fit this cache")
+        n_pos = n.pop()
+        for name, (a, axis) in arrays.items():
+            want = a.shape[:axis] + (n_pos,) + a.shape[axis + 1 :]
+            if state[name].shape != want or state[name].dtype != a.dtype:
+                raise ValueError(f"the saved {name} is {state[name].dtype}{list(state[name].shape)}, this model's "
+                                 f"{a.dtype}{list(want)}")
+            cut = [slice(None)] * a.ndim
+            cut[axis] = slice(0, n_pos)
+            a[tuple(cut)] = state[name]
+        self.n_pos = n_pos
+
 
 @dataclass
 class AttnSpec:

@@ -168,6 +168,9 @@ class LatentCache(KVCache):
         self.v = self.k[..., :n_latent]  # [L, 1, S, latent]
         self.n_pos, self.n_ctx = 0, n_ctx
 
+    def arrays(self) -> dict:
+        return {"k": (self.k, 2)}  # (the values are a view of it)
+
 
 class Model(GroupedMoE, MoEModel):
     MODEL_TYPE = MODEL_TYPE

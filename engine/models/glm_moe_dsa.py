@@ -85,6 +85,9 @@ class DsaCache(deepseek_v3.LatentCache):
         self.rows = {il: i for i, il in enumerate(full)}
         self.ik = np.zeros((len(full), n_ctx, index_head_dim), np.float32)  # [full layers, S, index_head_dim]
 
+    def arrays(self) -> dict:
+        return super().arrays() | {"ik": (self.ik, 1)}
+
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     # x [T, d] f32 -> [T, d]: (x - mean) / sqrt(var + eps) * w + b

@@ -236,3 +236,42 @@ def test_run_learns_into_a_history_and_policies_keep_the_tokens(demo, tmp_path):
     ro = run_json(c, "--max-tokens", 4, "--history", hist, "--history-read-only", "policies")
     assert ro["stats"]["model"]["experts"]["history"]["steps_loaded"] == 3 * len(want)
     assert json.load(open(next((hist / "history").iterdir())))["steps"] == 3 * len(want)  # read-only: not written
+
+
+def test_a_session_continues_the_conversation_turn_by_turn(demo, tmp_path):
+    """`run --session FILE` three times: each turn computes only its new tokens on the saved
+    conversation, and the last turn gives what one request of the whole conversation (its
+    token ids) gives; a damaged file is moved aside with a warning and the conversation
+    starts afresh; a session of another model is refused with exit 4; --chat is refused."""
+    from colibri.engine.generate import SamplingParams, generate
+
+    from hf_models import load_model
+
+    ses = tmp_path / "talk.session"
+    turns, whole = [], []
+    for text in ("Once upon a time", " the king said", " and the cat"):
+        r = colictl("run", "--model", demo, "--session", ses, "--max-tokens", 5, "--json", text)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["stats"]["session"]["continued_tokens"] == len(whole)
+        turns.append(out)
+        whole += out["prompt_token_ids"] + out["token_ids"]
+    last = turns[-1]
+    prompt = whole[: len(whole) - len(last["token_ids"])]
+    want = [e.token_id for e in generate(load_model(str(demo)), prompt, SamplingParams(max_tokens=5))
+            if e.kind == "token"]
+    assert last["token_ids"][: len(want)] == want[: len(last["token_ids"])]
+
+    ses.write_bytes(ses.read_bytes()[:100])  # truncated
+    r = colictl("run", "--model", demo, "--session", ses, "--max-tokens", 2, "--json", "Fresh")
+    assert r.returncode == 0 and "moved aside" in r.stderr
+    assert json.loads(r.stdout)["stats"]["session"]["continued_tokens"] == 0
+    assert any(p.name.startswith("talk.session.corrupt-") for p in tmp_path.iterdir())
+
+    other = tmp_path / "other"
+    shutil.copytree(demo, other)
+    rewrite_config(other, lambda c: c.update(rms_norm_eps=1e-3))  # another model: its config differs
+    r = colictl("run", "--model", other, "--session", ses, "--max-tokens", 2, "Hello")
+    assert r.returncode == exitcodes.BAD_REQUEST and "another model" in r.stderr and "Traceback" not in r.stderr
+    r = colictl("run", "--model", demo, "--session", ses, "--chat", "Hello")
+    assert r.returncode == exitcodes.USAGE and "--session" in r.stderr
