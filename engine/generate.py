@@ -148,11 +148,11 @@ class Request:
         # prior: a conversation this request continues (prompt_ids its new turn); keep: its
         # done event carries the conversation after it (Event.conversation)
         params.check()
-        check_prompt([int(i) for i in prompt_ids], model.n_ctx)
+        new = [int(i) for i in prompt_ids]
+        check_prompt(new, model.n_ctx)
         self.prior, self.keep = prior, keep
         before = prior.tokens[:-1] if prior is not None else []  # the tokens in the restored cache
-        self.prompt_ids = prior.tokens[-1:] + [int(i) for i in prompt_ids] if prior is not None else \
-            [int(i) for i in prompt_ids]
+        self.prompt_ids = (prior.tokens[-1:] if prior is not None else []) + new  # what this request feeds
         if len(before) + len(self.prompt_ids) >= model.n_ctx:
             raise PromptTooLong(f"the conversation has {len(before) + len(self.prompt_ids)} tokens; the model's "
                                 f"context is {model.n_ctx}")
