@@ -1,5 +1,5 @@
 """colictl: the command line. Client commands talk to colibrid through ctl/client.py and
-import nothing heavy: generate, chat, status, stats, ping on the user socket; cache, pin,
+import nothing heavy: generate, chat, session, status, stats, ping on the user socket; cache, pin,
 unpin, policy, reload, shutdown on the operator socket. The commands that need no daemon
 (run, convert, demo-model in ctl/offline.py, doctor in ctl/doctor.py) are imported only
 when called, so the client path never loads numpy or numba."""
@@ -147,7 +147,7 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({k: r.get(k) for k in ("experts", "requests", "uptime_s", "policy", "history",
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "requests", "uptime_s", "policy", "history",
                                                          "phase", "progress")}))
         elif r.get("experts") is None:
             click.echo(f"colibrid is {phase_line(r)}")
@@ -160,6 +160,8 @@ def stats(client, as_json, watch):
                        f"{q['served']} served, {q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
             if r.get("history"):
                 click.echo(f"history: {history_line(r['history'])}")
+            if r.get("kv"):
+                click.echo(kv_line(r["kv"]))
         if not watch:
             return
         try:
@@ -189,8 +191,17 @@ def cache():
     """Show or resize the expert cache of the running daemon."""
 
 
+def kv_line(kv: dict) -> str:
+    return (f"kv: {kv['blocks']} blocks of {kv['block_tokens']} tokens, {kv['bytes'] / 2**20:.1f} of "
+            f"{kv['budget_bytes'] / 2**20:.1f} MiB ({kv['held_blocks']} held by running requests), "
+            f"{kv['hit_requests']} of {kv['lookups']} requests reused a prefix, {kv['saved_prefill_tokens']} prompt "
+            f"tokens not computed again, {kv['evicted_blocks']} blocks evicted")
+
+
 def show_placement(r: dict) -> None:
     p, e = r["placement"], r["experts"]
+    if r.get("kv"):
+        click.echo(kv_line(r["kv"]))
     if "slots" not in p:
         click.echo(f"experts all resident ({p.get('expert_bytes', 0) / 2**20:.1f} MiB)")
         return
@@ -213,20 +224,26 @@ def cache_show(client, as_json):
     """The budget, the arena and the counters."""
     r = client.call("cache", action="show")
     if as_json:
-        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"]}))
+        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"], "kv": r.get("kv")}))
     else:
         show_placement(r)
 
 
 @cache.command("set")
-@click.option("--experts", "size", required=True, metavar="SIZE", help="bytes, KiB/MiB/GiB, min or all")
+@click.option("--experts", "size", metavar="SIZE", help="the expert cache: bytes, KiB/MiB/GiB, min or all")
 @click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts; auto: what the policy's hot "
                                              "set takes (default: unchanged)")
+@click.option("--kv", metavar="SIZE", help="the prefix cache (KV blocks of computed prompts): bytes, KiB/MiB/GiB; "
+                                         "0: off")
 @with_client(operator=True)
-def cache_set(client, size, pinned):
-    """Resize the expert cache now: no restart, no request dropped."""
-    fields = {"pinned": pinned} if pinned is not None else {}
-    show_placement(client.call("cache", timeout_ms=None, action="set", experts=size, **fields))
+def cache_set(client, size, pinned, kv):
+    """Resize the expert cache or the prefix cache now: no restart, no request dropped."""
+    if size is None and kv is None:
+        fail("cache set needs --experts SIZE or --kv SIZE", exitcodes.USAGE)
+    if pinned is not None and size is None:
+        fail("--pinned is the part of --experts: give both", exitcodes.USAGE)
+    fields = {k: v for k, v in (("experts", size), ("pinned", pinned), ("kv", kv)) if v is not None}
+    show_placement(client.call("cache", timeout_ms=None, action="set", **fields))
 
 
 def expert_ref(value: str) -> tuple[int, int]:
@@ -306,20 +323,31 @@ def reload(client):
 @cli.command()
 @sampling_options(max_tokens=512)
 @click.option("--system", metavar="TEXT", help="a system message to start the conversation")
+@click.option("--session", metavar="NAME", help="continue the named conversation colibrid keeps for you (it "
+                                               "survives restarts); each turn sends only the new message")
 @input_errors_option
 @click.option("--wait", is_flag=True, help="wait for colibrid to start (a minute for its socket) and to load its "
                                          "model")
 @with_client
-def chat(client, max_tokens, temperature, top_k, top_p, seed, system, input_errors, wait):
+def chat(client, max_tokens, temperature, top_k, top_p, seed, system, session, input_errors, wait):
     """Talk with the model: each line you type is a user message; the conversation is kept
     and formatted with the model's chat template. Ctrl-C stops a reply, Ctrl-D ends."""
     from .options import decode_text
 
     ready(client, wait)
     system = text_arg(system, input_errors, "--system")
+    session = text_arg(session, "strict", "--session")
     messages = [{"role": "system", "content": system}] if system else []
     fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed)
     tty = sys.stdin.isatty()
+    if session is not None:  # the daemon keeps the conversation: send each turn's new messages only
+        fields["session"] = session
+        known = existing_session(client, session)
+        if known is not None and system:
+            fail(f"session {session!r} has started already: --system only begins a new one", exitcodes.USAGE)
+        if known is not None and tty:
+            click.echo(f"[colibri] session {session}: {known['turns']} turns, {known['tokens']} tokens so far",
+                       err=True)
     n_line = 0
     while True:
         if tty:
@@ -350,7 +378,22 @@ def chat(client, max_tokens, temperature, top_k, top_p, seed, system, input_erro
             from .client import ReplyError
 
             raise ReplyError(msg)
-        messages.append({"role": "assistant", "content": msg.get("text", "")})
+        if session is not None:
+            messages = []  # the daemon keeps them (a cancelled turn is not kept)
+        else:
+            messages.append({"role": "assistant", "content": msg.get("text", "")})
+
+
+def existing_session(client, name: str) -> dict | None:
+    """The summary of this user's session `name`, None when it does not exist yet."""
+    from .client import ReplyError
+
+    try:
+        return client.call("session", action="show", name=name)["session"]
+    except ReplyError as e:
+        if e.name == "NOT_FOUND":
+            return None
+        raise
 
 
 def stream_reply(client, rid: str, show: bool) -> dict:
@@ -398,19 +441,25 @@ def shutdown(client):
 @sampling_options(max_tokens=128)
 @click.option("--stop", multiple=True, metavar="STR", help="stop when this string is generated (repeatable)")
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
+@click.option("--session", metavar="NAME", help="continue the named conversation colibrid keeps for you: the "
+                                               "prompt is its next turn (raw text; with --chat, a user message)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @input_errors_option
 @click.option("--wait", is_flag=True, help="wait for colibrid to start (a minute for its socket) and to load its "
                                          "model, instead of exit 5 or 9")
 @click.argument("prompt", required=False)
 @with_client
-def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, input_errors, wait, prompt):
+def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, session, as_json, input_errors, wait,
+             prompt):
     """Generate through colibrid. PROMPT, or stdin when absent or '-'. Ctrl-C cancels."""
     prompt = read_prompt(prompt, input_errors)
     stop = [text_arg(s, input_errors, "--stop") for s in stop]
+    session = text_arg(session, "strict", "--session")
     hello = ready(client, wait)
     fields = sampling_fields(max_tokens, temperature, top_k, top_p, seed) | {"stop": stop}
     fields |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    if session is not None:
+        fields["session"] = session
     rid = client.send("generate", **fields)
     try:
         msg = stream_reply(client, rid, show=not as_json)
@@ -428,7 +477,8 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     lossy = " (LOSSY: experts converted to " + str(precision.get("experts")) + ")" if precision.get("lossy") else ""
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": msg.get("prompt_token_ids"), "token_ids": msg["token_ids"],
-                               "text": msg["text"], "finish_reason": msg["finish_reason"], "stats": msg["stats"]}))
+                               "text": msg["text"], "finish_reason": msg["finish_reason"], "stats": msg["stats"],
+                               **({"session": msg["session"]} if "session" in msg else {})}))
     else:
         sys.stdout.write("\n")  # the streamed text's line ends before stderr speaks
         sys.stdout.flush()
@@ -442,6 +492,61 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, as
     rate = f"{s['decode_tok_s']:.1f} tok/s" if s.get("decode_tok_s") else "-"
     click.echo(f"[colibri] {s['n_prompt_tokens']} prompt tokens, {s['n_generated_tokens']} generated ({rate}), "
                f"finish: {msg['finish_reason']}{lossy}", err=True)
+    if "session" in msg:
+        click.echo(f"[colibri] {session_line(msg['session'])}", err=True)
+
+
+def session_line(info: dict) -> str:
+    kept = (f"turn {info['turns']} kept, {info['tokens']} tokens" if info.get("saved")
+            else "this turn was NOT kept (see colibrid's log)")
+    return f"session {info['name']}: {info['reused_tokens']} tokens reused from its cache, {kept}"
+
+
+@cli.group()
+def session():
+    """Conversations colibrid keeps for you (chat/generate --session NAME)."""
+
+
+@session.command("list")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per session")
+@with_client
+def session_list(client, as_json):
+    """Your sessions: turns, tokens, size, last use."""
+    for info in client.call("session", action="list")["sessions"]:
+        if as_json:
+            click.echo(json.dumps(info))
+        else:
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(info["updated"]))
+            click.echo(f"{info['name']:24} {info['mode']:4} {info['turns']:4} turns {info['tokens']:7} tokens "
+                       f"{info['bytes'] / 2**20:9.1f} MiB  {used}{'  (in use)' if info['in_use'] else ''}")
+
+
+@session.command("show")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@click.argument("name")
+@with_client
+def session_show(client, as_json, name):
+    """One session: its summary, then the conversation."""
+    info = client.call("session", action="show", name=text_arg(name, "strict", "NAME"))["session"]
+    if as_json:
+        click.echo(json.dumps(info))
+        return
+    click.echo(f"session {info['name']}: {info['mode']}, {info['turns']} turns, {info['tokens']} tokens, "
+               f"{info['bytes'] / 2**20:.1f} MiB", err=True)
+    if "messages" in info:
+        for m in info["messages"]:
+            click.echo(f"[{m['role']}] {m['content']}")
+    else:
+        click.echo(info.get("text", ""))
+
+
+@session.command("rm")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@with_client
+def session_rm(client, names):
+    """Delete sessions."""
+    for name in names:
+        client.call("session", action="rm", name=text_arg(name, "strict", "NAME"))
 
 
 def main():

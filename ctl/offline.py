@@ -151,22 +151,38 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     model, tok = placed.model, tokenizers[0]
     layers.init(threads or None)  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
-    if chat and session_file:
-        raise click.UsageError("--session continues a conversation as raw text; --chat cannot be combined with it "
-                               "yet (a chat template's turns need the daemon's `chat --session`)")
-    if chat:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text_in}]), special=False)
-    else:
-        ids = tok.encode(text_in)
-    check_prompt(ids, model.n_ctx)
-    prior, keys = None, None
+    prior, keys, messages = None, None, [{"role": "user", "content": text_in}]
+    saved = None
     if session_file:
-        from ..engine.generate import Conversation
         from ..storage.sessions import fingerprints, load_session
 
         keys = fingerprints(path)
         saved = load_session(session_file, *keys, model.args.vocab_size)
-        prior = Conversation(*saved) if saved else None
+        mode = saved[2].get("mode", "text") if saved else ("chat" if chat else "text")
+        if mode != ("chat" if chat else "text"):
+            raise click.UsageError(f"{session_file} is a {mode} session: continue it "
+                                   f"{'with' if mode == 'chat' else 'without'} --chat")
+        if saved and chat:
+            try:
+                earlier = json.loads(saved[2].get("messages", ""))
+            except ValueError:
+                earlier = None
+            if isinstance(earlier, list):
+                messages = earlier + messages
+            else:
+                click.echo(f"[colibri] {session_file}: its chat messages cannot be read; starting afresh", err=True)
+                saved = None
+    if chat:
+        ids = tok.encode(tok.apply_chat_template(messages), special=False)
+    else:
+        ids = tok.encode(text_in)
+    check_prompt(ids, model.n_ctx)
+    if saved:
+        from ..engine.generate import Conversation
+
+        prior = Conversation(*saved[:2])
+        if chat:  # the whole chat rendered again: computed from where it differs from the saved tokens
+            prior, ids = prior.continued(ids)
     info = model.describe()
     if not as_json:
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
@@ -193,7 +209,9 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     if session_file and done.conversation is not None:
         from ..storage.sessions import save_session
 
-        save_session(session_file, done.conversation.tokens, done.conversation.kv, *keys)
+        extra = {"mode": "chat", "messages": json.dumps(messages + [{"role": "assistant", "content": "".join(pieces)}],
+                                                        ensure_ascii=False)} if chat else {"mode": "text"}
+        save_session(session_file, done.conversation.tokens, done.conversation.kv, *keys, extra)
         stats["session"] = {"file": session_file, "continued_tokens": len(prior.tokens) if prior else 0,
                             "tokens": len(done.conversation.tokens)}
     if as_json:

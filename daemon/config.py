@@ -46,6 +46,9 @@ class Config:
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
+    kv_cache: str = "512MiB"  # the prefix cache: KV blocks of computed prompts kept for requests that share them; 0: off
+    sessions_bytes: str = "4GiB"  # all session files together; beyond it the least recently used go
+    sessions_age_days: float = 30.0  # a session unused this long is removed; 0: never
     watchdog_s: float = 0.0  # 0: use WATCHDOG_USEC from systemd when set
     log_level: str = "info"  # debug, info, warning, error
 
@@ -71,7 +74,8 @@ _KINDS = {  # key -> what a valid value is
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
-    "max_streams_per_client": "positive", "max_message_bytes": "positive",
+    "max_streams_per_client": "positive", "max_message_bytes": "positive", "sessions_bytes": "bytes", "kv_cache": "bytes",
+    "sessions_age_days": "days",
     "watchdog_s": "seconds", "log_level": "level",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -95,6 +99,15 @@ def _valid(kind: str, v) -> str | None:
         except BudgetInvalid:
             return "a size: bytes, KiB/MiB/GiB, min or all"
         return None
+    if kind == "bytes":
+        from ..storage.errors import BudgetInvalid
+        from ..storage.sizes import parse_size
+
+        try:
+            ok = isinstance(v, str | int) and not isinstance(v, bool) and isinstance(parse_size(str(v)), int)
+        except BudgetInvalid:
+            ok = False
+        return None if ok else "a size: bytes or KiB/MiB/GiB"
     if kind == "positive":
         return None if is_int and v >= 1 else "an integer of at least 1"
     if kind == "count":
@@ -108,7 +121,7 @@ def _valid(kind: str, v) -> str | None:
         return None if v is None or (is_int and v >= 0) else "a NUMA node number or null"
     if kind == "bool":
         return None if isinstance(v, bool) else "true or false"
-    if kind in ("seconds", "milliseconds"):
+    if kind in ("seconds", "milliseconds", "days"):
         return None if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else f"{kind}, at least 0"
     if kind == "fraction":
         ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1
@@ -168,8 +181,9 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
             values[key] = _check(key, value, "command line")
     if values.get("verify") is False:
         values["verify"] = "off"
-    if "expert_cache" in values:
-        values["expert_cache"] = str(values["expert_cache"])
+    for key in ("expert_cache", "kv_cache", "sessions_bytes"):
+        if key in values:
+            values[key] = str(values[key])
     return Config(**values)
 
 

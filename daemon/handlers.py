@@ -19,7 +19,7 @@ log = logging.getLogger("colibri.daemon")
 
 RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
             "(colictl convert) to stream them under a budget")
-NEEDS_MODEL = ("generate", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
+NEEDS_MODEL = ("generate", "session", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
 
 
 class Handlers:
@@ -35,6 +35,7 @@ class Handlers:
             "stats_request": self.on_stats,
             "generate_request": self.on_generate,
             "cancel_request": self.on_cancel,
+            "session_request": self.on_session,
             "shutdown_request": self.on_shutdown,
             "cache_request": self.on_cache,
             "reload_request": self.on_reload,
@@ -43,10 +44,12 @@ class Handlers:
             "policy_request": self.on_policy,
         }
 
-    def dispatch(self, tag: bytes, identity: bytes, payload: bytes) -> dict | None:
+    def dispatch(self, tag: bytes, identity: bytes, payload: bytes, uid: int | None = None) -> dict | None:
         """The reply to one frame from a client on the socket `tag` (b"U" user, b"O"
-        operator), or None when the engine thread replies later."""
+        operator) whose process runs as `uid` (None: unknown), or None when the engine
+        thread replies later."""
         s = self.s
+        self.uid = uid  # the sender of the frame being answered: its sessions are the ones it may use
         if len(payload) > s.cfg.max_message_bytes:
             log.warning("refused a message of %d bytes on the %s socket: above max_message_bytes (%d)", len(payload),
                         "user" if tag == b"U" else "operator", s.cfg.max_message_bytes)
@@ -120,6 +123,7 @@ class Handlers:
         learned = {"policy": s.control.policy.name, "history": s.history.describe()} \
             if s.control is not None else {"policy": None}
         return {"experts": s.model.experts.stats.as_dict() if s.model is not None else None,
+                "kv": s.prefix.describe() if s.prefix is not None else None,
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),
                 **learned}
 
@@ -137,9 +141,12 @@ class Handlers:
         if mine >= s.cfg.max_streams_per_client:
             raise ProtocolError("BUSY", f"this client has {mine} requests running or queued, the most one client "
                                         "may have (max_streams_per_client); retry later")
+        session = msg.get("session")
+        if session is not None:
+            self.session_name(session)
         s.inflight[key] = time.time()
         s.counters["accepted"] += 1  # each ends as exactly one of served, failed, cancelled
-        s.inbox.put(Generate(key, msg))
+        s.inbox.put(Generate(key, msg, self.uid))
         return None  # the engine thread streams and replies
 
     def on_cancel(self, identity, rid, msg):
@@ -148,6 +155,61 @@ class Handlers:
             raise ProtocolError("NOT_FOUND", f"no running request {target!r} of this client")
         self.s.inbox.put(Cancel((identity, target)))
         return {"cancelled": True}
+
+    def session_name(self, name) -> str:
+        """A session name of a request from a peer whose uid is known. Raises ProtocolError."""
+        from .sessions import NAME, NAME_RULE
+
+        if not isinstance(name, str):
+            raise ProtocolError("BAD_MESSAGE", "'session' must be a string")
+        if not NAME.fullmatch(name):
+            raise ProtocolError("INVALID_REQUEST", f"session name {name!r} is not valid: {NAME_RULE}")
+        self.need_uid()
+        return name
+
+    def need_uid(self) -> int:
+        """The sender's uid. Raises ProtocolError when the socket did not tell it."""
+        if self.uid is None:
+            raise ProtocolError("FORBIDDEN", "colibrid cannot tell which user sent this request (no peer credentials "
+                                             "on the socket), so it keeps no session for it")
+        return self.uid
+
+    def on_session(self, identity, rid, msg):
+        from .sessions import SessionInUse
+
+        store, action = self.s.sessions, msg.get("action")
+        if action not in ("list", "show", "rm"):
+            raise ProtocolError("BAD_MESSAGE", "'action' must be \"list\", \"show\" or \"rm\"")
+        if action == "list":
+            return {"sessions": store.list(self.need_uid())}
+        name = self.session_name(msg.get("name"))
+        if action == "rm":
+            try:
+                if not store.remove(self.uid, name):
+                    raise ProtocolError("NOT_FOUND", f"no session {name!r} of this user")
+            except SessionInUse as e:
+                raise ProtocolError("BUSY", str(e)) from None
+            return {"removed": name}
+        info = store.describe(self.uid, name)
+        if info is None:
+            raise ProtocolError("NOT_FOUND", f"no session {name!r} of this user")
+        return {"session": info | self.session_text(store.path(self.uid, name))}
+
+    def session_text(self, path: str) -> dict:
+        """A session's conversation for `session show`: a chat's messages, a raw session's
+        text (decoded from its tokens)."""
+        import json
+
+        from ..storage.errors import CheckpointError
+        from ..storage.safetensors import SafetensorsFile
+
+        try:
+            f = SafetensorsFile(path)
+            if f.metadata.get("mode") == "chat":
+                return {"messages": json.loads(f.metadata.get("messages", "[]"))}
+            return {"text": self.s.tokenizer.decode([int(t) for t in f.read("tokens")])}
+        except (CheckpointError, OSError, ValueError) as e:
+            raise ProtocolError("MODEL_ERROR", f"session file {path} cannot be read: {e}") from None
 
     # ---- operators ---------------------------------------------------------------------------
 
@@ -169,21 +231,32 @@ class Handlers:
         s = self.s
         action = msg.get("action")
         if action == "show":
-            return {"placement": s.model.experts.describe(), "experts": s.model.experts.stats.as_dict()}
+            return {"placement": s.model.experts.describe(), "experts": s.model.experts.stats.as_dict(),
+                    "kv": s.prefix.describe()}
         if action != "set":
             raise ProtocolError("BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
-        size = msg.get("experts")
-        if isinstance(size, bool) or not isinstance(size, str | int):
-            raise ProtocolError("BAD_MESSAGE", "'experts' must be a size: bytes, KiB/MiB/GiB, min or all")
-        budget = size_arg(size)
+        size, kv = msg.get("experts"), msg.get("kv")
+        if size is None and kv is None:
+            raise ProtocolError("BAD_MESSAGE", "a cache set needs 'experts' or 'kv' (or both)")
+        for name, value in (("experts", size), ("kv", kv)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
+                raise ProtocolError("BAD_MESSAGE", f"'{name}' must be a size: bytes, KiB/MiB/GiB"
+                                    + (", min or all" if name == "experts" else ""))
+        budget = size_arg(size) if size is not None else None
+        if kv is not None:
+            kv = size_arg(kv, "kv: ")
+            if not isinstance(kv, int):
+                raise ProtocolError("INVALID_REQUEST", "kv must be a size in bytes, KiB, MiB or GiB (0: off)")
         pinned = msg.get("pinned")
+        if pinned is not None and budget is None:
+            raise ProtocolError("BAD_MESSAGE", "'pinned' is the part of 'experts': give both")
         if pinned is not None and pinned != "auto":
             pinned = size_arg("?" if isinstance(pinned, bool) else pinned, "pinned: ")
             if not isinstance(pinned, int):
                 raise ProtocolError("INVALID_REQUEST", "pinned must be a size in bytes, KiB, MiB or GiB")
-        if s.control is None:
+        if s.control is None and budget is not None:
             raise ProtocolError("INVALID_REQUEST", RESIDENT)
-        s.inbox.put(Resize((identity, rid), budget, pinned))  # the engine thread resizes between two steps
+        s.inbox.put(Resize((identity, rid), budget, pinned, kv))  # the engine thread resizes between two steps
         return None
 
     def on_pin(self, identity, rid, msg):
@@ -257,6 +330,8 @@ def check_generate(msg: dict, max_tokens_limit: int) -> None:
             raise ProtocolError("BAD_MESSAGE", f"'{name}' must be a number" if types is not int else
                                 f"'{name}' must be an integer")
     stop = msg.get("stop")
+    if msg.get("session") is not None and not isinstance(msg["session"], str):
+        raise ProtocolError("BAD_MESSAGE", "'session' must be a string")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ProtocolError("BAD_MESSAGE", "'stop' must be a list of strings")
     texts = [("prompt", prompt)] if prompt is not None else \

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 
-PROTOCOL_VERSION = "1.2"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.3"  # major.minor: minors only add fields and messages
 
 # numbered errors: (code, name) -> what the client's user can do about it
 ERRORS = {
@@ -32,9 +32,9 @@ ERRORS = {
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
-REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "cache", "pin", "unpin", "policy",
-                 "reload", "shutdown")
-USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel")  # the user socket takes only these;
+REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "cache", "pin", "unpin",
+                 "policy", "reload", "shutdown")
+USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session")  # the user socket takes only these;
 # the operator socket takes every type
 
 DEFAULT_SOCKET_NAME = "colibri.sock"

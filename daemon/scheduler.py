@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from ..engine.errors import PromptTooLong
 from ..storage.errors import BudgetInvalid, ColibriError, ExpertReadError
 from . import protocol as P
 from .protocol import ProtocolError
@@ -30,6 +31,20 @@ Key = tuple[bytes, str]  # (client identity with its socket tag, request id)
 class Generate:
     key: Key
     msg: dict  # the generate_request, checked by the handler
+    uid: int | None = None  # the sender's uid (its sessions are the ones it may use)
+
+
+@dataclass
+class Turn:
+    """A request's session: what to write when it completes."""
+
+    uid: int
+    name: str
+    mode: str  # "text" or "chat"
+    messages: list | None  # a chat's messages so far (the reply is added when it completes)
+    turns: int  # completed turns before this one
+    created: float
+    reused: int  # positions taken from the session's cache
 
 
 @dataclass(frozen=True)
@@ -40,8 +55,9 @@ class Cancel:
 @dataclass(frozen=True)
 class Resize:
     reply_to: Key | None  # None: a reload asked it, nobody waits for the reply
-    budget: int | str
+    budget: int | str | None  # the expert cache's; None: as before
     pinned: int | str | None  # bytes, "auto", or None: as before
+    kv: int | None = None  # the prefix cache's bytes; None: as before
 
 
 @dataclass(frozen=True)
@@ -68,9 +84,10 @@ class Scheduler:
 
         self.d, self.push = daemon, push
         self._chunk = daemon.cfg.prefill_chunk
-        self.batcher = Batcher(daemon.model, self._chunk)
+        self.batcher = Batcher(daemon.model, self._chunk, daemon.prefix)
         self.waiting: list[Generate] = []
         self.state: dict[Key, tuple] = {}  # key -> (request, token ids, text pieces)
+        self.turns: dict[Key, Turn] = {}  # requests that continue a session
         self.by_client: set[Key] = set()  # requests their client cancelled (the others a stop cancels)
         self._saved_steps = None  # the usage history's step count at its last write
         self.actions = {Generate: self.on_generate, Cancel: self.on_cancel, Resize: self.on_resize,
@@ -137,26 +154,95 @@ class Scheduler:
             g = self.waiting.pop(0)
             key, msg = g.key, g.msg
             try:
-                if "messages" in msg:
-                    ids = d.tokenizer.encode(d.tokenizer.apply_chat_template(msg["messages"]), special=False)
+                if msg.get("session") is not None:
+                    ids, prior = self.open_turn(g)
+                elif "messages" in msg:
+                    ids, prior = d.tokenizer.encode(d.tokenizer.apply_chat_template(msg["messages"]),
+                                                    special=False), None
                 else:
-                    ids = d.tokenizer.encode(msg["prompt"])
+                    ids, prior = d.tokenizer.encode(msg["prompt"]), None
                 params = SamplingParams(max_tokens=msg.get("max_tokens", 256),
                                         temperature=float(msg.get("temperature", 0.0)), top_k=msg.get("top_k", 0),
                                         top_p=float(msg.get("top_p", 1.0)), seed=msg.get("seed"),
                                         stop=tuple(msg.get("stop") or ()))
-                req = Request(d.model, ids, params, d.eos, d.tokenizer, rid=key)
+                req = Request(d.model, ids, params, d.eos, d.tokenizer, rid=key, prior=prior, keep=key in self.turns)
+            except ProtocolError as e:
+                self.end_turn(key)
+                self.fail(key, e.name, str(e))
+                continue
             except ColibriError as e:
-                self.fail(key, "INVALID_REQUEST", str(e))
+                self.end_turn(key)
+                self.fail(key, "INVALID_REQUEST", str(e) + (f" (colictl session rm {msg['session']} starts it afresh)"
+                                                            if isinstance(e, PromptTooLong) and key in self.turns
+                                                            else ""))
                 continue
             except Exception as e:  # a bug must cost this request, never the engine thread
                 log.exception("starting request %s", key[1])
+                self.end_turn(key)
                 self.fail(key, "INTERNAL", f"{type(e).__name__}: {e}")
                 continue
             self.batcher.add(req)
             self.state[key] = (req, [], [])
             if os.environ.get("COLIBRI_TEST_ENGINE_CRASH"):  # a test hook: a bug in the loop itself
                 raise RuntimeError("COLIBRI_TEST_ENGINE_CRASH is set")
+
+    def open_turn(self, g: Generate) -> tuple[list[int], object]:
+        """(new token ids, prior conversation or None) of a request that continues a
+        session; the session is taken (in use) until end_turn. Raises ProtocolError."""
+        from ..engine.generate import Conversation
+        from ..storage.sessions import SessionMismatch
+        from .sessions import SessionInUse
+
+        d, msg, name = self.d, g.msg, g.msg["session"]
+        mode = "chat" if "messages" in msg else "text"
+        try:
+            saved = d.sessions.take(g.uid, name)
+        except SessionInUse as e:
+            raise ProtocolError("BUSY", str(e)) from None
+        except SessionMismatch as e:
+            raise ProtocolError("INVALID_REQUEST", str(e)) from None
+        except OSError as e:
+            raise ProtocolError("MODEL_ERROR", f"session {name!r} cannot be read: {e.strerror}") from None
+        if saved is not None and saved.mode != mode:
+            d.sessions.release(g.uid, name)
+            how = "messages (colictl chat --session)" if saved.mode == "chat" else "prompts (colictl generate --session)"
+            raise ProtocolError("INVALID_REQUEST", f"session {name!r} is a {saved.mode} session: continue it with "
+                                                   f"{how}, or use another name")
+        prior = Conversation(saved.tokens, saved.kv) if saved is not None else None
+        turn = Turn(g.uid, name, mode, None, saved.turns if saved else 0, saved.created if saved else time.time(), 0)
+        self.turns[g.key] = turn
+        if mode == "text":
+            ids = d.tokenizer.encode(msg["prompt"])
+        else:  # the whole conversation rendered afresh; the part it shares with the session is not computed again
+            turn.messages = (saved.messages if saved else []) + msg["messages"]
+            ids = d.tokenizer.encode(d.tokenizer.apply_chat_template(turn.messages), special=False)
+            if prior is not None:
+                prior, ids = prior.continued(ids)
+        turn.reused = len(prior.tokens) - 1 if prior is not None else 0
+        return ids, prior
+
+    def end_turn(self, key: Key, conversation=None, text: str = "") -> dict | None:
+        """Release the request's session (writing it when the turn completed, with the
+        `conversation` after it); what the reply says about it, or None without a session."""
+        from .sessions import Saved
+
+        turn = self.turns.pop(key, None)
+        if turn is None:
+            return None
+        saved = None
+        if conversation is not None:
+            messages = turn.messages + [{"role": "assistant", "content": text}] if turn.mode == "chat" else None
+            saved = Saved(conversation.tokens, conversation.kv, turn.mode, messages, turn.turns + 1, turn.created)
+        info = {"name": turn.name, "turns": turn.turns + (saved is not None), "reused_tokens": turn.reused,
+                "saved": False}
+        try:
+            self.d.sessions.release(turn.uid, turn.name, saved)
+            info["saved"] = saved is not None
+        except OSError as e:
+            log.warning("session %s of uid %d could not be saved: %s", turn.name, turn.uid, e.strerror)
+        if saved is not None:
+            info["tokens"] = len(saved.tokens)
+        return info
 
     def fail(self, key: Key, name: str, message: str) -> None:
         self.out(key, P.error("generate", key[1], name, message))
@@ -176,11 +262,11 @@ class Scheduler:
                 log.error("step failed: %s", e)
             else:
                 log.exception("step failed")
-            for r in self.batcher.active:
+            for r in self.batcher.abort():
                 self.state.pop(r.id, None)
+                self.end_turn(r.id)
                 self.fail(r.id, "MODEL_ERROR" if model_error else "INTERNAL",
                           str(e) if model_error else f"{type(e).__name__}: {e}")
-            self.batcher.active.clear()
             return
         for req, ev in events:
             key = req.id
@@ -194,6 +280,9 @@ class Scheduler:
             pieces.append(ev.text)
             del self.state[key]
             made = {"token_ids": ids, "text": "".join(pieces)}
+            session = self.end_turn(key, ev.conversation, made["text"])
+            if session is not None:
+                made["session"] = session
             if ev.finish_reason == "cancelled":
                 d.counters["cancelled"] += 1
                 if key in self.by_client:
@@ -229,13 +318,19 @@ class Scheduler:
 
     def on_resize(self, m: Resize) -> None:
         def resize():
-            t0 = time.perf_counter()
-            try:
-                desc = self.d.control.resize(m.budget, m.pinned)
-            except BudgetInvalid as e:
-                raise ProtocolError("INVALID_REQUEST", str(e)) from None
-            log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)
-            return {"placement": desc, "experts": self.d.model.experts.stats.as_dict()}
+            d = self.d
+            if m.budget is not None:
+                t0 = time.perf_counter()
+                try:
+                    desc = d.control.resize(m.budget, m.pinned)
+                except BudgetInvalid as e:
+                    raise ProtocolError("INVALID_REQUEST", str(e)) from None
+                log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)
+            if m.kv is not None:
+                d.prefix.resize(m.kv)
+                log.info("prefix cache budget: %d bytes (%d blocks kept)", m.kv, len(d.prefix.blocks))
+            return {"placement": d.model.experts.describe(), "experts": d.model.experts.stats.as_dict(),
+                    "kv": d.prefix.describe()}
 
         self.reply("cache", m.reply_to, resize)
 

@@ -76,6 +76,8 @@ class Server:
         self.socket_path = cfg.socket or P.default_socket()
         self.operator_path = cfg.operator_socket or P.operator_socket(self.socket_path)
         self.routers: dict[bytes, zmq.Socket] = {}  # b"U": user socket, b"O": operator socket
+        self.sessions = None  # daemon/sessions.py's SessionStore once the model is placed
+        self.prefix = None  # engine/prefix.py's PrefixCache once the model is placed
         self.handlers = Handlers(self)
 
     # ---- start-up --------------------------------------------------------------------------
@@ -162,9 +164,26 @@ class Server:
             self.boot["mlock_dense"] = lock_arrays(dense, "dense weights")
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
         self.control, self.history = placed.control, placed.history
+        self.sessions = self.session_store(path, model)
+        from ..engine.prefix import PrefixCache
+
+        self.prefix = PrefixCache(parse_size(self.cfg.kv_cache))
         self.model = model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
+
+    def session_store(self, path: str, model):
+        from ..storage.sessions import fingerprints
+        from ..storage.sizes import parse_size
+        from .sessions import SessionStore
+
+        store = SessionStore(os.path.join(state_dir(self.cfg), "sessions"), fingerprints(path), model.args.vocab_size,
+                             parse_size(self.cfg.sessions_bytes), self.cfg.sessions_age_days)
+        try:
+            store.expire()
+        except OSError as e:
+            log.warning("could not apply the session budgets in %s: %s", store.root, e.strerror)
+        return store
 
     def bind(self, ctx: zmq.Context, path: str, group: str | None) -> zmq.Socket:
         """A ROUTER on `path`, mode 0660, of `group` (None: the daemon's). Raises
@@ -248,7 +267,7 @@ class Server:
                     break
                 for sock, _ in poller.poll(100):
                     if sock is not events:
-                        self.on_frames(by_socket[sock], sock.recv_multipart())
+                        self.on_frames(by_socket[sock], sock.recv_multipart(copy=False))
                     else:
                         identity, frame = events.recv_multipart()
                         self.deliver(identity, frame)
@@ -303,8 +322,7 @@ class Server:
 
     POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
     RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "prefill_chunk", "max_tokens_limit",
-                    "log_level", "watchdog_s",
-                    "history_save_s", *POLICY_KEYS)
+                    "log_level", "watchdog_s", "history_save_s", "kv_cache", "sessions_bytes", "sessions_age_days", *POLICY_KEYS)
 
     def reload(self) -> dict:
         """Read the configuration again (flags still override it) and apply what can change
@@ -321,12 +339,21 @@ class Server:
         self.cfg = new
         if "log_level" in applied:
             setup_logging(new.log_level)
+        if self.sessions is not None:
+            from ..storage.sizes import parse_size
+
+            self.sessions.max_bytes = parse_size(new.sessions_bytes)
+            self.sessions.max_age_s = new.sessions_age_days * 86400
         if set(applied) & set(self.POLICY_KEYS) and self.control is not None:
             self.inbox.put(SetPolicy(None, new.cache_policy()))
         if "expert_cache" in applied and self.control is not None:
             from ..storage.sizes import parse_size
 
             self.inbox.put(Resize(None, parse_size(new.expert_cache), None))
+        if "kv_cache" in applied and self.prefix is not None:
+            from ..storage.sizes import parse_size
+
+            self.inbox.put(Resize(None, None, None, parse_size(new.kv_cache)))
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
 
@@ -343,9 +370,9 @@ class Server:
                 return False
             raise
 
-    def on_frames(self, tag: bytes, frames: list[bytes]) -> None:
-        identity = tag + frames[0]
-        reply = self.handlers.dispatch(tag, identity, frames[-1])
+    def on_frames(self, tag: bytes, frames: list[zmq.Frame]) -> None:
+        identity = tag + frames[0].bytes
+        reply = self.handlers.dispatch(tag, identity, frames[-1].bytes, peer_uid(frames[-1]))
         if reply is not None:
             self.send(identity, reply)
 
@@ -396,3 +423,14 @@ class Server:
             self.stopping.set()
         finally:
             push.close(linger=1000)  # its last events reach the I/O thread
+
+
+def peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process that sent `frame` on an ipc socket: libzmq reads the peer's
+    credentials (SO_PEERCRED) when it connects and reports them as the frame's
+    Peer-Address, "localhost:UID:GID:PID"; None where it does not."""
+    try:
+        parts = (frame.get("Peer-Address") or "").split(":")
+        return int(parts[1]) if len(parts) == 4 else None
+    except (zmq.ZMQError, ValueError):
+        return None

@@ -119,7 +119,22 @@ class Conversation:
     request, its earlier prompts in one step each and each sampled token a step of its own."""
 
     tokens: list[int]
-    kv: dict
+    kv: dict  # may hold more positions than len(tokens) - 1: the request keeps only those
+
+    def continued(self, tokens: list[int]) -> tuple["Conversation", list[int]]:
+        """(prior, new tokens) for a turn whose whole conversation, rendered afresh (a chat
+        template's messages), is `tokens`: the longest common prefix with this conversation
+        keeps its cache, what follows is fed. A template that renders an earlier turn
+        differently (or the reply re-tokenized otherwise) costs only the positions after
+        the first difference."""
+        fed = len(self.tokens) - 1  # positions in the cache
+        same = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            same += 1
+        keep = min(same, fed, len(tokens) - 1)  # positions kept; tokens[keep] is fed next
+        return Conversation(tokens[: keep + 1], self.kv), tokens[keep + 1 :]
 
 
 def expert_stats(st, n_tokens: int, wall_s: float) -> dict:
@@ -149,7 +164,8 @@ class Request:
         # done event carries the conversation after it (Event.conversation)
         params.check()
         new = [int(i) for i in prompt_ids]
-        check_prompt(new, model.n_ctx)
+        if prior is None:
+            check_prompt(new, model.n_ctx)  # (a continuation always feeds the last sampled token)
         self.prior, self.keep = prior, keep
         before = prior.tokens[:-1] if prior is not None else []  # the tokens in the restored cache
         self.prompt_ids = (prior.tokens[-1:] if prior is not None else []) + new  # what this request feeds
@@ -164,11 +180,9 @@ class Request:
         self.cache = model.new_cache(len(before) + len(self.prompt_ids) + params.max_tokens)
         if prior is not None:
             try:
-                self.cache.restore(prior.kv)
+                self.cache.restore(prior.kv, len(before))
             except ValueError as e:
                 raise InvalidRequest(f"the conversation's saved state does not fit this model: {e}") from None
-            if self.cache.n_pos != len(before):
-                raise InvalidRequest("the conversation's saved state does not match its tokens")
         self.generated: list[int] = []
         self.last = -1  # the token to feed next step (-1: the prompt)
         self.fed = 0  # prompt tokens already in the KV cache
@@ -177,6 +191,32 @@ class Request:
         self.cancelled = False
         self.t_start = self.t_first = self.t_end = None
         self.stats0 = model.experts.stats.copy()
+        self.prefix = None  # the batcher's prefix cache, when it has one
+        self.held: list = []  # its blocks this request started from (held until it ends)
+        self.cached = 0  # prompt tokens taken from the prefix cache, not computed
+
+    def use_prefix(self, prefix) -> None:
+        """Start from the longest prefix of the prompt that `prefix` (engine/prefix.py) holds,
+        and give it this request's blocks as they are computed. A continued conversation
+        (prior) already starts from its own cache and is left alone."""
+        from .prefix import load_blocks
+
+        self.prefix = prefix
+        if self.prior is None:
+            self.held = prefix.match(self.prompt_ids)
+            load_blocks(self.cache, self.held)
+            self.fed = self.cached = self.cache.n_pos
+
+    def close(self, model) -> None:
+        """The request ends: its blocks go to the prefix cache (its prompt's, and its
+        sampled tokens' where their rows are the prompt rows' bits), and it lets go of the
+        ones it held."""
+        if self.prefix is None:
+            return
+        if self.prior is None and not self.prefilling and model.DECODE_ROWS_EXACT:
+            self.prefix.insert(self.prompt_ids + self.generated[:-1], self.cache, self.cache.n_pos)
+        self.prefix.release(self.held)
+        self.prefix, self.held = None, []
 
     @property
     def done(self) -> bool:
@@ -201,6 +241,8 @@ class Request:
             self.fed += n_fed
             if self.fed < len(self.prompt_ids):
                 return []
+            if self.prefix is not None and self.prior is None:  # the prompt is in: others may start from it
+                self.prefix.insert(self.prompt_ids, self.cache, self.cache.n_pos)
         tok = self.sampler(logits)
         self.generated.append(tok)
         self.n_gen += 1
@@ -228,6 +270,7 @@ class Request:
 
     def done_event(self, model) -> Event:
         self.t_end = time.perf_counter()
+        self.close(model)
         n_prompt, n_decode = len(self.prompt_ids), max(self.n_gen - 1, 0)
         prefill_s = (self.t_first or self.t_end) - self.t_start
         decode_s = self.t_end - (self.t_first or self.t_end)
@@ -238,9 +281,10 @@ class Request:
             conversation=self.conversation() if self.keep and self.finish != "cancelled" else None,
             stats={
                 "n_prompt_tokens": n_prompt,
+                "cached_prompt_tokens": self.cached,
                 "n_generated_tokens": self.n_gen,
                 "prefill_s": round(prefill_s, 6),
-                "prefill_tok_s": round(n_prompt / prefill_s, 3) if prefill_s > 0 else None,
+                "prefill_tok_s": round((n_prompt - self.cached) / prefill_s, 3) if prefill_s > 0 else None,
                 "decode_s": round(decode_s, 6),
                 "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
                 "experts": expert_stats(model.experts.stats.minus(self.stats0), n_prompt + n_decode,
@@ -263,8 +307,10 @@ class Batcher:
     A prompt computed in chunks gives the same rows as in one step (the kernels' rows do
     not depend on what shares the step; tested)."""
 
-    def __init__(self, model, prefill_chunk: int | str | None = None):
+    def __init__(self, model, prefill_chunk: int | str | None = None, prefix=None):
+        # prefix: an engine.prefix.PrefixCache that requests start from and add to, or None
         self.model = model
+        self.prefix = prefix
         self.active: list[Request] = []
         self.sizer: ChunkSizer | None = None
         self.set_prefill_chunk(prefill_chunk)
@@ -281,7 +327,18 @@ class Batcher:
     def add(self, req: Request) -> None:
         req.t_start = time.perf_counter()
         req.stats0 = self.model.experts.stats.copy()
+        if self.prefix is not None:
+            req.use_prefix(self.prefix)
         self.active.append(req)
+
+    def abort(self) -> list[Request]:
+        """Every active request leaves without its done event (a step failed); returns them."""
+        gone, self.active = self.active, []
+        for r in gone:
+            if r.prefix is not None:  # (what a failed step computed is not kept)
+                r.prefix.release(r.held)
+            r.prefix, r.held = None, []
+        return gone
 
     def step(self) -> list[tuple[Request, Event]]:
         """One forward over all active requests; returns (request, event) pairs, a request's

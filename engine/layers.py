@@ -270,24 +270,30 @@ class KVCache:
             out[name] = np.ascontiguousarray(a[tuple(cut)])
         return out
 
-    def restore(self, state: dict[str, np.ndarray]) -> None:
-        """Fill the first positions from a snapshot of a cache of the same model. Raises
-        ValueError when its arrays do not fit this cache."""
+    def restore(self, state: dict[str, np.ndarray], n_pos: int | None = None) -> None:
+        """Fill the first n_pos positions (None: all of them) from a snapshot of a cache of
+        the same model. Raises ValueError when its arrays do not fit this cache or hold
+        fewer positions."""
         arrays = self.arrays()
         if set(state) != set(arrays):
             raise ValueError(f"the saved cache holds {sorted(state)}, this model's holds {sorted(arrays)}")
         n = {state[name].shape[axis] for name, (_, axis) in arrays.items()}
-        if len(n) != 1 or next(iter(n)) > self.n_ctx:
+        if len(n) != 1:
+            raise ValueError("the saved cache's arrays hold different numbers of positions")
+        saved = n.pop()
+        n_pos = saved if n_pos is None else n_pos
+        if n_pos > saved:
+            raise ValueError(f"the saved cache holds {saved} positions, fewer than the {n_pos} its tokens need")
+        if n_pos > self.n_ctx:
             raise ValueError("the saved cache's positions do not fit this cache")
-        n_pos = n.pop()
         for name, (a, axis) in arrays.items():
-            want = a.shape[:axis] + (n_pos,) + a.shape[axis + 1 :]
+            want = a.shape[:axis] + (saved,) + a.shape[axis + 1 :]
             if state[name].shape != want or state[name].dtype != a.dtype:
                 raise ValueError(f"the saved {name} is {state[name].dtype}{list(state[name].shape)}, this model's "
                                  f"{a.dtype}{list(want)}")
             cut = [slice(None)] * a.ndim
             cut[axis] = slice(0, n_pos)
-            a[tuple(cut)] = state[name]
+            a[tuple(cut)] = state[name][tuple(cut)]
         self.n_pos = n_pos
 
 

@@ -118,6 +118,9 @@ class MoEModel:
     NAMES: dict[str, str] = {}
     DEFAULT_THETA = 10000.0
     ATTENTION = "GQA"  # the attention kind, as doctor and run name it
+    # whether a sampled token's cache row (computed alone in its step) is the same bits as
+    # the row of the same token in a prompt: then the prefix cache keeps replies too
+    DECODE_ROWS_EXACT = True
     EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")  # an expert's tensors, in the record's order
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.

@@ -65,12 +65,15 @@ def fingerprints(model_dir: str) -> tuple[str, str]:
     return model, digest([whole("tokenizer.json"), whole("tokenizer_config.json")])
 
 
-def save_session(path: str, tokens: list[int], kv: dict[str, np.ndarray], model: str, tokenizer: str) -> None:
-    """Write the conversation to `path`, atomically and durably. Raises OSError."""
+def save_session(path: str, tokens: list[int], kv: dict[str, np.ndarray], model: str, tokenizer: str,
+                 extra: dict[str, str] | None = None) -> None:
+    """Write the conversation to `path`, atomically and durably, with `extra` metadata (the
+    daemon's: turns, times, a chat's messages). Raises OSError."""
     tensors = {"tokens": np.asarray(tokens, np.int64)} | {f"kv.{k}": a for k, a in kv.items()}
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    write_safetensors(path, tensors, {"format": FORMAT, "version": VERSION, "model": model, "tokenizer": tokenizer})
+    write_safetensors(path, tensors, (extra or {}) | {"format": FORMAT, "version": VERSION, "model": model,
+                                                      "tokenizer": tokenizer})
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
@@ -78,10 +81,10 @@ def save_session(path: str, tokens: list[int], kv: dict[str, np.ndarray], model:
         os.close(dfd)
 
 
-def load_session(path: str, model: str, tokenizer: str, vocab_size: int) -> tuple[list[int], dict] | None:
-    """(tokens, kv) saved at `path`; None when there is no file, or when it is damaged (then
-    moved aside with a warning). Raises SessionMismatch for a session of another model or
-    tokenizer, OSError when it cannot be read."""
+def load_session(path: str, model: str, tokenizer: str, vocab_size: int) -> tuple[list[int], dict, dict] | None:
+    """(tokens, kv, metadata) saved at `path`; None when there is no file, or when it is
+    damaged (then moved aside with a warning). Raises SessionMismatch for a session of
+    another model or tokenizer, OSError when it cannot be read."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"{path}.tmp")  # what a write killed before its rename left (write_safetensors' name)
     if not os.path.exists(path):
@@ -110,4 +113,17 @@ def load_session(path: str, model: str, tokenizer: str, vocab_size: int) -> tupl
         raise SessionMismatch(f"{path}: the session of another model or tokenizer (saved with {meta.get('model')}, "
                               f"this is {model}); use another session file")
     kv = {n[3:]: f.read(n) for n in f.entries if n.startswith("kv.")}
-    return [int(t) for t in tokens], kv
+    return [int(t) for t in tokens], kv, meta
+
+
+def session_summary(path: str) -> tuple[dict, int] | None:
+    """(metadata, number of tokens) of a session file, from its header alone; None when it
+    is not a readable session (left for load_session to move aside)."""
+    try:
+        f = SafetensorsFile(path)
+        entry = f.entries.get("tokens")
+    except (CheckpointError, OSError):
+        return None
+    if f.metadata.get("format") != FORMAT or entry is None or len(entry.shape) != 1:
+        return None
+    return f.metadata, int(entry.shape[0])

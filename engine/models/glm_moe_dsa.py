@@ -108,6 +108,7 @@ def masked_attention(q: np.ndarray, kv: np.ndarray, n_latent: int, allowed: np.n
 
 class Model(deepseek_v3.Model):
     MODEL_TYPE = MODEL_TYPE
+    DECODE_ROWS_EXACT = False  # a sampled token's rows round otherwise than in a prompt (tokens agree)
     NAMES = NAMES
     ATTENTION = "MLA+DSA"
     F32_KEYS = deepseek_v3.Model.F32_KEYS | {"ix_k_norm", "ix_k_norm_bias"}

@@ -242,7 +242,8 @@ def test_a_session_continues_the_conversation_turn_by_turn(demo, tmp_path):
     """`run --session FILE` three times: each turn computes only its new tokens on the saved
     conversation, and the last turn gives what one request of the whole conversation (its
     token ids) gives; a damaged file is moved aside with a warning and the conversation
-    starts afresh; a session of another model is refused with exit 4; --chat is refused."""
+    starts afresh; a session of another model is refused with exit 4, a turn of the other kind
+    (chat or text) with exit 2; a chat session continues from its rendered messages."""
     from colibri.engine.generate import SamplingParams, generate
 
     from hf_models import load_model
@@ -274,4 +275,11 @@ def test_a_session_continues_the_conversation_turn_by_turn(demo, tmp_path):
     r = colictl("run", "--model", other, "--session", ses, "--max-tokens", 2, "Hello")
     assert r.returncode == exitcodes.BAD_REQUEST and "another model" in r.stderr and "Traceback" not in r.stderr
     r = colictl("run", "--model", demo, "--session", ses, "--chat", "Hello")
-    assert r.returncode == exitcodes.USAGE and "--session" in r.stderr
+    assert r.returncode == exitcodes.USAGE and "text session" in r.stderr
+
+    chat = tmp_path / "chat.session"  # a chat: each turn renders the whole conversation, computes only what is new
+    first = json.loads(colictl("run", "--model", demo, "--session", chat, "--chat", "--json", "--max-tokens", 4,
+                               "Hello").stdout)
+    second = json.loads(colictl("run", "--model", demo, "--session", chat, "--chat", "--json", "--max-tokens", 4,
+                                "Again").stdout)
+    assert second["stats"]["session"]["continued_tokens"] == len(first["prompt_token_ids"] + first["token_ids"])

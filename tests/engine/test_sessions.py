@@ -55,6 +55,28 @@ def test_a_conversation_of_another_shape_is_refused(tmp_path):
     bad = Conversation(conv.tokens, {"k": conv.kv["k"][:, :1], "v": conv.kv["v"]})
     with pytest.raises(InvalidRequest, match="does not fit"):
         list(generate(model, [4], SamplingParams(max_tokens=2), prior=bad))
-    short = Conversation(conv.tokens[1:], conv.kv)  # one token fewer than the cache holds
-    with pytest.raises(InvalidRequest, match="does not match its tokens"):
-        list(generate(model, [4], SamplingParams(max_tokens=2), prior=short))
+    long = Conversation(conv.tokens + [5], conv.kv)  # one token more than the cache holds
+    with pytest.raises(InvalidRequest, match="fewer than"):
+        list(generate(model, [4], SamplingParams(max_tokens=2), prior=long))
+
+
+def test_a_conversation_continued_by_a_rerendered_whole_keeps_only_the_shared_prefix(tmp_path):
+    """A chat session renders the whole conversation again each turn: where the new
+    rendering differs from the saved tokens (a template that drops a reply's thinking, a
+    reply tokenized otherwise), the cache is kept up to the first difference and the rest
+    is computed; the tokens are those of the rendering computed from nothing."""
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=5)
+    model = load_model(str(tmp_path / "hf"))
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, model.args.vocab_size, 9).tolist()
+    conv = list(generate(model, first, SamplingParams(max_tokens=5), keep=True))[-1].conversation
+    new = rng.integers(0, model.args.vocab_size, 6).tolist()
+    for rendered, kept in [(conv.tokens + new, len(conv.tokens) - 1),  # it extends the saved conversation
+                           (conv.tokens[:11] + new, 11),  # it differs after 11 tokens (within the reply)
+                           (new, 0)]:  # nothing in common
+        if rendered[:1] == conv.tokens[:1] and kept == 0:
+            continue
+        prior, rest = conv.continued(rendered)
+        assert len(prior.tokens) - 1 == kept and prior.tokens + rest == rendered
+        fresh = tokens(generate(model, rendered, SamplingParams(max_tokens=5)))
+        assert tokens(generate(model, rest, SamplingParams(max_tokens=5), prior=prior)) == fresh

@@ -13,9 +13,10 @@ from colibri.storage.sessions import SessionMismatch, load_session, save_session
 def test_a_session_round_trips_and_only_its_model_reads_it(tmp_path):
     kv = {"k": np.random.default_rng(0).standard_normal((2, 1, 5, 4), dtype=np.float32)}
     path = str(tmp_path / "s")
-    save_session(path, [3, 1, 4, 1, 5, 9], kv, "m1", "t1")
-    tokens, got = load_session(path, "m1", "t1", 10)
+    save_session(path, [3, 1, 4, 1, 5, 9], kv, "m1", "t1", {"turns": "2", "format": "not this"})
+    tokens, got, meta = load_session(path, "m1", "t1", 10)
     assert tokens == [3, 1, 4, 1, 5, 9] and np.array_equal(got["k"], kv["k"])
+    assert meta["turns"] == "2" and meta["format"] == "colibri-session"  # extra metadata never hides the format
     with pytest.raises(SessionMismatch, match="another model"):
         load_session(path, "m2", "t1", 10)
     with pytest.raises(SessionMismatch):

@@ -1,0 +1,167 @@
+"""Warm context through the daemon (issue 23): a shared prefix computed once, a chat kept
+as a session, a long prompt beside a running stream.
+
+    python bench/prefix.py [--expert-gb 2] [--budget 0.25] [--prefix-tokens 1500] [--parts a,b,c]
+
+On the decode benchmark's synthetic model (bench/synthetic.py; the byte-level tokenizer:
+one token a character), with the expert cache at --budget of the expert bytes:
+
+(a) 20 requests that share a --prefix-tokens prefix, each with its own 20-token question,
+    one token each, one after another: time to first token and expert bytes read per
+    request, on a daemon with the prefix cache off (cold: every request computes the
+    prefix; the first three are timed) and on one with it on (the first computes it, the
+    others reuse its blocks). The target: cached TTFT at least 10x faster than cold.
+(b) a 10-turn conversation (raw text turns of 100 tokens, 16 sampled tokens a reply):
+    resent whole each turn with the prefix cache off, resent whole with it on, and as a
+    session (each turn sends its new text only): prompt tokens computed and wall time.
+(c) bench/prefill_gap.py's measurement at --gap-tokens: a running stream's largest gap
+    between tokens while a long prompt arrives, whole (prefill_chunk 0) and chunked (64).
+
+Prints one JSON object; the machine's memory bandwidth and the KV bytes per token are in
+it, so the copy of a prefix's blocks (bytes / bandwidth) can be set against its compute.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from control_plane import start_daemon  # noqa: E402
+from prefill_gap import one_run as gap_run  # noqa: E402
+from synthetic import build, load_model  # noqa: E402
+
+from colibri.ctl.client import Client  # noqa: E402
+
+LETTERS = list("abcdefghijklmnopqrstuvwxyz ")
+
+
+def text(rng, n: int) -> str:
+    return "".join(rng.choice(LETTERS, n))
+
+
+def daemon(path: str, budget: int, tmp: str, name: str, **cfg):
+    conf = os.path.join(tmp, f"{name}.yaml")
+    cfg = {"state_dir": os.path.join(tmp, f"state-{name}")} | cfg  # sessions and history start empty
+    with open(conf, "w") as f:
+        f.write("".join(f"{k}: {v}\n" for k, v in cfg.items()))
+    return start_daemon(path, budget, tmp, "--config", conf, name=name)
+
+
+def stop(sock: str, proc) -> None:
+    try:
+        Client(sock, operator=True).connect().call("shutdown")
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def timed(c: Client, **fields) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = c.call("generate", timeout_ms=None, **fields)
+    return time.perf_counter() - t0, r
+
+
+def shared_prefix(sock: str, prefix: str, questions: list[str]) -> list[dict]:
+    c = Client(sock).connect()
+    out = []
+    for q in questions:
+        s, r = timed(c, prompt=prefix + q, max_tokens=1)
+        st = r["stats"]
+        out.append({"ttft_s": round(s, 4), "cached_prompt_tokens": st["cached_prompt_tokens"],
+                    "expert_bytes_read": st["experts"]["bytes_read"]})
+    return out
+
+
+def conversation(sock: str, turns: list[str], session: str | None) -> dict:
+    c = Client(sock).connect()
+    history, computed, t0 = "", 0, time.perf_counter()
+    for i, turn in enumerate(turns):
+        fields = {"prompt": turn, "session": session} if session else {"prompt": history + turn}
+        r = c.call("generate", timeout_ms=None, max_tokens=16, temperature=1.0, seed=i, **fields)
+        st = r["stats"]
+        computed += st["n_prompt_tokens"] - st["cached_prompt_tokens"]
+        history += turn + r["text"]
+    return {"prompt_tokens_computed": computed, "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "colibri", "bench"))
+    ap.add_argument("--expert-gb", type=float, default=2.0)
+    ap.add_argument("--budget", type=float, default=0.25, help="expert cache, a fraction of the expert bytes")
+    ap.add_argument("--prefix-tokens", type=int, default=1500)
+    ap.add_argument("--gap-tokens", type=int, default=4000)
+    ap.add_argument("--parts", default="a,b,c")
+    a = ap.parse_args()
+    os.makedirs(a.workdir, exist_ok=True)
+    path = build(a.workdir, a.expert_gb)
+    probe = load_model(path, budget="min")
+    budget = int(probe.experts.c.expert_bytes * a.budget)
+    kv_per_token = probe.kv_bytes_per_token()
+    del probe
+    from decode import memory_gbs
+
+    tmp = tempfile.mkdtemp(prefix="colibri-prefix-")
+    rng = np.random.default_rng(11)
+    out = {"benchmark": "prefix", "container": path, "budget_fraction": a.budget, "budget_bytes": budget,
+           "kv_bytes_per_token": kv_per_token, "memory_gbs": round(memory_gbs(), 2)}
+    parts = a.parts.split(",")
+    if "a" in parts:
+        prefix = text(rng, a.prefix_tokens)
+        questions = [text(rng, 20) for _ in range(20)]
+        sock, proc = daemon(path, budget, tmp, "kv-off", kv_cache=0)
+        try:
+            cold = shared_prefix(sock, prefix, questions[:3])
+        finally:
+            stop(sock, proc)
+        sock, proc = daemon(path, budget, tmp, "kv-on", kv_cache="2GiB")
+        try:
+            warm = shared_prefix(sock, prefix, questions)
+        finally:
+            stop(sock, proc)
+        cold_s = statistics.median(r["ttft_s"] for r in cold)
+        warm_s = statistics.median(r["ttft_s"] for r in warm[1:])
+        out["a_shared_prefix"] = {
+            "cold_ttft_s": cold_s, "cached_ttft_s": warm_s, "ttft_ratio": round(cold_s / warm_s, 2),
+            "cold_expert_bytes_per_request": statistics.median(r["expert_bytes_read"] for r in cold),
+            "cached_expert_bytes_per_request": statistics.median(r["expert_bytes_read"] for r in warm[1:]),
+            "cached_prompt_tokens": warm[1]["cached_prompt_tokens"],
+            "prefix_copy_s_at_memory_bandwidth": round(
+                warm[1]["cached_prompt_tokens"] * kv_per_token / (out["memory_gbs"] * 1e9), 5),
+            "cold": cold, "cached": warm}
+        print(json.dumps(out["a_shared_prefix"]["ttft_ratio"]), file=sys.stderr)
+    if "b" in parts:
+        turns = [text(rng, 100) for _ in range(10)]
+        res = {}
+        for name, kv, session in (("resent_kv_off", 0, None), ("resent_prefix_cache", "2GiB", None),
+                                  ("session", 0, "bench")):
+            sock, proc = daemon(path, budget, tmp, f"chat-{name}", kv_cache=kv)
+            try:
+                res[name] = conversation(sock, turns, session)
+            finally:
+                stop(sock, proc)
+            print(json.dumps({name: res[name]}), file=sys.stderr)
+        out["b_conversation"] = res
+    if "c" in parts:
+        res = []
+        for chunk in ("0", "64"):
+            sock, proc = daemon(path, budget, tmp, f"gap-{chunk}", prefill_chunk=chunk)
+            try:
+                run = gap_run(sock, a.gap_tokens, np.random.default_rng(5))
+            finally:
+                stop(sock, proc)
+            res.append(run | {"prefill_chunk": chunk})
+            print(json.dumps(res[-1]), file=sys.stderr)
+        out["c_prefill_gap"] = res
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

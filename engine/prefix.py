@@ -1,0 +1,178 @@
+"""The prefix cache: KV state of token sequences already computed, kept in blocks so a new
+request that starts with the same tokens (a shell loop's shared instructions, a chat that
+resends its conversation) computes only what follows.
+
+A block is BLOCK consecutive positions of one sequence: the KV cache's arrays at those
+positions (what the family's cache holds per token: keys and values, the compressed
+latent for MLA, the indexer keys for DSA). It is found by a hash chained from the start of
+the sequence, key(block i) = H(key(block i-1), its tokens), so a block stands for its
+whole prefix, not only its own tokens (vLLM's automatic prefix caching; SGLang's radix
+tree is the same tree, token-granular). Its tokens are kept and compared too: a hash
+collision can cost a lookup, never a wrong position.
+
+Sharing: a block exists once, whatever number of sequences passed through it; running
+requests that matched it hold a reference, and eviction (least recently used first, under
+a byte budget) takes only blocks no running request holds, with their descendants (which
+no request can hold either: a request holds the whole chain it matched). A request copies
+its matched blocks into its own contiguous KV cache when it starts (the attention kernels
+read one array per sequence): a memory copy of the prefix, against computing it, a forward
+pass with its expert reads (docs/benchmarks.md has both).
+
+Exactness: a position's keys and values do not depend on which positions shared its step
+(the kernels compute every row on its own), so a prefix restored from blocks continues as
+computed afresh. The blocks come from prompt rows; rows of sampled tokens are kept too
+where the family's decode rows are the same bits as prompt rows (Model.DECODE_ROWS_EXACT).
+"""
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK = 16  # tokens per block
+
+
+@dataclass(eq=False)
+class Block:
+    key: bytes
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    arrays: dict  # name -> the cache array's BLOCK positions (a copy)
+    nbytes: int
+    refs: int = 0  # running requests that hold it
+    children: set = field(default_factory=set)
+
+
+def chain(parent: bytes | None, tokens) -> bytes:
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.digest()
+
+
+class PrefixCache:
+    """Blocks of KV state under a byte budget. Used by the engine thread only (the daemon's
+    stats read its counters)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self.bytes = 0
+        self.counters = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0, "inserted_blocks": 0,
+                         "evicted_blocks": 0}
+
+    def describe(self) -> dict:
+        return {"block_tokens": BLOCK, "blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
+                "held_blocks": sum(1 for b in self.blocks.values() if b.refs), **self.counters,
+                "saved_prefill_tokens": self.counters["hit_tokens"]}
+
+    def match(self, tokens: list[int]) -> list[Block]:
+        """The cached blocks of the longest prefix of `tokens` (whole blocks, leaving at
+        least one token to compute: the next token's logits need its row), now held by the
+        caller until release()."""
+        self.counters["lookups"] += 1
+        got, parent = [], None
+        for i in range((len(tokens) - 1) // BLOCK):
+            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+            b = self.blocks.get(chain(parent, part))
+            if b is None or b.tokens != part or b.parent != parent:
+                break
+            got.append(b)
+            parent = b.key
+        for b in got:
+            b.refs += 1
+        self.touch(got)
+        if got:
+            self.counters["hit_requests"] += 1
+            self.counters["hit_tokens"] += len(got) * BLOCK
+        return got
+
+    def release(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.refs -= 1
+        self.evict(0)
+
+    def insert(self, tokens: list[int], cache, n_pos: int) -> int:
+        """Keep the whole blocks of the first n_pos positions of `cache` (which holds
+        `tokens` at them) that are not cached yet; returns how many were added. Stops at
+        the first block the budget has no room for (the chain's earlier blocks are held
+        meanwhile: making room never takes them)."""
+        added, parent, path = 0, None, []
+        arrays = cache.arrays()
+        try:
+            for i in range(n_pos // BLOCK):
+                part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+                key = chain(parent, part)
+                b = self.blocks.get(key)
+                if b is not None and (b.tokens != part or b.parent != parent):
+                    break  # a hash collision: keep what is there
+                if b is None:
+                    cut = {}
+                    for name, (a, axis) in arrays.items():
+                        index = [slice(None)] * a.ndim
+                        index[axis] = slice(i * BLOCK, (i + 1) * BLOCK)
+                        cut[name] = np.array(a[tuple(index)])  # a copy: the request's cache lives on
+                    nbytes = sum(c.nbytes for c in cut.values())
+                    if not self.evict(nbytes):
+                        break
+                    b = Block(key, parent, part, cut, nbytes)
+                    self.blocks[key] = b
+                    self.bytes += nbytes
+                    if parent is not None:
+                        self.blocks[parent].children.add(key)
+                    added += 1
+                b.refs += 1
+                path.append(b)
+                parent = key
+        finally:
+            self.touch(path)
+            for b in path:
+                b.refs -= 1
+        self.counters["inserted_blocks"] += added
+        return added
+
+    def touch(self, path: list[Block]) -> None:
+        """Mark a chain most recently used, its end first, so that of a chain the least
+        recently used block is its last: eviction shortens prefixes from their ends
+        instead of cutting them at the root (vLLM frees a request's blocks in that order)."""
+        for b in reversed(path):
+            self.blocks.move_to_end(b.key)
+
+    def evict(self, need: int) -> bool:
+        """Make room for `need` more bytes under the budget, least recently used first,
+        never a block a running request holds; False when that cannot be done."""
+        if need > self.budget:
+            return False
+        for key in list(self.blocks):
+            if self.bytes + need <= self.budget:
+                break
+            b = self.blocks.get(key)
+            if b is not None and not b.refs:
+                self.drop(b)
+        return self.bytes + need <= self.budget
+
+    def drop(self, b: Block) -> None:
+        """Remove a block and its descendants (none held: a holder holds the whole chain)."""
+        for child in list(b.children):
+            if child in self.blocks:
+                self.drop(self.blocks[child])
+        del self.blocks[b.key]
+        self.bytes -= b.nbytes
+        self.counters["evicted_blocks"] += 1
+        if b.parent is not None and b.parent in self.blocks:
+            self.blocks[b.parent].children.discard(b.key)
+
+    def resize(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.evict(0)
+
+
+def load_blocks(cache, blocks: list[Block]) -> None:
+    """Copy matched blocks into a fresh request's cache: its first len(blocks) * BLOCK
+    positions."""
+    for i, b in enumerate(blocks):
+        for name, (a, axis) in cache.arrays().items():
+            index = [slice(None)] * a.ndim
+            index[axis] = slice(i * BLOCK, (i + 1) * BLOCK)
+            a[tuple(index)] = b.arrays[name]
+    cache.n_pos = len(blocks) * BLOCK
