@@ -10,7 +10,7 @@ at temperature 1, fixed seed); after its 20th token request B sends a prompt of 
 Prints one JSON object, per setting: A's usual interval between tokens (the median before
 B), A's largest gap while B was in (from B's send to its reply) and their ratio (the
 target: at most 2 with chunks; the median and 99th percentile gaps too), B's time to its
-token, and the forward steps B's prompt took. Issue 23's bench/prefix.py (a) and (b), prefix reuse and sessions, come with them.
+token, and the forward steps B's prompt took. bench/prefix.py runs this measure as its part (c).
 """
 
 import argparse
