@@ -58,8 +58,8 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
     if not isinstance(store, Container):
         facts.update(dense=sum(sf.file_bytes for sf in store.files.values()), experts=0)
         if deep:
-            r.add(SKIP, "checksums", "a plain checkpoint has no checksums to verify (a container made by colictl "
-                                     "convert has a crc32 per expert record)")
+            r.add(SKIP, "checksums", "a plain checkpoint carries no checksums to verify (a container made by "
+                                     "colictl convert has a crc32 per expert record and per dense tensor)")
         return facts
     facts.update(dense=sum(sf.file_bytes for sf in store.dense.files.values()), experts=store.expert_bytes,
                  record_bytes=store.record_bytes, probe=next(iter(store.records.values())).file)
@@ -101,6 +101,30 @@ def check_checksums(r: Report, c) -> None:
                                  f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
     else:
         r.add(OK, "checksums", f"all {len(recs)} expert records match the manifest's crc32")
+    check_dense_checksums(r, c)
+
+
+def check_dense_checksums(r: Report, c) -> None:
+    """Every dense tensor read and checked against the manifest (its header was checked when
+    the container opened)."""
+    from ..storage.errors import DenseChecksumMismatch
+
+    if c.dense.crc32 is None:
+        r.add(WARN, "dense_checksums", "this container has no checksums for its dense weights (converted by an "
+                                       "older colibri): convert it again to have every byte checked")
+        return
+    bad = []
+    for name in sorted(c.dense.where):
+        try:
+            c.dense.read(name)
+        except DenseChecksumMismatch:
+            bad.append(name)
+    if bad:
+        r.add(FAIL, "dense_checksums", f"{len(bad)} of {len(c.dense.where)} dense tensors do not match the "
+                                       f"manifest: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+    else:
+        r.add(OK, "dense_checksums", f"the header and all {len(c.dense.where)} dense tensors match the manifest's "
+                                     "crc32")
 
 
 def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> None:

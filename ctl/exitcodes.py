@@ -23,11 +23,13 @@ MEANING = {  # code -> what it means, as the README's table says it
            "matrices, a source that is already a container",
     MODEL: "the model is unusable: missing directory, no `config.json`, unknown `model_type` (the message lists the "
            "supported ones), a malformed or truncated safetensors file, a missing tensor or one of the wrong shape, "
-           "no tokenizer, no chat template; an expert that cannot be read (MODEL_ERROR)",
+           "a container's dense file that fails its checksum, no tokenizer, no chat template; an expert that cannot "
+           "be read (MODEL_ERROR)",
     BAD_REQUEST: "the request cannot run as asked: input that is not UTF-8, invalid sampling values, a prompt longer "
                  "than the model's context or larger than the daemon takes, an expert budget that is unreadable or "
                  "below the minimum (or given for a checkpoint rather than a container), an unknown expert or one "
-                 "not pinned, a session file of another model",
+                 "not pinned, a session of another model or of the other kind (chat or text), a session name that is "
+                 "not valid",
     DAEMON_DOWN: "no daemon answers: no socket, a stale socket, or the daemon stopped answering mid-request",
     BUSY: "the daemon is busy (its queue is full) or stopping, also when it stops in the middle of a request: "
           "retry later",

@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import (
     ConfigMissing,
+    DenseChecksumMismatch,
     IndexInvalid,
     ModelNotFound,
     PickleCheckpointRefused,
@@ -38,6 +39,7 @@ class Checkpoint:
     files: dict[str, SafetensorsFile]  # file name -> opened file
     where: dict[str, str]  # tensor name -> file name
     quant: QuantConfig | None = None  # how its quantized weights are scaled (fpformats)
+    crc32: dict[str, int] | None = None  # tensor name -> crc32 of its bytes (a container's dense file), checked on read
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -68,9 +70,21 @@ class Checkpoint:
         return e
 
     def read(self, name: str) -> np.ndarray:
-        """Read a tensor in its storage dtype (bf16 as uint16). Raises TensorMissing, OSError."""
+        """Read a tensor in its storage dtype (bf16 as uint16), checked against its crc32
+        where the checkpoint has one. Raises TensorMissing, DenseChecksumMismatch, OSError."""
         self.entry(name)
-        return self.files[self.where[name]].read(name)
+        a = self.files[self.where[name]].read(name)
+        if self.crc32 is not None:
+            from .container import crc32
+
+            want, got = self.crc32.get(name), crc32(a.reshape(-1).view(np.uint8))
+            if want != got:
+                raise DenseChecksumMismatch(
+                    f"{self.file_of(name)}: tensor {name!r} " + (f"fails its checksum (crc32 {got:08x}, the manifest "
+                                                                 f"says {want:08x})" if want is not None else
+                                                                 "has no checksum in the manifest")
+                    + ": the file is damaged; restore it or convert the model again")
+        return a
 
     def read_weight(self, name: str) -> "np.ndarray | QuantWeight":
         """A weight as colibri computes on it: an array in its storage dtype, or for an FP8

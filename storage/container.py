@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, ConfigInvalid, read_json
+from .errors import CheckpointError, ConfigInvalid, DenseChecksumMismatch, read_json
 from .fpformats import quant_config
 from .quant import PUBLISHED_DTYPES, QuantWeight
 from .safetensors import DTYPES, SafetensorsFile
@@ -111,10 +111,14 @@ class Container:
             self.config = read_json(os.path.join(path, "config.json"))
         except FileNotFoundError:
             raise ConfigInvalid(f"{path}: container without config.json") from None
+        dense_sums = m.get("dense")  # (containers written before the dense checksums have none)
+        if dense_sums is not None:
+            self.check_dense_header(dense_sums["header_crc32"])
         dense = SafetensorsFile(os.path.join(path, DENSE_FILE))
         self.dense = Checkpoint(path=path, config=self.config, files={DENSE_FILE: dense},
                                 where=dict.fromkeys(dense.entries, DENSE_FILE),
-                                quant=quant_config(self.config, os.path.join(path, "config.json")))
+                                quant=quant_config(self.config, os.path.join(path, "config.json")),
+                                crc32={n: int(c) for n, c in dense_sums["tensors"].items()} if dense_sums else None)
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")
@@ -143,6 +147,16 @@ class Container:
             self.records[(r["layer"], r["expert"])] = ExpertRecord(
                 r["layer"], r["expert"], file, r["offset"], r["length"], r["crc32"])
         self.moe_layers = sorted({il for il, _ in self.records})
+
+    def check_dense_header(self, want: int) -> None:
+        """The dense file's header (its length and JSON: every tensor's name, dtype, shape
+        and place) against the manifest's crc32; its tensors are checked as they are read.
+        Raises DenseChecksumMismatch."""
+        file = os.path.join(self.path, DENSE_FILE)
+        got = dense_header_crc(file)
+        if got != want:
+            raise DenseChecksumMismatch(f"{file}: its header fails its checksum (crc32 {got:08x}, the manifest says "
+                                        f"{want:08x}): the file is damaged; restore it or convert the model again")
 
     def check_index(self, moe_layers: list[int], n_expert: int) -> None:
         """Every expert of the model's MoE layers indexed exactly once, no two records
@@ -194,6 +208,15 @@ class Container:
         lossy = self.expert_dtype != src.get("experts") or self.dense_dtype != src.get("dense")
         return {"dense": self.dense_dtype, "dense_fp8": self.manifest["tensor_classes"]["dense"].get("fp8"),
                 "experts": self.expert_dtype, "group_size": self.group_size, "source": src, "lossy": bool(lossy)}
+
+
+def dense_header_crc(file: str) -> int:
+    """crc32 of a safetensors file's 8-byte length and header (0 for a file too short to
+    have one: it then fails the check rather than raising here)."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        return crc32(head + f.read(min(n, 1 << 26)))
 
 
 def open_container(path: str) -> Container:

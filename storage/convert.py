@@ -26,6 +26,7 @@ from .container import (
     PARTS,
     VERSION,
     crc32,
+    dense_header_crc,
     expert_file_name,
     record_layout,
     write_manifest,
@@ -212,13 +213,18 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         e = src.entry(n)
         entries.append((n, ST_NAME[dense_dtype] if n in recast else e.dtype, e.shape))
     w = SafetensorsWriter(os.path.join(tmp, DENSE_FILE), entries, {"format": "pt", "colibri": "dense"})
+    dense_crc = {}  # every byte of the dense file is checksummed: its header, and each tensor
     for n in dense_names:
         a = src.read(n)
-        w.write(np.ascontiguousarray(cast(a, dense_dtype) if n in recast else a).reshape(-1).view(np.uint8))
+        data = np.ascontiguousarray(cast(a, dense_dtype) if n in recast else a).reshape(-1).view(np.uint8)
+        dense_crc[n] = crc32(data)
+        w.write(data)
         done += 1
         if progress:
             progress(done, total)
     w.close()
+    dense_sums = {"file": DENSE_FILE, "checksum": "crc32",
+                  "header_crc32": dense_header_crc(os.path.join(tmp, DENSE_FILE)), "tensors": dense_crc}
 
     block = None  # a published format's scale block: [rows, columns]
     if quant := expert_dtype in ("int8", "int4"):
@@ -286,6 +292,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                         "group_size": block[1] if block else None if published else group_size if quant else None,
                         **({"block": block} if published else {})},
         },
+        "dense": dense_sums,
         "experts": {
             "n_layer": len(plan.moe_layers),
             "n_expert": plan.n_expert,

@@ -96,6 +96,10 @@ class NonFiniteWeights(CheckpointError):
     """A quantized weight holds NaN or infinity codes: the checkpoint is damaged."""
 
 
+class DenseChecksumMismatch(CheckpointError):
+    """A container's dense file disagrees with the manifest's checksum (names the tensor)."""
+
+
 class BudgetInvalid(ColibriError):
     """An expert budget that cannot be parsed, or is too small to run the model."""
 

@@ -38,8 +38,8 @@ def test_a_healthy_container_passes_and_nothing_changes(container, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     names = [ln.split()[1] for ln in lines]
-    for check in ("model", "container", "index", "dense", "checksums", "o_direct", "memory", "hugepages", "memlock",
-                  "socket", "state"):
+    for check in ("model", "container", "index", "dense", "checksums", "dense_checksums", "o_direct", "memory",
+                  "hugepages", "memlock", "socket", "state"):
         assert check in names, check
     assert all(ln.startswith(("ok ", "warn ")) for ln in lines)
     assert "all 64 expert records match" in r.stdout
@@ -62,6 +62,40 @@ def test_a_corrupted_record_is_found_by_the_deep_check(container, tmp_path):
     assert r.returncode == exitcodes.CHECK_FAILED
     line = next(ln for ln in r.stdout.splitlines() if "checksums" in ln)
     assert line.startswith("FAIL") and "1 of 64" in line and "2:9 (experts-0002.safetensors" in line
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_in_the_dense_file_is_caught_by_doctor_and_at_load(container, tmp_path):
+    """Every byte of a container is checksummed: a dense tensor's by the deep check and
+    whenever it is loaded (colictl run and the daemon refuse it, naming the tensor); the
+    dense header's as the container opens."""
+    dense = open_container(str(container)).dense
+    name = "model.layers.1.self_attn.o_proj.weight"
+    e = dense.entry(name)
+    bad = tmp_path / "bad"
+    shutil.copytree(container, bad)
+    flip(bad / "dense.safetensors", e.begin + e.n_bytes // 2)
+    r = colictl("doctor", "--model", bad, "--deep")
+    assert r.returncode == exitcodes.CHECK_FAILED
+    line = next(ln for ln in r.stdout.splitlines() if "dense_checksums" in ln)
+    assert line.startswith("FAIL") and f"1 of {len(dense.where)}" in line and name in line
+    r = colictl("run", "--model", bad, "--max-tokens", 2, "Hello")
+    assert r.returncode == exitcodes.MODEL and name in r.stderr and "checksum" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    head = tmp_path / "head"
+    shutil.copytree(container, head)
+    raw = (head / "dense.safetensors").read_bytes()
+    at = raw.index(b'"shape"') + 2  # inside the header's JSON: still valid JSON, another key
+    flip(head / "dense.safetensors", at)
+    r = colictl("run", "--model", head, "--max-tokens", 2, "Hello")
+    assert r.returncode == exitcodes.MODEL and "header fails its checksum" in r.stderr
 
 
 def test_missing_files_and_models_fail(container, tmp_path):
