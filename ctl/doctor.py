@@ -127,6 +127,32 @@ def check_dense_checksums(r: Report, c) -> None:
                                      "crc32")
 
 
+def check_drives(r: Report, cfg, paths: list[str]) -> None:
+    """The drives the experts stream from, how they queue reads, and what `tune_drives`
+    changes (or would change) on them (storage/devices.py; nothing is written here)."""
+    from ..storage.devices import discover, plan
+
+    cpus = sorted(os.sched_getaffinity(0))
+    for where in paths:
+        d = discover(where)
+        if d["device"] is None:
+            r.add(OK, "drive", f"{where}: {d['why']}")
+            continue
+        how = (f"{where} is on {d['device']}" + (f" via {', '.join(d['via'])}" if d["via"] else "")
+               + (f" (backed by {d['backing_file']})" if d["backing_file"] else "")
+               + f": {d['model'] or 'model unknown'}, scheduler {d['scheduler']}, read-ahead {d['read_ahead_kb']} KiB, "
+               f"{d['nr_requests']} requests queued at most, {'rotational' if d['rotational'] else 'solid state'}, "
+               f"{len(d['irqs'])} interrupt vectors")
+        steps = plan(d, cpus)
+        todo = "; ".join(f"{s['what']} {s['from']} -> {s['to']}" for s in steps)
+        if not steps:
+            r.add(OK, "drive", how + "; set up as colibri reads best")
+        else:
+            r.add(OK if cfg.tune_drives else WARN, "drive", how + (f"; tune_drives sets at start: {todo}"
+                                                                   if cfg.tune_drives else
+                                                                   f"; tune_drives: true would set {todo}"))
+
+
 def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> None:
     import psutil
 
@@ -149,6 +175,8 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
         except OSError as e:
             r.add(WARN, "o_direct", f"O_DIRECT refused on {facts['probe']} ({e.strerror}): expert reads fall back to "
                                     "buffered reads through the page cache")
+    if facts.get("probe"):
+        check_drives(r, cfg, [os.path.dirname(facts["probe"])] + ([cfg.mirror] if cfg.mirror else []))
     avail = psutil.virtual_memory().available
     budget = facts.get("experts", 0)
     if facts.get("experts"):

@@ -163,6 +163,7 @@ class Server:
             dense = list(model.glob.values()) + [a for L in model.layers for a in L.values()]
             self.boot["mlock_dense"] = lock_arrays(dense, "dense weights")
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
+        self.boot["drives"] = self.set_up_drives(path)
         self.control, self.history = placed.control, placed.history
         self.sessions = self.session_store(path, model)
         from ..engine.prefix import PrefixCache
@@ -171,6 +172,30 @@ class Server:
         self.model = model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
+
+    def set_up_drives(self, path: str) -> list[dict]:
+        """The drives of the expert files (the model's, the mirror's), as boot reports them:
+        what each is and how it queues reads, and what tuning changed (tune_drives) or
+        would change."""
+        from ..storage.devices import discover, plan, tune
+
+        cpus = sorted(os.sched_getaffinity(0))
+        out = []
+        for where in [path] + ([self.cfg.mirror] if self.cfg.mirror else []):
+            d = discover(where)
+            if self.cfg.tune_drives:
+                d["changed"] = tune(d, cpus)
+                for step in d["changed"]:
+                    if step["done"]:
+                        log.info("drive %s: %s %s -> %s", d["device"], step["what"], step["from"], step["to"])
+                    else:
+                        log.warning("drive %s: could not set %s to %s: %s", d["device"], step["what"], step["to"],
+                                    step["why"])
+                d |= {k: v for k, v in discover(where).items() if k in ("scheduler", "read_ahead_kb")}
+            else:
+                d["would_change"] = plan(d, cpus)
+            out.append({k: v for k, v in d.items() if k not in ("sysfs", "schedulers")})
+        return out
 
     def session_store(self, path: str, model):
         from ..storage.sessions import fingerprints

@@ -38,8 +38,8 @@ def test_a_healthy_container_passes_and_nothing_changes(container, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     names = [ln.split()[1] for ln in lines]
-    for check in ("model", "container", "index", "dense", "checksums", "dense_checksums", "o_direct", "memory",
-                  "hugepages", "memlock", "socket", "state"):
+    for check in ("model", "container", "index", "dense", "checksums", "dense_checksums", "o_direct", "drive",
+                  "memory", "hugepages", "memlock", "socket", "state"):
         assert check in names, check
     assert all(ln.startswith(("ok ", "warn ")) for ln in lines)
     assert "all 64 expert records match" in r.stdout

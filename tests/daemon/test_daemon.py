@@ -100,6 +100,8 @@ def test_ready_watchdog_status_and_sigterm(daemon):
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["pid"] == proc.pid and st["model"]["type"] == "qwen3_moe" and "cpus" in st["boot"]
+    (drive,) = st["boot"]["drives"]  # the model's drive, reported; tune_drives is off: nothing changed
+    assert "device" in drive and "would_change" in drive and "changed" not in drive
     assert oct(os.stat(sock).st_mode & 0o777) == "0o660"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
