@@ -229,7 +229,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
         e = stats["experts"]
         gbs = f" at {e['read_gbs']:.2f} GB/s" if e["read_gbs"] else ""
         click.echo(f"[colibri] experts: {e['hits']} hits, {e['misses']} misses (hit rate "
-                   f"{100 * (e['hit_rate'] or 0):.1f} %), {fmt_bytes(e['bytes_read'])} read{gbs}, "
+                   f"{100 * (e['hit_rate'] or 0):.1f} %), {fmt_bytes(e['bytes_read'])} read{gbs} in "
+                   f"{e['read_requests']} requests, "
                    f"{e['experts_read_per_token']} read per token, waiting on I/O {e['io_wait_s']:.3f} s, "
                    f"computing {e['compute_s']:.3f} s", err=True)
         if e["prefetch_issued"]:

@@ -39,6 +39,7 @@ class Config:
     history_save_s: float = 300.0  # seconds between writes of the usage history (and at stop)
     verify: str = "first"  # check expert reads against the manifest's crc32: first (per start), always, off
     mirror: str | None = None  # a directory with copies of the expert files, read when the primary fails
+    coalesce_reads: bool = True  # a step's missing experts adjacent in their file are read as one request
     tune_drives: bool = False  # set the expert drives' scheduler, read-ahead and interrupts at start (storage/devices.py)
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
@@ -71,7 +72,7 @@ _KINDS = {  # key -> what a valid value is
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
-    "mirror": "path", "tune_drives": "bool",
+    "mirror": "path", "tune_drives": "bool", "coalesce_reads": "bool",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",

@@ -144,7 +144,8 @@ class Server:
                               io_threads=self.cfg.io_threads, mlock=self.cfg.mlock, hugetlb=self.cfg.hugepages,
                               policy=self.cfg.cache_policy(), state_dir=state_dir(self.cfg) if history else None,
                               history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
-                              verify=self.cfg.verify, mirror=self.cfg.mirror, faults=faults_from_env())
+                              verify=self.cfg.verify, mirror=self.cfg.mirror, faults=faults_from_env(),
+                              coalesce=self.cfg.coalesce_reads)
         placed = open_model(path, placement, build_model, progress=self.set_phase)
         model = placed.model
         tokenizer = Tokenizer(path)

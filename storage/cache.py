@@ -51,7 +51,7 @@ class ExpertCache:
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
                  mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
                  history: UsageHistory | None = None, verify: str = "first", mirror: str | None = None,
-                 faults: FaultPlan | None = None):
+                 faults: FaultPlan | None = None, coalesce: bool = True):
         self.c = container
         self.record_bytes = container.record_bytes
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
@@ -69,7 +69,7 @@ class ExpertCache:
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
         self.stats = ExpertStats()
-        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults)
+        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults, coalesce)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
         """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""
@@ -432,6 +432,8 @@ class ExpertCache:
                 pinned.append((ie, slot))
             elif ie not in ahead:
                 pending.append(ie)
+        records = self.c.records
+        pending = deque(sorted(pending, key=lambda ie: (records[(il, ie)].file, records[(il, ie)].offset)))
         st.hits += len(hits) + len(pinned)
         st.misses += len(pending) + len(ahead)
         st.prefetch_used += len(ahead)
@@ -439,16 +441,24 @@ class ExpertCache:
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
 
         def submit():
+            # misses in file order; a run of records adjacent in the file goes as one read
             while pending:
-                slot = self._take_slot(il, busy, pending[0])
-                if slot is None and self.unchosen.get(il):  # every slot taken: one a wasted read holds
+                run = []
+                while pending and len(run) < self.reader.max_run and (
+                        not run or self.reader.adjacent((il, run[-1][0]), (il, pending[0]))):
+                    slot = self._take_slot(il, busy, pending[0])
+                    if slot is None:
+                        break
+                    ie = pending.popleft()
+                    busy.add(ie)
+                    run.append((ie, slot))
+                if run:
+                    futures = self.reader.submit_run([((il, ie), self.arena[slot]) for ie, slot in run])
+                    inflight.extend((ie, slot, fut) for (ie, slot), fut in zip(run, futures))
+                elif self.unchosen.get(il):  # every slot taken: one a wasted read holds
                     self._settle(il, *self.unchosen[il].pop(0))  # comes back once that read lands
-                    continue
-                if slot is None:
+                else:
                     return
-                ie = pending.popleft()
-                busy.add(ie)
-                inflight.append((ie, slot, self._submit((il, ie), slot)))
 
         def landed(ie, slot, fut):
             t0 = time.perf_counter()

@@ -48,6 +48,7 @@ class ExpertStats:
     verified: int = 0  # reads checked against the manifest's checksum
     verify_s: float = 0.0  # time spent checking (on the I/O threads)
     read_errors: int = 0  # failed or corrupted read attempts (each retried, then the mirror)
+    read_requests: int = 0  # reads issued to the drives: one per record, or one for a run of adjacent records
 
     def as_dict(self) -> dict:
         d = asdict(self)

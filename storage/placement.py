@@ -76,6 +76,7 @@ class Placement:
     `verify` (first, always, off) checks expert reads against the manifest's checksums;
     `mirror` is a directory with copies of the expert files, read when the primary fails.
     `faults` is a COLIBRI_FAULTS drill spec (faults.py). `trace` receives the routing trace.
+    `coalesce` reads a step's misses that are adjacent in their file as one request.
     """
 
     budget: int | str | None = None
@@ -92,6 +93,7 @@ class Placement:
     mirror: str | None = None
     faults: str | None = None
     trace: TextIO | None = None
+    coalesce: bool = True  # read a step's misses that are adjacent in their file as one request
 
 
 @dataclass
@@ -192,7 +194,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
-                        mirror=pl.mirror, faults=faults)
+                        mirror=pl.mirror, faults=faults, coalesce=pl.coalesce)
     model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
     cache.warm_start(progress)
     return Placed(model, cache, history)

@@ -1,7 +1,10 @@
 """The expert reader: one record from a container's expert files into a buffer.
 
 O_DIRECT `preadv` (whole 4 KiB-aligned records into page-aligned slots) from a small
-thread pool, buffered reads where the file system refuses O_DIRECT; each read checked
+thread pool, buffered reads where the file system refuses O_DIRECT. Records adjacent in
+their file and needed together are read as one request (`submit_run`: one `preadv` whose
+iovecs are the records' slots, up to MAX_RUN_BYTES), so the drive sees one large read
+instead of several; a record of such a run that fails is read again alone. Each read checked
 against the manifest's crc32 (as `verify` says); a failed or corrupted read is tried once
 more, then on the mirror (a directory with copies of the expert files), then it raises
 ExpertReadError naming the layer, expert, file and offset. COLIBRI_FAULTS drills
@@ -22,6 +25,7 @@ from .experts import ExpertStats
 from .faults import FaultPlan, inject
 
 log = logging.getLogger("colibri.storage")
+MAX_RUN_BYTES = 8 << 20  # the largest run of adjacent records read as one request
 VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
 
 
@@ -33,10 +37,14 @@ class ExpertReader:
     opened (a mirror file that cannot be opened is logged and left out)."""
 
     def __init__(self, container: Container, stats: ExpertStats, io_threads: int = 2, direct: bool = True,
-                 verify: str = "first", mirror: str | None = None, faults: FaultPlan | None = None):
+                 verify: str = "first", mirror: str | None = None, faults: FaultPlan | None = None,
+                 coalesce: bool = True):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
         self.c, self.stats = container, stats
+        # records per request at most (1: every record alone); a fault drill reads one at a time,
+        # so that its chosen reads are the ones that fail
+        self.max_run = max(1, MAX_RUN_BYTES // container.record_bytes) if coalesce and not faults else 1
         self.io_threads, self.verify, self.faults = io_threads, verify, faults
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
         self._io_lock = threading.Lock()  # guards the two below (engine and I/O threads)
@@ -75,20 +83,74 @@ class ExpertReader:
         """Start reading expert `key` into `buf` on the I/O threads. `io_wall_s` counts the
         time during which at least one submitted read has not finished, prefetches included.
         The future raises ExpertReadError."""
-        with self._io_lock:
-            if not self._io_busy:
-                self._io_since = time.perf_counter()
-            self._io_busy += 1
+        self._busy(+1)
         return self.pool.submit(self._read_counted, self.c.records[key], buf)
+
+    def adjacent(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
+        """Whether expert b's record follows expert a's in the same file."""
+        ra, rb = self.c.records[a], self.c.records[b]
+        return ra.file == rb.file and rb.offset == ra.offset + ra.length
+
+    def submit_run(self, reads: list[tuple[tuple[int, int], np.ndarray]]) -> list[Future]:
+        """Start reading records that follow each other in one file (adjacent(), in order),
+        each into its buffer, as one request; a future per record, as submit() gives."""
+        if len(reads) == 1:
+            return [self.submit(*reads[0])]
+        futures = [Future() for _ in reads]
+        self._busy(+1)
+        self.pool.submit(self._read_run, [self.c.records[k] for k, _ in reads], [b for _, b in reads], futures)
+        return futures
+
+    def _busy(self, step: int) -> None:
+        with self._io_lock:
+            if step > 0 and not self._io_busy:
+                self._io_since = time.perf_counter()
+            self._io_busy += step
+            if step < 0 and not self._io_busy:
+                self.stats.io_wall_s += time.perf_counter() - self._io_since
+
+    def _count_request(self) -> None:
+        with self._io_lock:  # (the I/O threads count together)
+            self.stats.read_requests += 1
 
     def _read_counted(self, rec: ExpertRecord, buf: np.ndarray) -> float:
         try:
             return self.read(rec, buf)
         finally:
-            with self._io_lock:
-                self._io_busy -= 1
-                if not self._io_busy:
-                    self.stats.io_wall_s += time.perf_counter() - self._io_since
+            self._busy(-1)
+
+    def _read_run(self, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future]) -> None:
+        """One preadv for the run; each record checked on its own, and one that fails (a short
+        read, a checksum) read again alone (read(): retried, then the mirror)."""
+        try:
+            t0 = time.perf_counter()
+            self._count_request()
+            try:
+                n = os.preadv(self.fds[recs[0].file], [memoryview(b) for b in bufs], recs[0].offset)
+                why = None
+            except OSError as e:
+                n, why = 0, e.strerror or str(e)
+            got = 0
+            for rec, buf, fut in zip(recs, bufs, futures):
+                bad = why or (f"short read of a run, {n} bytes" if n < got + rec.length else self._check(rec, buf))
+                got += rec.length
+                if bad is None:
+                    self.bad.pop((rec.layer, rec.expert), None)
+                    fut.set_result(time.perf_counter() - t0)
+                    continue
+                self.stats.read_errors += 1
+                log.warning("layer %d expert %d: %s in a read of %d records; reading it alone", rec.layer, rec.expert,
+                            bad, len(recs))
+                try:
+                    fut.set_result(self.read(rec, buf))
+                except ExpertReadError as e:
+                    fut.set_exception(e)
+        except BaseException as e:  # a bug must reach the waiting engine, not vanish in the pool
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(e)
+        finally:
+            self._busy(-1)
 
     def read(self, rec: ExpertRecord, buf: np.ndarray) -> float:
         """Read one record into `buf` (on the calling thread), verified, retried, then from
@@ -124,6 +186,7 @@ class ExpertReader:
         done = 0
         while done < rec.length:
             try:
+                self._count_request()
                 n = os.preadv(fd, [buf[done:]], rec.offset + done)
                 if fault:  # a drill (faults.py): this read fails as told
                     forced, fault = inject(fault, row, done), None
@@ -133,6 +196,10 @@ class ExpertReader:
             if n <= 0:
                 return f"short read, {done} of {rec.length} bytes"
             done += n
+        return self._check(rec, row)
+
+    def _check(self, rec: ExpertRecord, row: np.ndarray) -> str | None:
+        """The record's bytes against the manifest's crc32, as `verify` says; why not, or None."""
         key = (rec.layer, rec.expert)
         if self.verify == "always" or (self.verify == "first" and key not in self.verified):
             t = time.perf_counter()
@@ -147,4 +214,5 @@ class ExpertReader:
     def describe(self) -> dict:
         return {"verify": self.verify, "mirror": self.mirror,
                 "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())],
-                "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason}
+                "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
+                "records_per_read": self.max_run}
