@@ -2,6 +2,7 @@
 # Install colibri and everything it needs on a fresh Debian/Ubuntu machine.
 #   ./setup.sh          system packages + colibri (editable)
 #   ./setup.sh --test   the same, plus the test dependencies (pytest, transformers, torch==2.13.0 CPU, ruff)
+#                       and the io_uring binding (colibri[uring], built from source: its tests need it)
 # System packages: libsystemd-dev and pkg-config, which systemd-python needs to build.
 set -eu
 cd "$(dirname "$0")"
@@ -22,7 +23,7 @@ fi
 PY=${PYTHON:-python3}
 if [ "${1:-}" = "--test" ]; then
     # torch is pinned: an unpinned torch pulls a multi-GB GPU build
-    $PY -m pip install -q -e '.[test]'
+    $PY -m pip install -q -e '.[test,uring]'
 else
     $PY -m pip install -q -e .
 fi

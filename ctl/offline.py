@@ -107,6 +107,8 @@ def resolve_model(model: str | None) -> str:
                    "(default: all that fits in half the available memory)")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="threads reading experts from disk")
+@click.option("--reader", type=click.Choice(["preadv", "io_uring", "auto"]), default="preadv", show_default=True,
+              help="expert reads: the preadv pool, io_uring (colibri[uring]), or auto (the faster, measured)")
 @click.option("--threads", type=click.IntRange(0, 1024), default=0, show_default=True,
               help="threads computing (0: every CPU this process may run on)")
 @click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
@@ -125,7 +127,7 @@ def resolve_model(model: str | None) -> str:
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
+        reader, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
@@ -143,7 +145,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     path = resolve_model(model_path)
     t0 = time.perf_counter()
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
-    placement = Placement(budget=budget, io_threads=io_threads, mlock=mlock, trace=trace,
+    placement = Placement(budget=budget, io_threads=io_threads, reader=reader, mlock=mlock, trace=trace,
                           policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
                           history_read_only=history_read_only, faults=faults_from_env())
     tokenizers = []  # loaded once the files' checks pass, before a weight is read

@@ -39,6 +39,9 @@ class Config:
     history_save_s: float = 300.0  # seconds between writes of the usage history (and at stop)
     verify: str = "first"  # check expert reads against the manifest's crc32: first (per start), always, off
     mirror: str | None = None  # a directory with copies of the expert files, read when the primary fails
+    reader: str = "auto"  # expert reads: preadv (thread pool), io_uring, auto (io_uring where installed and faster)
+    queue_depth: int = 32  # io_uring: expert reads in flight at most
+    sqpoll_cpu: int | None = None  # io_uring: a kernel thread pinned to this CPU polls for submissions; null: none
     coalesce_reads: bool = True  # a step's missing experts adjacent in their file are read as one request
     tune_drives: bool = False  # set the expert drives' scheduler, read-ahead and interrupts at start (storage/devices.py)
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
@@ -72,7 +75,8 @@ _KINDS = {  # key -> what a valid value is
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
-    "mirror": "path", "tune_drives": "bool", "coalesce_reads": "bool",
+    "mirror": "path", "tune_drives": "bool", "coalesce_reads": "bool", "reader": "reader",
+    "queue_depth": "positive", "sqpoll_cpu": "node",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
@@ -136,6 +140,10 @@ def _valid(kind: str, v) -> str | None:
         return None if v is None or (isinstance(v, str) and v) else "a group name or null"
     if kind == "verify":
         return None if v in ("first", "always", "off", False) else "first, always or off"  # YAML reads off as false
+    if kind == "reader":
+        from ..storage.reader import READERS
+
+        return None if v in READERS else f"one of {', '.join(READERS)}"
     if kind == "history":
         return None if isinstance(v, bool) or v == "read-only" else "true, false or read-only"
     if kind == "level":

@@ -145,7 +145,8 @@ class Server:
                               policy=self.cfg.cache_policy(), state_dir=state_dir(self.cfg) if history else None,
                               history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
                               verify=self.cfg.verify, mirror=self.cfg.mirror, faults=faults_from_env(),
-                              coalesce=self.cfg.coalesce_reads)
+                              coalesce=self.cfg.coalesce_reads, reader=self.cfg.reader,
+                              queue_depth=self.cfg.queue_depth, sqpoll_cpu=self.cfg.sqpoll_cpu)
         placed = open_model(path, placement, build_model, progress=self.set_phase)
         model = placed.model
         tokenizer = Tokenizer(path)

@@ -51,7 +51,8 @@ class ExpertCache:
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
                  mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
                  history: UsageHistory | None = None, verify: str = "first", mirror: str | None = None,
-                 faults: FaultPlan | None = None, coalesce: bool = True):
+                 faults: FaultPlan | None = None, coalesce: bool = True, reader: str = "preadv",
+                 queue_depth: int = 32, sqpoll_cpu: int | None = None):
         self.c = container
         self.record_bytes = container.record_bytes
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
@@ -69,7 +70,8 @@ class ExpertCache:
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
         self.stats = ExpertStats()
-        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults, coalesce)
+        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults, coalesce, reader,
+                                   queue_depth, sqpoll_cpu)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
         """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""

@@ -94,6 +94,9 @@ class Placement:
     faults: str | None = None
     trace: TextIO | None = None
     coalesce: bool = True  # read a step's misses that are adjacent in their file as one request
+    reader: str = "preadv"  # preadv (a thread pool), io_uring, or auto (storage/reader.py)
+    queue_depth: int = 32  # io_uring: reads in flight at most
+    sqpoll_cpu: int | None = None  # io_uring: a kernel thread on this CPU polls for submissions
 
 
 @dataclass
@@ -194,7 +197,8 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
-                        mirror=pl.mirror, faults=faults, coalesce=pl.coalesce)
+                        mirror=pl.mirror, faults=faults, coalesce=pl.coalesce, reader=pl.reader,
+                        queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu)
     model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
     cache.warm_start(progress)
     return Placed(model, cache, history)

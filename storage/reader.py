@@ -26,6 +26,8 @@ from .faults import FaultPlan, inject
 
 log = logging.getLogger("colibri.storage")
 MAX_RUN_BYTES = 8 << 20  # the largest run of adjacent records read as one request
+READERS = ("preadv", "io_uring", "auto")  # auto: io_uring where it works and reads faster, measured at start
+AUTO_PROBE_RECORDS = 32
 VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
 
 
@@ -38,7 +40,7 @@ class ExpertReader:
 
     def __init__(self, container: Container, stats: ExpertStats, io_threads: int = 2, direct: bool = True,
                  verify: str = "first", mirror: str | None = None, faults: FaultPlan | None = None,
-                 coalesce: bool = True):
+                 coalesce: bool = True, reader: str = "preadv", queue_depth: int = 32, sqpoll_cpu: int | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
         self.c, self.stats = container, stats
@@ -53,6 +55,9 @@ class ExpertReader:
         self.fds = {file: self._open(file) for file in sorted({r.file for r in container.records.values()})}
         self.verified: set[tuple[int, int]] = set()  # experts whose bytes matched the manifest this start
         self.bad: dict[tuple[int, int], str] = {}  # experts whose last read failed, and why
+        self.uring, self.kind, self.kind_why = None, "preadv", None
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {READERS}")
         self.mirror, self.mirror_fds = mirror, {}
         if mirror:
             for file in self.fds:
@@ -61,6 +66,8 @@ class ExpertReader:
                     self.mirror_fds[file] = self._open(copy)
                 except OSError as e:
                     log.warning("mirror %s: %s; reads of %s have no fallback", copy, e.strerror, file)
+        if reader != "preadv":
+            self._start_uring(reader, queue_depth, sqpoll_cpu)
 
     def _open(self, file: str) -> int:
         if self.direct:
@@ -72,7 +79,60 @@ class ExpertReader:
                 log.warning(self.fallback_reason)
         return os.open(file, os.O_RDONLY)
 
+    def _start_uring(self, asked: str, depth: int, sqpoll_cpu: int | None) -> None:
+        """io_uring where it works (storage/uring.py); with "auto", only when it reads faster
+        than the pool here (measured now, on the container's own records). Says why not."""
+        from .uring import Uring, usable
+
+        why = usable()
+        if why is None:
+            try:
+                self.uring = Uring(depth, sqpoll_cpu)
+            except OSError as e:
+                why = f"io_uring could not be set up: {e.strerror or e}"
+        if why is not None:
+            self.kind_why = why
+            (log.warning if asked == "io_uring" else log.info)("reader %s: %s; reading with the preadv pool", asked,
+                                                                why)
+            return
+        self.kind = "io_uring"
+        if asked == "auto":
+            before = (self.stats.read_requests, self.stats.io_wall_s)
+            ring_gbs = self.measure(0)
+            self.uring, ring = None, self.uring
+            pool_gbs = self.measure(AUTO_PROBE_RECORDS)  # other records: none comes from a cache
+            self.stats.read_requests, self.stats.io_wall_s = before
+            if ring_gbs > pool_gbs:
+                self.uring = ring
+            else:
+                ring.close()
+                self.kind = "preadv"
+            self.kind_why = (f"auto: io_uring read {ring_gbs:.2f} GB/s, the preadv pool {pool_gbs:.2f} GB/s on "
+                             f"{AUTO_PROBE_RECORDS} records")
+            log.info("reader %s", self.kind_why)
+
+    def measure(self, first: int) -> float:
+        """GB/s of reading AUTO_PROBE_RECORDS of the container's records from the `first`
+        on (in file order) through this reader's path, as the cache reads them (one at a
+        time, all in flight, into an aligned scratch buffer, unchecked)."""
+        import mmap
+
+        recs = sorted(self.c.records.values(), key=lambda r: (r.file, r.offset))
+        recs = recs[first:first + AUTO_PROBE_RECORDS] or recs[:AUTO_PROBE_RECORDS]
+        scratch = np.frombuffer(mmap.mmap(-1, self.c.record_bytes * len(recs)), np.uint8)
+        bufs = [scratch[i * self.c.record_bytes:(i + 1) * self.c.record_bytes] for i in range(len(recs))]
+        verify, self.verify = self.verify, "off"
+        t0 = time.perf_counter()
+        try:
+            for f in [self.submit((r.layer, r.expert), b) for r, b in zip(recs, bufs)]:
+                f.result()
+        finally:
+            self.verify = verify
+        return sum(r.length for r in recs) / (time.perf_counter() - t0) / 1e9
+
     def close(self) -> None:
+        if self.uring is not None:
+            self.uring.close()
         self.pool.shutdown(wait=True)
         for fd in [*self.fds.values(), *self.mirror_fds.values()]:
             os.close(fd)
@@ -83,6 +143,8 @@ class ExpertReader:
         """Start reading expert `key` into `buf` on the I/O threads. `io_wall_s` counts the
         time during which at least one submitted read has not finished, prefetches included.
         The future raises ExpertReadError."""
+        if self.uring is not None:
+            return self.submit_run([(key, buf)])[0]
         self._busy(+1)
         return self.pool.submit(self._read_counted, self.c.records[key], buf)
 
@@ -94,11 +156,18 @@ class ExpertReader:
     def submit_run(self, reads: list[tuple[tuple[int, int], np.ndarray]]) -> list[Future]:
         """Start reading records that follow each other in one file (adjacent(), in order),
         each into its buffer, as one request; a future per record, as submit() gives."""
-        if len(reads) == 1:
+        if len(reads) == 1 and self.uring is None:
             return [self.submit(*reads[0])]
+        recs, bufs = [self.c.records[k] for k, _ in reads], [b for _, b in reads]
         futures = [Future() for _ in reads]
         self._busy(+1)
-        self.pool.submit(self._read_run, [self.c.records[k] for k, _ in reads], [b for _, b in reads], futures)
+        if self.uring is None:
+            self.pool.submit(self._read_run, recs, bufs, futures)
+        else:  # in flight on the ring; checked (and retried when bad) on the pool once it lands
+            self._count_request()
+            t0 = time.perf_counter()
+            ring = self.uring.read(self.fds[recs[0].file], bufs, recs[0].offset)
+            ring.add_done_callback(lambda f: self.pool.submit(self._ring_landed, recs, bufs, futures, f, t0))
         return futures
 
     def _busy(self, step: int) -> None:
@@ -120,27 +189,48 @@ class ExpertReader:
             self._busy(-1)
 
     def _read_run(self, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future]) -> None:
-        """One preadv for the run; each record checked on its own, and one that fails (a short
-        read, a checksum) read again alone (read(): retried, then the mirror)."""
+        """One preadv for the run, then _settle."""
+        t0 = time.perf_counter()
+        self._count_request()
         try:
-            t0 = time.perf_counter()
-            self._count_request()
-            try:
-                n = os.preadv(self.fds[recs[0].file], [memoryview(b) for b in bufs], recs[0].offset)
-                why = None
-            except OSError as e:
-                n, why = 0, e.strerror or str(e)
+            n, why = os.preadv(self.fds[recs[0].file], [memoryview(b) for b in bufs], recs[0].offset), None
+        except OSError as e:
+            n, why = 0, e.strerror or str(e)
+        self._settle(recs, bufs, futures, n, why, t0)
+
+    def _ring_landed(self, recs, bufs, futures, ring: Future, t0: float) -> None:
+        try:
+            n, why = ring.result(), None
+        except OSError as e:
+            n, why = 0, e.strerror or str(e)
+        self._settle(recs, bufs, futures, n, why, t0)
+
+    def _settle(self, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future], n: int,
+                why: str | None, t0: float) -> None:
+        """A request of one or more adjacent records has landed with n bytes (or failed, and
+        `why`): each record is checked on its own, and one that fails (a short read, a
+        checksum, a fault drill) is read again alone (read(): retried, then the mirror)."""
+        try:
             got = 0
             for rec, buf, fut in zip(recs, bufs, futures):
-                bad = why or (f"short read of a run, {n} bytes" if n < got + rec.length else self._check(rec, buf))
+                bad = why
+                fault = self.faults.take("primary", rec.layer, rec.expert) if self.faults and not bad else None
+                if fault:  # a drill (faults.py) on the ring's read, as _read_once does on the pool's
+                    try:
+                        if inject(fault, buf, 0) is not None:
+                            bad = "short read (injected)"
+                    except OSError as e:
+                        bad = e.strerror
+                if bad is None:
+                    bad = f"short read of a run, {n} bytes" if n < got + rec.length else self._check(rec, buf)
                 got += rec.length
                 if bad is None:
                     self.bad.pop((rec.layer, rec.expert), None)
                     fut.set_result(time.perf_counter() - t0)
                     continue
                 self.stats.read_errors += 1
-                log.warning("layer %d expert %d: %s in a read of %d records; reading it alone", rec.layer, rec.expert,
-                            bad, len(recs))
+                log.warning("layer %d expert %d: %s in a read of %d record%s; reading it alone", rec.layer,
+                            rec.expert, bad, len(recs), "s" if len(recs) > 1 else "")
                 try:
                     fut.set_result(self.read(rec, buf))
                 except ExpertReadError as e:
@@ -215,4 +305,5 @@ class ExpertReader:
         return {"verify": self.verify, "mirror": self.mirror,
                 "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())],
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
-                "records_per_read": self.max_run}
+                "records_per_read": self.max_run, "reader": self.kind, "reader_note": self.kind_why,
+                **({"queue_depth": self.uring.depth, "sqpoll_cpu": self.uring.sqpoll} if self.uring else {})}
