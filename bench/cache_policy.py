@@ -126,7 +126,7 @@ def replay_cache(trace, capacity: int, container, top_k: int, policy: Policy, wa
     cache.close()
     return {"hits": st.hits, "misses": st.misses, "pinned_slots": len(cache.pinned), "slots": d["slots"],
             "window_slots_per_layer": d["window_slots_per_layer"], "main_slots": d["main_slots"],
-            "repins": st.repins, "warm_reads": warm_reads}
+            "repins": st.repins, "warm_reads": warm_reads, "read_requests": st.read_requests}
 
 
 def replay_next_use(trace, capacity: int, layers: list[int], n_expert: int, top_k: int, foresight: int = 0) -> dict:

@@ -29,7 +29,7 @@ MEANING = {  # code -> what it means, as the README's table says it
                  "than the model's context or larger than the daemon takes, an expert budget that is unreadable or "
                  "below the minimum (or given for a checkpoint rather than a container), an unknown expert or one "
                  "not pinned, a session of another model or of the other kind (chat or text), a session name that is "
-                 "not valid",
+                 "not valid, a routing trace that is not one (convert --trace)",
     DAEMON_DOWN: "no daemon answers: no socket, a stale socket, or the daemon stopped answering mid-request",
     BUSY: "the daemon is busy (its queue is full) or stopping, also when it stops in the middle of a request: "
           "retry later",

@@ -29,10 +29,11 @@ def error_code(e: Exception) -> int:
     from ..engine.errors import InvalidRequest
     from ..storage.convert import ConvertError
     from ..storage.errors import BudgetInvalid, CheckpointError, ExpertReadError
+    from ..storage.layout import TraceInvalid
     from ..storage.sessions import SessionMismatch
 
     table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
-             (SessionMismatch, exitcodes.BAD_REQUEST),
+             (SessionMismatch, exitcodes.BAD_REQUEST), (TraceInvalid, exitcodes.BAD_REQUEST),
              (ConvertError, exitcodes.USAGE), (ConfigError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
     return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
 
@@ -307,8 +308,13 @@ def grouping(experts: dict) -> str:
 @click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
               help="precision of the resident part (default: the checkpoint's own)")
 @click.option("--force", is_flag=True, help="replace DST if it exists")
+@click.option("--layout", type=click.Choice(["expert-id", "coactivation"]), default="expert-id", show_default=True,
+              help="the order of each layer's expert records: by id, or experts chosen together side by side "
+                   "(from --trace), so that they are read together")
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="a routing trace (colictl run --routing-trace) for --layout coactivation")
 @guarded
-def convert(src, dst, dtype, group_size, dense_dtype, force):
+def convert(src, dst, dtype, group_size, dense_dtype, force, layout, trace_path):
     """Convert the Hugging Face checkpoint SRC into a colibri container DST, laid out for
     streaming experts from disk."""
     from ..engine.registry import build_model
@@ -319,6 +325,8 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
 
     if group_size and dtype not in ("int8", "int4"):
         raise ConvertError("--group-size applies to --dtype int8 or int4")
+    if (layout == "coactivation") != (trace_path is not None):
+        raise ConvertError("--layout coactivation takes its order from --trace FILE (and --trace only serves it)")
     if is_container(src):
         raise ConvertError(f"{src} is already a colibri container: convert takes a Hugging Face checkpoint "
                            "(run the container as it is)")
@@ -327,6 +335,12 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
     plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names())
+    order = None
+    if trace_path:
+        from ..storage.layout import coactivation_order
+
+        ids, fp = coactivation_order(trace_path, model.moe_layers, model.n_expert)
+        order = {"layout": "coactivation", "source": fp, "experts": ids}
     bar = sys.stderr.isatty()
     t0 = time.perf_counter()
 
@@ -338,7 +352,8 @@ def convert(src, dst, dtype, group_size, dense_dtype, force):
             sys.stderr.flush()
 
     manifest = run_convert(ckpt, dst, plan, expert_dtype=dtype, dense_dtype=dense_dtype,
-                           group_size=int(group_size) if group_size else None, force=force, progress=progress)
+                           group_size=int(group_size) if group_size else None, force=force, progress=progress,
+                           order=order)
     if bar:
         sys.stderr.write("\n")
     ex = manifest["experts"]

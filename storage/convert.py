@@ -124,13 +124,15 @@ def published_kind(src, plan: "ExpertPlan") -> QuantWeight | None:
 
 def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | None = None,
             dense_dtype: str | None = None, group_size: int | None = None, force: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> dict:
+            progress: Callable[[int, int], None] | None = None, order: dict | None = None) -> dict:
     """Write the container for `src` at `dst`; return its manifest.
 
     expert_dtype: None (keep the checkpoint's), bf16, f16, f32, int8, int4; dense_dtype:
     None (keep), bf16, f16, f32. group_size: scale group for int8 (default: one per row)
-    and int4 (default 64). Raises ConvertError (dst exists without force, a group size
-    that does not divide a matrix), the checkpoint's errors, OSError.
+    and int4 (default 64). order: {"layout": name, "source": fingerprint, "experts": {layer:
+    [expert ids in record order]}} (storage/layout.py; None: id order). Raises ConvertError
+    (dst exists without force, a group size that does not divide a matrix), the
+    checkpoint's errors, OSError.
     """
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and not force:
@@ -155,7 +157,8 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
     try:
-        manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress)
+        manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
+                          order)
         if os.path.exists(dst):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
             os.rename(dst, os.path.join(old, "x"))
@@ -169,13 +172,14 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     return manifest
 
 
-def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, quant: bool) -> list:
-    """The safetensors entries of layer il's expert file: each record's parts under the
-    checkpoint's names (`.qweight`/`.scales` when `quant`: values and scales, colibri's
-    int8/int4 or a published format), with `__pad__.*` U8 tensors filling the alignment
-    gaps, since safetensors allows no holes."""
+def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, quant: bool,
+                        order: list[int] | None = None) -> list:
+    """The safetensors entries of layer il's expert file, its records in `order` (None: id
+    order): each record's parts under the checkpoint's names (`.qweight`/`.scales` when
+    `quant`: values and scales, colibri's int8/int4 or a published format), with `__pad__.*`
+    U8 tensors filling the alignment gaps, since safetensors allows no holes."""
     entries = []
-    for ie in range(plan.n_expert):
+    for ie in order or range(plan.n_expert):
         names, cursor = plan.names(il, ie), 0
         for p in layout:
             if p.offset > cursor:
@@ -190,7 +194,8 @@ def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, qu
     return entries
 
 
-def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress) -> dict:
+def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
+           order=None) -> dict:
     t0 = time.perf_counter()
     for name in COPIED:
         if os.path.isfile(os.path.join(src.path, name)):
@@ -253,10 +258,11 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     for il in plan.moe_layers:
         file = expert_file_name(il)
         meta = {"format": "pt", "colibri": "experts", "layer": str(il), "record_bytes": str(record_bytes)}
-        entries = expert_file_entries(il, plan, layout, record_bytes, quant)
+        ids = order["experts"][il] if order else list(range(plan.n_expert))
+        entries = expert_file_entries(il, plan, layout, record_bytes, quant, ids)
         w = SafetensorsWriter(os.path.join(tmp, file), entries, meta, header_align=ALIGN)
         record = np.zeros(record_bytes, np.uint8)
-        for ie in range(plan.n_expert):
+        for pos, ie in enumerate(ids):
             record[:] = 0
             for part, name in zip(PARTS + BIAS_PARTS, plan.names(il, ie)):
                 if part in BIAS_PARTS:  # never quantized: the float dtype the record keeps them in
@@ -269,7 +275,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                         assert dtype_name(v) == p.dtype or p.dtype in ("I8", "U8", "F8_E4M3", "F8_E5M2")
                         record[p.offset : p.offset + p.n_bytes] = v.reshape(-1).view(np.uint8)
             w.write(record)
-            index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + ie * record_bytes,
+            index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + pos * record_bytes,
                           "length": record_bytes, "crc32": crc32(record)})
             done += 1
             if progress:
@@ -299,6 +305,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
             "record_bytes": record_bytes,
             "align": ALIGN,
             "checksum": "crc32",
+            "order": {"layout": order["layout"], "source": order["source"]} if order else {"layout": "expert id"},
             "layout": [{"part": p.part, "tensor": p.tensor, "dtype": p.dtype, "shape": list(p.shape),
                         "offset": p.offset, "bytes": p.n_bytes} for p in layout],
             "index": index,
