@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checksum import crc32
 from .errors import (
     ConfigMissing,
     DenseChecksumMismatch,
@@ -75,8 +76,6 @@ class Checkpoint:
         self.entry(name)
         a = self.files[self.where[name]].read(name)
         if self.crc32 is not None:
-            from .container import crc32
-
             want, got = self.crc32.get(name), crc32(a.reshape(-1).view(np.uint8))
             if want != got:
                 raise DenseChecksumMismatch(

@@ -22,15 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checkpoint import Checkpoint
+from .checksum import crc32  # noqa: F401 (the records' checksum; cache, convert and doctor take it from here)
 from .errors import CheckpointError, ConfigInvalid, DenseChecksumMismatch, read_json
 from .fpformats import quant_config
 from .quant import PUBLISHED_DTYPES, QuantWeight
 from .safetensors import DTYPES, SafetensorsFile
-
-try:  # the records' checksum: zlib's CRC-32, computed by ISA-L's vectorised code (~4x zlib's speed)
-    from isal.isal_zlib import crc32  # noqa: F401 (used by cache, convert, doctor)
-except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
-    from zlib import crc32  # noqa: F401
 
 FORMAT = "colibri-container"
 VERSION = 1
