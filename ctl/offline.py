@@ -157,7 +157,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     prior, keys, messages = None, None, [{"role": "user", "content": text_in}]
     saved = None
     if session_file:
-        from ..storage.sessions import fingerprints, load_session
+        from ..storage.sessions import chat_messages, fingerprints, load_session
 
         keys = fingerprints(path)
         saved = load_session(session_file, *keys, model.args.vocab_size)
@@ -166,11 +166,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
             raise click.UsageError(f"{session_file} is a {mode} session: continue it "
                                    f"{'with' if mode == 'chat' else 'without'} --chat")
         if saved and chat:
-            try:
-                earlier = json.loads(saved[2].get("messages", ""))
-            except ValueError:
-                earlier = None
-            if isinstance(earlier, list):
+            earlier = chat_messages(saved[2])
+            if earlier is not None:
                 messages = earlier + messages
             else:
                 click.echo(f"[colibri] {session_file}: its chat messages cannot be read; starting afresh", err=True)
@@ -210,11 +207,10 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
         placed.history.save()  # when it has a path and is not read-only
     stats = done.stats | {"load_s": round(load_s, 3), "model": info}
     if session_file and done.conversation is not None:
-        from ..storage.sessions import save_session
+        from ..storage.sessions import mode_metadata, save_session
 
-        extra = {"mode": "chat", "messages": json.dumps(messages + [{"role": "assistant", "content": "".join(pieces)}],
-                                                        ensure_ascii=False)} if chat else {"mode": "text"}
-        save_session(session_file, done.conversation.tokens, done.conversation.kv, *keys, extra)
+        said = messages + [{"role": "assistant", "content": "".join(pieces)}] if chat else None
+        save_session(session_file, done.conversation.tokens, done.conversation.kv, *keys, mode_metadata(said))
         stats["session"] = {"file": session_file, "continued_tokens": len(prior.tokens) if prior else 0,
                             "tokens": len(done.conversation.tokens)}
     if as_json:

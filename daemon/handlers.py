@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+from ..storage.errors import ColibriError
 from . import protocol as P
 from .protocol import ProtocolError
 from .scheduler import Cancel, Generate, Pin, Resize, SetPolicy
@@ -193,23 +194,13 @@ class Handlers:
         info = store.describe(self.uid, name)
         if info is None:
             raise ProtocolError("NOT_FOUND", f"no session {name!r} of this user")
-        return {"session": info | self.session_text(store.path(self.uid, name))}
-
-    def session_text(self, path: str) -> dict:
-        """A session's conversation for `session show`: a chat's messages, a raw session's
-        text (decoded from its tokens)."""
-        import json
-
-        from ..storage.errors import CheckpointError
-        from ..storage.safetensors import SafetensorsFile
-
         try:
-            f = SafetensorsFile(path)
-            if f.metadata.get("mode") == "chat":
-                return {"messages": json.loads(f.metadata.get("messages", "[]"))}
-            return {"text": self.s.tokenizer.decode([int(t) for t in f.read("tokens")])}
-        except (CheckpointError, OSError, ValueError) as e:
-            raise ProtocolError("MODEL_ERROR", f"session file {path} cannot be read: {e}") from None
+            said = store.conversation(self.uid, name)
+        except (ColibriError, OSError) as e:
+            raise ProtocolError("MODEL_ERROR", f"session {name!r} cannot be read: {e}") from None
+        if "tokens" in said:
+            said = {"text": self.s.tokenizer.decode(said["tokens"])}
+        return {"session": info | said}
 
     # ---- operators ---------------------------------------------------------------------------
 

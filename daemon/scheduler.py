@@ -4,9 +4,10 @@ between two steps.
 The I/O thread feeds it typed messages through the daemon's inbox (a queue); it sends
 stream events and final replies back as (identity, frame) pairs over an inproc PUSH
 socket. Every active request advances one token per step; a new one joins at the next
-step, its prompt a `prefill_chunk` at a time while others decode. An idle engine's first request waits `batch_window_ms` for those sent with it.
-Budget, pin and policy changes run between two steps, so a running request sees them
-only in its speed.
+step, its prompt a `prefill_chunk` at a time while others decode. An idle engine's first
+request waits `batch_window_ms` for those sent with it. Budget, pin and policy changes
+run between two steps, so a running request sees them only in its speed. A request that
+continues a session takes it (open_turn) and writes it back when it completes (end_turn).
 """
 
 import logging

@@ -26,7 +26,6 @@ kind is refused.
 """
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -34,7 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..storage.sessions import load_session, save_session, session_summary
+from ..storage.safetensors import SafetensorsFile
+from ..storage.sessions import chat_messages, load_session, mode_metadata, save_session, session_summary
 
 log = logging.getLogger("colibri.daemon")
 
@@ -93,13 +93,10 @@ class SessionStore:
         if got is None:
             return None
         tokens, kv, meta = got
-        messages = None
-        if meta.get("mode") == "chat":
-            with contextlib.suppress(ValueError):
-                messages = json.loads(meta.get("messages", ""))
-            if not isinstance(messages, list):  # a chat session whose messages are lost: start afresh
-                log.warning("%s: a chat session without readable messages; starting it afresh", self.path(uid, name))
-                return None
+        messages = chat_messages(meta)
+        if meta.get("mode") == "chat" and messages is None:  # a chat session whose messages are lost: afresh
+            log.warning("%s: a chat session without readable messages; starting it afresh", self.path(uid, name))
+            return None
         return Saved(tokens, kv, "chat" if messages is not None else "text", messages, int(meta.get("turns", "0")),
                      float(meta.get("created", time.time())))
 
@@ -109,10 +106,8 @@ class SessionStore:
         previous turn)."""
         try:
             if saved is not None:
-                extra = {"mode": saved.mode, "turns": str(saved.turns), "created": repr(saved.created),
-                         "updated": repr(time.time())}
-                if saved.messages is not None:
-                    extra["messages"] = json.dumps(saved.messages, ensure_ascii=False)
+                extra = mode_metadata(saved.messages) | {"turns": str(saved.turns), "created": repr(saved.created),
+                                                         "updated": repr(time.time())}
                 path = self.path(uid, name)
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 save_session(path, saved.tokens, saved.kv, self.model_fp, self.tokenizer_fp, extra)
@@ -135,6 +130,13 @@ class SessionStore:
         return {"name": name, "mode": meta.get("mode", "text"), "turns": int(meta.get("turns", "0")),
                 "tokens": n_tokens, "bytes": st.st_size, "created": float(meta.get("created", st.st_mtime)),
                 "updated": st.st_mtime, "in_use": (uid, name) in self.busy}
+
+    def conversation(self, uid: int, name: str) -> dict:
+        """What `session show` prints: {"messages"} of a chat, {"tokens"} of raw text.
+        Raises CheckpointError, OSError when the file cannot be read."""
+        f = SafetensorsFile(self.path(uid, name))
+        messages = chat_messages(f.metadata)
+        return {"messages": messages} if messages is not None else {"tokens": [int(t) for t in f.read("tokens")]}
 
     def list(self, uid: int) -> list[dict]:
         folder = os.path.join(self.dir, str(uid))

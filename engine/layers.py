@@ -261,14 +261,20 @@ class KVCache:
         # cache with other arrays says so)
         return {"k": (self.k, 2), "v": (self.v, 2)}
 
+    def take(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Copies of positions start..stop-1 of every array (a session's snapshot, a prefix
+        cache's block)."""
+        return {name: np.ascontiguousarray(along(a, axis, start, stop)) for name, (a, axis) in self.arrays().items()}
+
+    def put(self, state: dict[str, np.ndarray], start: int) -> None:
+        """Write `state` (take()'s arrays, of any number of positions) at positions from
+        `start` on."""
+        for name, (a, axis) in self.arrays().items():
+            along(a, axis, start, start + state[name].shape[axis])[...] = state[name]
+
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of the filled positions of every array (a session keeps them)."""
-        out = {}
-        for name, (a, axis) in self.arrays().items():
-            cut = [slice(None)] * a.ndim
-            cut[axis] = slice(0, self.n_pos)
-            out[name] = np.ascontiguousarray(a[tuple(cut)])
-        return out
+        return self.take(0, self.n_pos)
 
     def restore(self, state: dict[str, np.ndarray], n_pos: int | None = None) -> None:
         """Fill the first n_pos positions (None: all of them) from a snapshot of a cache of
@@ -291,10 +297,15 @@ class KVCache:
             if state[name].shape != want or state[name].dtype != a.dtype:
                 raise ValueError(f"the saved {name} is {state[name].dtype}{list(state[name].shape)}, this model's "
                                  f"{a.dtype}{list(want)}")
-            cut = [slice(None)] * a.ndim
-            cut[axis] = slice(0, n_pos)
-            a[tuple(cut)] = state[name][tuple(cut)]
+        self.put({name: along(state[name], axis, 0, n_pos) for name, (_, axis) in arrays.items()}, 0)
         self.n_pos = n_pos
+
+
+def along(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    # a view of a's positions start..stop-1 on `axis`
+    cut = [slice(None)] * a.ndim
+    cut[axis] = slice(start, stop)
+    return a[tuple(cut)]
 
 
 @dataclass

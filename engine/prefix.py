@@ -98,7 +98,6 @@ class PrefixCache:
         the first block the budget has no room for (the chain's earlier blocks are held
         meanwhile: making room never takes them)."""
         added, parent, path = 0, None, []
-        arrays = cache.arrays()
         try:
             for i in range(n_pos // BLOCK):
                 part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
@@ -107,11 +106,7 @@ class PrefixCache:
                 if b is not None and (b.tokens != part or b.parent != parent):
                     break  # a hash collision: keep what is there
                 if b is None:
-                    cut = {}
-                    for name, (a, axis) in arrays.items():
-                        index = [slice(None)] * a.ndim
-                        index[axis] = slice(i * BLOCK, (i + 1) * BLOCK)
-                        cut[name] = np.array(a[tuple(index)])  # a copy: the request's cache lives on
+                    cut = cache.take(i * BLOCK, (i + 1) * BLOCK)  # a copy: the request's cache lives on
                     nbytes = sum(c.nbytes for c in cut.values())
                     if not self.evict(nbytes):
                         break
@@ -171,8 +166,5 @@ def load_blocks(cache, blocks: list[Block]) -> None:
     """Copy matched blocks into a fresh request's cache: its first len(blocks) * BLOCK
     positions."""
     for i, b in enumerate(blocks):
-        for name, (a, axis) in cache.arrays().items():
-            index = [slice(None)] * a.ndim
-            index[axis] = slice(i * BLOCK, (i + 1) * BLOCK)
-            a[tuple(index)] = b.arrays[name]
+        cache.put(b.arrays, i * BLOCK)
     cache.n_pos = len(blocks) * BLOCK

@@ -5,7 +5,7 @@ A session file is safetensors: "tokens" (int64 [n]: every token of the conversat
 last one sampled and not yet fed to the model) and "kv.<name>" (float32: the cache's
 arrays for the first n - 1 positions, engine.layers.KVCache.snapshot), with metadata
 {"format": "colibri-session", "version": "1", "model": <model fingerprint>, "tokenizer":
-<tokenizer fingerprint>}. It is written whole to a temporary file and renamed into place
+<tokenizer fingerprint>, "mode": "text" or "chat" (with "messages", JSON)}. It is written whole to a temporary file and renamed into place
 (statefile's discipline): a crash mid-write leaves the previous turn's file. A file that
 cannot be read as a session (truncated, another format or version, bad tokens) is moved
 aside with a warning and the conversation starts afresh; a valid session of another model
@@ -14,6 +14,7 @@ or tokenizer is refused (SessionMismatch): its KV means nothing to this model.
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 
@@ -127,3 +128,23 @@ def session_summary(path: str) -> tuple[dict, int] | None:
     if f.metadata.get("format") != FORMAT or entry is None or len(entry.shape) != 1:
         return None
     return f.metadata, int(entry.shape[0])
+
+
+def mode_metadata(messages: list[dict] | None) -> dict[str, str]:
+    """The metadata that says what a session's turns are: a chat's messages (its replies
+    included), or raw text (None)."""
+    if messages is None:
+        return {"mode": "text"}
+    return {"mode": "chat", "messages": json.dumps(messages, ensure_ascii=False)}
+
+
+def chat_messages(meta: dict) -> list[dict] | None:
+    """A chat session's messages from its metadata; None for a raw-text session, or when
+    they cannot be read (the session then starts afresh)."""
+    if meta.get("mode") != "chat":
+        return None
+    with contextlib.suppress(ValueError):
+        messages = json.loads(meta.get("messages", ""))
+        if isinstance(messages, list):
+            return messages
+    return None
