@@ -176,7 +176,7 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
             r.add(WARN, "o_direct", f"O_DIRECT refused on {facts['probe']} ({e.strerror}): expert reads fall back to "
                                     "buffered reads through the page cache")
     if facts.get("probe"):
-        check_drives(r, cfg, [os.path.dirname(facts["probe"])] + ([cfg.mirror] if cfg.mirror else []))
+        check_drives(r, cfg, [os.path.dirname(facts["probe"]), *cfg.drives])
     avail = psutil.virtual_memory().available
     budget = facts.get("experts", 0)
     if facts.get("experts"):

@@ -33,7 +33,8 @@ MEANING = {  # code -> what it means, as the README's table says it
     DAEMON_DOWN: "no daemon answers: no socket, a stale socket, or the daemon stopped answering mid-request",
     BUSY: "the daemon is busy (its queue is full) or stopping, also when it stops in the middle of a request: "
           "retry later",
-    CHECK_FAILED: "`colictl doctor`: a check failed",
+    CHECK_FAILED: "`colictl doctor`: a check failed; `colictl drives stage` or `verify`: a copy of the expert files "
+                  "does not match the container (or the directory holds another container's copies)",
     PERMISSION: "this user may not use the socket (user or operator)",
     LOADING: "the daemon is still loading its model (`colictl status` shows the phase; `generate --wait` waits)",
     INTERRUPTED: "interrupted (Ctrl-C), or the request was cancelled",

@@ -27,7 +27,7 @@ class LazyGroup(click.Group):
     """A group whose offline commands are imported when used, not at start."""
 
     LAZY = {"run": ("offline", "run"), "demo-model": ("offline", "demo_model"), "convert": ("offline", "convert"),
-            "doctor": ("doctor", "doctor")}
+            "doctor": ("doctor", "doctor")}  # name -> (module, command)
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -148,8 +148,8 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "requests", "uptime_s", "policy", "history",
-                                                         "phase", "progress")}))
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "requests", "uptime_s", "policy",
+                                                         "history", "phase", "progress")}))
         elif r.get("experts") is None:
             click.echo(f"colibrid is {phase_line(r)}")
         else:
@@ -163,6 +163,9 @@ def stats(client, as_json, watch):
                 click.echo(f"history: {history_line(r['history'])}")
             if r.get("kv"):
                 click.echo(kv_line(r["kv"]))
+            if len(r.get("drives") or []) > 1:
+                for d in r["drives"]:
+                    click.echo(drive_line(d))
         if not watch:
             return
         try:
@@ -548,6 +551,46 @@ def session_rm(client, names):
     """Delete sessions."""
     for name in names:
         client.call("session", action="rm", name=text_arg(name, "strict", "NAME"))
+
+
+class DrivesGroup(LazyGroup):
+    LAZY = {"stage": ("offline", "drives_stage"), "verify": ("offline", "drives_verify")}
+
+
+@cli.group(cls=DrivesGroup)
+def drives():
+    """The drives the expert files are read from: copy them to another drive (stage), check a
+    copy (verify), and show how the running daemon shares its reads among them (status)."""
+
+
+def drive_line(d: dict) -> str:
+    """One drive of the rotation, as `drives status` and `stats` show it."""
+    state = "in rotation" if d["in_rotation"] else f"OUT for {d['back_in_s']:.0f} s more ({d['out_why']})"
+    measured = f"measured {d['measured_gbs']:.2f} GB/s" if d["measured_gbs"] else "not measured (one drive)"
+    lat = (f", latency p50 {d['latency_ms_p50']:.2f} ms p99 {d['latency_ms_p99']:.2f} ms"
+           if d["latency_ms_p50"] is not None else "")
+    left = f", {len(d['left_out'])} file(s) not used" if d["left_out"] else ""
+    return (f"drive {d['drive']}: {d['path']}, {d['files']}/{d['of_files']} expert files{left}, {state}, {measured}; "
+            f"{d['bytes'] / 2**20:.1f} MiB in {d['reads']} reads ({100 * d['share']:.1f} % of the bytes){lat}, "
+            f"{d['errors']} errors, out of rotation {d['times_out']} times")
+
+
+@drives.command("status")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per drive")
+@with_client
+def drives_status(client, as_json):
+    """Each drive the daemon reads experts from: its share, speed, errors and whether it is in
+    the rotation."""
+    r = client.call("stats")
+    ds = r.get("drives")
+    if ds is None:
+        fail(f"colibrid is {phase_line(r)}" if r.get("phase", "serving") != "serving" else
+             "colibrid's model has every expert resident: it reads no expert files", exitcodes.BAD_REQUEST)
+    for d in ds:
+        click.echo(json.dumps(d) if as_json else drive_line(d))
+        if not as_json:
+            for name, why in d["left_out"].items():
+                click.echo(f"  not used: {name}: {why}")
 
 
 def main():

@@ -31,9 +31,11 @@ def error_code(e: Exception) -> int:
     from ..storage.errors import BudgetInvalid, CheckpointError, ExpertReadError
     from ..storage.layout import TraceInvalid
     from ..storage.sessions import SessionMismatch
+    from ..storage.staging import StageError
 
     table = [(InvalidRequest, exitcodes.BAD_REQUEST), (BudgetInvalid, exitcodes.BAD_REQUEST),
              (SessionMismatch, exitcodes.BAD_REQUEST), (TraceInvalid, exitcodes.BAD_REQUEST),
+             (StageError, exitcodes.CHECK_FAILED),
              (ConvertError, exitcodes.USAGE), (ConfigError, exitcodes.USAGE), (ExpertReadError, exitcodes.MODEL), (CheckpointError, exitcodes.MODEL)]
     return next((code for cls, code in table if isinstance(e, cls)), exitcodes.INTERNAL)
 
@@ -110,6 +112,9 @@ def resolve_model(model: str | None) -> str:
               help="threads reading experts from disk")
 @click.option("--reader", type=click.Choice(["preadv", "io_uring", "auto"]), default="preadv", show_default=True,
               help="expert reads: the preadv pool, io_uring (colibri[uring]), or auto (the faster, measured)")
+@click.option("--drive", "drives", multiple=True, type=click.Path(file_okay=False, exists=True), metavar="DIR",
+              help="a copy of the expert files on another drive (colictl drives stage), sharing the reads "
+                   "(repeatable)")
 @click.option("--threads", type=click.IntRange(0, 1024), default=0, show_default=True,
               help="threads computing (0: every CPU this process may run on)")
 @click.option("--mlock", is_flag=True, help="lock the expert cache in RAM (within RLIMIT_MEMLOCK)")
@@ -128,7 +133,7 @@ def resolve_model(model: str | None) -> str:
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        reader, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
+        reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.generate import SamplingParams, check_prompt, generate
@@ -146,7 +151,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     path = resolve_model(model_path)
     t0 = time.perf_counter()
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
-    placement = Placement(budget=budget, io_threads=io_threads, reader=reader, mlock=mlock, trace=trace,
+    placement = Placement(budget=budget, io_threads=io_threads, reader=reader, drives=drives, mlock=mlock, trace=trace,
                           policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
                           history_read_only=history_read_only, faults=faults_from_env())
     tokenizers = []  # loaded once the files' checks pass, before a weight is read
@@ -358,3 +363,63 @@ def convert(src, dst, dtype, group_size, dense_dtype, force, layout, trace_path)
                f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}{grouping(tc['experts'])}), dense "
                f"{tc['dense']['dtype']}{' + ' + '/'.join(tc['dense']['fp8']) if tc['dense'].get('fp8') else ''}, "
                f"in {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def with_copy_bar(c, label: str, job):
+    """job(progress) under a progress bar over the container's expert bytes, on stderr when
+    it is a terminal; job's result."""
+    if not sys.stderr.isatty():
+        return job(None)
+    total = sum(os.path.getsize(f) for f in {r.file for r in c.records.values()})
+    with click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True, width=36) as bar:
+        return job(bar.update)
+
+
+def open_model_container(model_path: str | None):
+    from ..storage.container import ContainerInvalid, is_container, open_container
+
+    path = resolve_model(model_path)
+    if not is_container(path):
+        raise ContainerInvalid(f"{path} is a Hugging Face checkpoint: its experts are not streamed, there is "
+                               "nothing to stage (colictl convert it first)")
+    return open_container(path)
+
+
+@click.command("stage")
+@click.option("--model", "model_path", metavar="DIR", help="the container (default: the built-in demo model's)")
+@click.argument("dest")
+@guarded
+def drives_stage(model_path, dest):
+    """Copy the container's expert files to DEST on another drive (resumable; every record
+    checked against the manifest, the copy read back from the drive). Then add DEST to
+    `drives:` in colibri.yaml and the daemon shares its reads with it."""
+    from ..storage.staging import stage
+
+    c = open_model_container(model_path)
+    got = with_copy_bar(c, f"staging into {dest}", lambda progress: stage(c, dest, progress))
+    click.echo(f"[colibri] {dest}: {len(got['copied'])} expert files copied and read back, {len(got['kept'])} "
+               f"already there, in {got['seconds']:.1f} s; add it to drives: in colibri.yaml", err=True)
+
+
+@click.command("verify")
+@click.option("--model", "model_path", metavar="DIR", help="the container (default: the built-in demo model's)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@click.argument("dest")
+@guarded
+def drives_verify(model_path, as_json, dest):
+    """Check the copies of the expert files in DEST against the container's manifest, every
+    record read from the drive. Exit 7 when one does not match."""
+    from ..storage.staging import verify
+
+    c = open_model_container(model_path)
+    got = with_copy_bar(c, f"verifying {dest}", lambda progress: verify(c, dest, progress))
+    if as_json:
+        click.echo(json.dumps(got))
+    else:
+        for name, what in got["files"].items():
+            for line in what if isinstance(what, list) else [what]:
+                click.echo(f"{name}: {line}")
+        staged = sum(v != "missing" for v in got["files"].values())
+        click.echo(f"{dest}: {staged} of {len(got['files'])} expert files staged, {got['bad']} damaged")
+    if got["bad"]:
+        raise SystemExit(exitcodes.CHECK_FAILED)

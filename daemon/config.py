@@ -5,9 +5,12 @@ value stops the daemon at start with a message naming the key (ConfigError).
 """
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from ..storage.errors import ColibriError
+
+log = logging.getLogger("colibri.daemon")
 
 
 class ConfigError(ColibriError):
@@ -38,7 +41,7 @@ class Config:
     history_half_life: int = 4096  # forward steps over which a usage count halves
     history_save_s: float = 300.0  # seconds between writes of the usage history (and at stop)
     verify: str = "first"  # check expert reads against the manifest's crc32: first (per start), always, off
-    mirror: str | None = None  # a directory with copies of the expert files, read when the primary fails
+    drives: list = field(default_factory=list)  # directories on other drives with copies of the expert files: they share the reads
     reader: str = "auto"  # expert reads: preadv (thread pool), io_uring, auto (io_uring where installed and faster)
     queue_depth: int = 32  # io_uring: expert reads in flight at most
     sqpoll_cpu: int | None = None  # io_uring: a kernel thread pinned to this CPU polls for submissions; null: none
@@ -75,7 +78,7 @@ _KINDS = {  # key -> what a valid value is
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
-    "mirror": "path", "tune_drives": "bool", "coalesce_reads": "bool", "reader": "reader",
+    "drives": "paths", "tune_drives": "bool", "coalesce_reads": "bool", "reader": "reader",
     "queue_depth": "positive", "sqpoll_cpu": "node",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
@@ -92,6 +95,8 @@ def _valid(kind: str, v) -> str | None:
     is_int = isinstance(v, int) and not isinstance(v, bool)
     if kind == "path":
         return None if v is None or (isinstance(v, str) and v) else "a path or null"
+    if kind == "paths":
+        return None if isinstance(v, list) and all(isinstance(p, str) and p for p in v) else "a list of paths"
     if kind == "socket":
         from .protocol import socket_path_problem
 
@@ -183,6 +188,9 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the configuration is a mapping of keys to values")
         for key, value in data.items():
+            if key == "mirror":  # (before drives shared the reads, one copy was read only on failure)
+                log.warning("%s: mirror is now drives: [%s]; every copy shares the reads", path, value)
+                key, value = "drives", [value] if value else []
             if key not in _KINDS:
                 raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
             values[key] = _check(key, value, path)

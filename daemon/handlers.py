@@ -125,6 +125,7 @@ class Handlers:
             if s.control is not None else {"policy": None}
         return {"experts": s.model.experts.stats.as_dict() if s.model is not None else None,
                 "kv": s.prefix.describe() if s.prefix is not None else None,
+                "drives": s.control.drives() if s.control is not None else None,
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),
                 **learned}
 

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 
-PROTOCOL_VERSION = "1.3"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.4"  # major.minor: minors only add fields and messages
 
 # numbered errors: (code, name) -> what the client's user can do about it
 ERRORS = {

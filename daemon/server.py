@@ -144,7 +144,7 @@ class Server:
                               io_threads=self.cfg.io_threads, mlock=self.cfg.mlock, hugetlb=self.cfg.hugepages,
                               policy=self.cfg.cache_policy(), state_dir=state_dir(self.cfg) if history else None,
                               history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
-                              verify=self.cfg.verify, mirror=self.cfg.mirror, faults=faults_from_env(),
+                              verify=self.cfg.verify, drives=tuple(self.cfg.drives), faults=faults_from_env(),
                               coalesce=self.cfg.coalesce_reads, reader=self.cfg.reader,
                               queue_depth=self.cfg.queue_depth, sqpoll_cpu=self.cfg.sqpoll_cpu)
         placed = open_model(path, placement, build_model, progress=self.set_phase)
@@ -176,14 +176,14 @@ class Server:
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])
 
     def set_up_drives(self, path: str) -> list[dict]:
-        """The drives of the expert files (the model's, the mirror's), as boot reports them:
+        """The drives of the expert files (the model's, the copies'), as boot reports them:
         what each is and how it queues reads, and what tuning changed (tune_drives) or
         would change."""
         from ..storage.devices import discover, plan, tune
 
         cpus = sorted(os.sched_getaffinity(0))
         out = []
-        for where in [path] + ([self.cfg.mirror] if self.cfg.mirror else []):
+        for where in [path, *self.cfg.drives]:
             d = discover(where)
             if self.cfg.tune_drives:
                 d["changed"] = tune(d, cpus)

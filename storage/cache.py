@@ -14,7 +14,7 @@ byte budget.
   experts already resident, no reads).
 - `stream(il, ids)` serves one layer's step: the union of the experts its tokens chose
   (batch-union: each read once). Misses are read by the reader (reader.py: O_DIRECT,
-  checksums, retry, mirror) on its small thread pool, started before the resident experts are handed out, so the engine
+  checksums, retry, other drives) on its small thread pool, started before the resident experts are handed out, so the engine
   computes the hits while the misses land (the kernels release the GIL). A slot
   used in this step is not reused until the engine has computed with it, which is
   why one slot per layer is enough: a layer's experts then stream through it.
@@ -50,7 +50,7 @@ class ExpertCache:
 
     def __init__(self, container: Container, budget: int | str, io_threads: int = 2, direct: bool = True,
                  mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
-                 history: UsageHistory | None = None, verify: str = "first", mirror: str | None = None,
+                 history: UsageHistory | None = None, verify: str = "first", drives: list[str] | None = None,
                  faults: FaultPlan | None = None, coalesce: bool = True, reader: str = "preadv",
                  queue_depth: int = 32, sqpoll_cpu: int | None = None):
         self.c = container
@@ -70,7 +70,7 @@ class ExpertCache:
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
         self._place(budget)
         self.stats = ExpertStats()
-        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, mirror, faults, coalesce, reader,
+        self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, drives, faults, coalesce, reader,
                                    queue_depth, sqpoll_cpu)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
@@ -557,6 +557,10 @@ class ExpertCache:
             n += 1
         self.stats.prefetch_issued += n
         return n
+
+    def drives(self) -> list[dict]:
+        """The drives the experts are read from, and how each reads (drives.py)."""
+        return self.reader.drives.describe()
 
     def describe(self) -> dict:
         return {"placement": "expert cache", "policy": self.policy.as_dict(), "main_slots": self.main_slots,

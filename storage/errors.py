@@ -105,7 +105,7 @@ class BudgetInvalid(ColibriError):
 
 
 class ExpertReadError(ColibriError):
-    """Reading an expert record from disk failed (after the retry and the mirror): the
+    """Reading an expert record from disk failed (after the retry and the other drives): the
     message names the layer, the expert, the file and the offset."""
 
 

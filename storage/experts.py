@@ -47,7 +47,7 @@ class ExpertStats:
     repins: int = 0  # experts moved into the learned hot set
     verified: int = 0  # reads checked against the manifest's checksum
     verify_s: float = 0.0  # time spent checking (on the I/O threads)
-    read_errors: int = 0  # failed or corrupted read attempts (each retried, then the mirror)
+    read_errors: int = 0  # failed or corrupted read attempts (each retried, then the other drives)
     read_requests: int = 0  # reads issued to the drives: one per record, or one for a run of adjacent records
 
     def as_dict(self) -> dict:

@@ -4,13 +4,14 @@ bytes on chosen experts, injected into the expert cache's reads.
 Enabled only by tests (ExpertCache(faults=...)) or by the documented debug setting
 `COLIBRI_FAULTS` in the daemon's or colictl's environment, never by a config file:
 
-    COLIBRI_FAULTS="eio@3:17,short@3:18x1,corrupt@4:2,eio@mirror:4:2"
+    COLIBRI_FAULTS="eio@3:17,short@3:18x1,corrupt@4:2,eio@drive1:4:2"
 
 Each item is KIND@LAYER:EXPERT[xCOUNT]: KIND is `eio` (the read fails with EIO),
 `short` (the file ends in the middle of the record), `corrupt` (bytes of the record
 come back flipped) or `stall` (the read hangs STALL_S seconds, then succeeds: a drive
 that stops answering for a while, which the daemon's watchdog must notice); COUNT is how many reads fail before the expert reads cleanly
-(default: every read). `@mirror:` targets the mirror's copy instead of the primary's.
+(default: every read). `@driveN:` targets the copy on drive N (drives.py; `@mirror:` is
+drive 1) instead of the container's own (drive 0).
 """
 
 import errno
@@ -38,7 +39,7 @@ class FaultPlan:
     """Which reads fail, and how. Thread-safe enough for the cache's I/O pool: a count
     may be consumed twice by two racing reads, which only makes a drill harsher."""
 
-    def __init__(self, faults: dict[tuple[str, int, int], Fault]):
+    def __init__(self, faults: dict[tuple[int, int, int], Fault]):  # (drive, layer, expert) -> fault
         self.faults = faults
 
     @classmethod
@@ -48,17 +49,17 @@ class FaultPlan:
             return None
         faults = {}
         for item in text.split(","):
-            m = re.fullmatch(r"\s*(\w+)@(mirror:)?(\d+):(\d+)(?:x(\d+))?\s*", item)
+            m = re.fullmatch(r"\s*(\w+)@(?:(mirror|drive(\d+)):)?(\d+):(\d+)(?:x(\d+))?\s*", item)
             if not m or m.group(1) not in KINDS:
-                raise FaultSpecInvalid(f"COLIBRI_FAULTS: {item!r} is not KIND@LAYER:EXPERT[xCOUNT] with KIND one of "
-                                       f"{', '.join(KINDS)}")
-            where = "mirror" if m.group(2) else "primary"
-            faults[(where, int(m.group(3)), int(m.group(4)))] = Fault(m.group(1),
-                                                                     int(m.group(5)) if m.group(5) else None)
+                raise FaultSpecInvalid(f"COLIBRI_FAULTS: {item!r} is not KIND@[driveN:]LAYER:EXPERT[xCOUNT] with KIND "
+                                       f"one of {', '.join(KINDS)}")
+            where = int(m.group(3)) if m.group(3) else 1 if m.group(2) else 0
+            faults[(where, int(m.group(4)), int(m.group(5)))] = Fault(m.group(1),
+                                                                     int(m.group(6)) if m.group(6) else None)
         return cls(faults)
 
-    def take(self, where: str, layer: int, expert: int) -> str | None:
-        """The fault of this read, if any (and count it)."""
+    def take(self, where: int, layer: int, expert: int) -> str | None:
+        """The fault of this read from drive `where`, if any (and count it)."""
         f = self.faults.get((where, layer, expert))
         if f is None or f.left == 0:
             return None

@@ -4,7 +4,7 @@
 container, checks it fully (the same checks `colictl doctor` reports, in the same
 order), and places it: the dense weights resident, the routed experts either all
 resident (a checkpoint) or behind the expert cache (a container) with its policy, usage
-history, reader, mirror and fault drills. `colictl run` and the daemon both call it.
+history, reader, drives and fault drills. `colictl run` and the daemon both call it.
 
 Storage knows no model family: `build(path, config)` is the engine's registry, and the
 model it returns offers what placement needs (ModelShape). The engine then sees only the
@@ -74,7 +74,8 @@ class Placement:
     no budget. `policy`: storage/policy.py (None: `learned`); `prefetch` overrides its
     prefetch_reads. The usage history lives in `state_dir`/history (None: in memory only).
     `verify` (first, always, off) checks expert reads against the manifest's checksums;
-    `mirror` is a directory with copies of the expert files, read when the primary fails.
+    `drives` are directories on other drives with copies of the expert files, which share
+    the reads (drives.py).
     `faults` is a COLIBRI_FAULTS drill spec (faults.py). `trace` receives the routing trace.
     `coalesce` reads a step's misses that are adjacent in their file as one request.
     """
@@ -90,7 +91,7 @@ class Placement:
     history_read_only: bool = False
     history_half_life: float | None = None
     verify: str = "first"
-    mirror: str | None = None
+    drives: tuple[str, ...] = ()
     faults: str | None = None
     trace: TextIO | None = None
     coalesce: bool = True  # read a step's misses that are adjacent in their file as one request
@@ -197,7 +198,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
-                        mirror=pl.mirror, faults=faults, coalesce=pl.coalesce, reader=pl.reader,
+                        drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
                         queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu)
     model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
     cache.warm_start(progress)

@@ -4,11 +4,13 @@ O_DIRECT `preadv` (whole 4 KiB-aligned records into page-aligned slots) from a s
 thread pool, buffered reads where the file system refuses O_DIRECT. Records adjacent in
 their file and needed together are read as one request (`submit_run`: one `preadv` whose
 iovecs are the records' slots, up to MAX_RUN_BYTES), so the drive sees one large read
-instead of several; a record of such a run that fails is read again alone. Each read checked
-against the manifest's crc32 (as `verify` says); a failed or corrupted read is tried once
-more, then on the mirror (a directory with copies of the expert files), then it raises
-ExpertReadError naming the layer, expert, file and offset. COLIBRI_FAULTS drills
-(faults.py) make chosen reads fail.
+instead of several; a record of such a run that fails is read again alone. With copies of
+the expert files on other drives (drives.py), each record is read from the drive its
+stripe unit hashes to, weighted by the drives' bandwidth measured at start, on that
+drive's own threads. Each read checked against the manifest's crc32 (as `verify` says,
+per drive: each copy is checked on its own); a failed or corrupted read is tried once more,
+then on each other drive holding a copy, then it raises ExpertReadError naming the layer,
+expert, file and offset. COLIBRI_FAULTS drills (faults.py) make chosen reads fail.
 """
 
 import logging
@@ -20,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from .container import Container, ExpertRecord, crc32
+from .drives import Drive, DriveSet
 from .errors import ExpertReadError
 from .experts import ExpertStats
 from .faults import FaultPlan, inject
@@ -44,10 +47,11 @@ class ExpertReader:
     (bytes are counted by the cache, which knows which reads it used).
 
     Raises ValueError for an unknown verify mode, OSError when an expert file cannot be
-    opened (a mirror file that cannot be opened is logged and left out)."""
+    opened (a copy on another drive that cannot be used is logged and left out). `drives`:
+    directories on other drives with copies of the expert files (drives.py)."""
 
     def __init__(self, container: Container, stats: ExpertStats, io_threads: int = 2, direct: bool = True,
-                 verify: str = "first", mirror: str | None = None, faults: FaultPlan | None = None,
+                 verify: str = "first", drives: list[str] | None = None, faults: FaultPlan | None = None,
                  coalesce: bool = True, reader: str = "preadv", queue_depth: int = 32, sqpoll_cpu: int | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
@@ -56,24 +60,20 @@ class ExpertReader:
         # so that its chosen reads are the ones that fail
         self.max_run = max(1, MAX_RUN_BYTES // container.record_bytes) if coalesce and not faults else 1
         self.io_threads, self.verify, self.faults = io_threads, verify, faults
-        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="colibri-io")
         self._io_lock = threading.Lock()  # guards the two below (engine and I/O threads)
         self._io_busy, self._io_since = 0, 0.0  # reads submitted and not finished; since when some are
         self.direct, self.fallback_reason = direct, None
-        self.fds = {file: self._open(file) for file in sorted({r.file for r in container.records.values()})}
-        self.verified: set[tuple[int, int]] = set()  # experts whose bytes matched the manifest this start
+        self.drives = DriveSet(container, list(drives or []), self._open, io_threads)
+        self.fds = self.drives.drives[0].fds  # the container's own files
+        # the pool that checks what the ring read (and the container's drive's own readers)
+        self.pool: ThreadPoolExecutor = self.drives.drives[0].pool
+        self.verified: set[tuple[int, int, int]] = set()  # (drive, layer, expert) whose copy matched this start
         self.bad: dict[tuple[int, int], str] = {}  # experts whose last read failed, and why
         self.uring, self.kind, self.kind_why = None, "preadv", None
         if reader not in READERS:
             raise ValueError(f"reader must be one of {READERS}")
-        self.mirror, self.mirror_fds = mirror, {}
-        if mirror:
-            for file in self.fds:
-                copy = os.path.join(mirror, os.path.basename(file))
-                try:
-                    self.mirror_fds[file] = self._open(copy)
-                except OSError as e:
-                    log.warning("mirror %s: %s; reads of %s have no fallback", copy, e.strerror, file)
+        if len(self.drives.drives) > 1:
+            self.drives.set_weights([self.measure(0, d)[0] for d in self.drives.drives])
         if reader != "preadv":
             self._start_uring(reader, queue_depth, sqpoll_cpu)
 
@@ -120,25 +120,28 @@ class ExpertReader:
                              f"{AUTO_PROBE_RECORDS} records each")
             log.info("reader %s", self.kind_why)
 
-    def measure(self, first: int) -> tuple[float, float]:
+    def measure(self, first: int, drive: Drive | None = None) -> tuple[float, float]:
         """(GB/s, the calling thread's pace) of reading AUTO_PROBE_RECORDS of the
-        container's records from the `first` on (in file order) all in flight at once,
-        through the ring when there is one, else the pool: raw reads into a scratch buffer
+        container's records from the `first` on (in file order; those `drive` holds, by
+        default the container's own) all in flight at once, through the ring when there is
+        one, else the drive's pool: raw reads into a scratch buffer
         (no checks, retries or drills, and a failed read only counts as no bytes: measuring
         never fails a start). The pace: Python steps the calling thread makes meanwhile,
         as a fraction of its pace alone (the engine thread's share of the interpreter)."""
         import mmap
 
-        recs = sorted(self.c.records.values(), key=lambda r: (r.file, r.offset))
+        drive = drive or self.drives.drives[0]
+        fds = drive.fds
+        recs = sorted((r for r in self.c.records.values() if r.file in fds), key=lambda r: (r.file, r.offset))
         recs = recs[first:first + AUTO_PROBE_RECORDS] or recs[:AUTO_PROBE_RECORDS]
         rb = self.c.record_bytes
         scratch = np.frombuffer(mmap.mmap(-1, rb * len(recs)), np.uint8)
         bufs = [scratch[i * rb:(i + 1) * rb] for i in range(len(recs))]
         t0 = time.perf_counter()
         if self.uring is not None:
-            futures = [self.uring.read(self.fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
+            futures = [self.uring.read(fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
         else:
-            futures = [self.pool.submit(os.preadv, self.fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
+            futures = [drive.pool.submit(os.preadv, fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
         steps = 0
         while not all(f.done() for f in futures):
             steps += pace_steps(1000)
@@ -151,11 +154,7 @@ class ExpertReader:
     def close(self) -> None:
         if self.uring is not None:
             self.uring.close()
-        self.pool.shutdown(wait=True)
-        for fd in [*self.fds.values(), *self.mirror_fds.values()]:
-            os.close(fd)
-        self.fds.clear()
-        self.mirror_fds.clear()
+        self.drives.close()
 
     def submit(self, key: tuple[int, int], buf: np.ndarray) -> Future:
         """Start reading expert `key` into `buf` on the I/O threads. `io_wall_s` counts the
@@ -164,12 +163,14 @@ class ExpertReader:
         if self.uring is not None:
             return self.submit_run([(key, buf)])[0]
         self._busy(+1)
-        return self.pool.submit(self._read_counted, self.c.records[key], buf)
+        rec = self.c.records[key]
+        return self.drives.first(rec).pool.submit(self._read_counted, rec, buf)
 
     def adjacent(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
-        """Whether expert b's record follows expert a's in the same file."""
+        """Whether expert b's record follows expert a's in the same file, on the same drive."""
         ra, rb = self.c.records[a], self.c.records[b]
-        return ra.file == rb.file and rb.offset == ra.offset + ra.length
+        return (ra.file == rb.file and rb.offset == ra.offset + ra.length
+                and self.drives.first(ra) is self.drives.first(rb))
 
     def submit_run(self, reads: list[tuple[tuple[int, int], np.ndarray]]) -> list[Future]:
         """Start reading records that follow each other in one file (adjacent(), in order),
@@ -179,13 +180,13 @@ class ExpertReader:
         recs, bufs = [self.c.records[k] for k, _ in reads], [b for _, b in reads]
         futures = [Future() for _ in reads]
         self._busy(+1)
+        drive = self.drives.first(recs[0])
         if self.uring is None:
-            self.pool.submit(self._read_run, recs, bufs, futures)
+            drive.pool.submit(self._read_run, drive, recs, bufs, futures)
         else:  # in flight on the ring; checked (and retried when bad) on the pool once it lands
-            self._count_request()
-            t0 = time.perf_counter()
-            ring = self.uring.read(self.fds[recs[0].file], bufs, recs[0].offset)
-            ring.add_done_callback(lambda f: self.pool.submit(self._ring_landed, recs, bufs, futures, f, t0))
+            t0 = self._begin(drive)
+            ring = self.uring.read(drive.fds[recs[0].file], bufs, recs[0].offset)
+            ring.add_done_callback(lambda f: drive.pool.submit(self._ring_landed, drive, recs, bufs, futures, f, t0))
         return futures
 
     def _busy(self, step: int) -> None:
@@ -196,9 +197,11 @@ class ExpertReader:
             if step < 0 and not self._io_busy:
                 self.stats.io_wall_s += time.perf_counter() - self._io_since
 
-    def _count_request(self) -> None:
+    def _begin(self, drive: Drive) -> float:
+        """A request to `drive` starts: counted, and its time (for drives.end)."""
         with self._io_lock:  # (the I/O threads count together)
             self.stats.read_requests += 1
+        return self.drives.begin(drive)
 
     def _read_counted(self, rec: ExpertRecord, buf: np.ndarray) -> float:
         try:
@@ -206,33 +209,36 @@ class ExpertReader:
         finally:
             self._busy(-1)
 
-    def _read_run(self, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future]) -> None:
+    def _read_run(self, drive: Drive, recs: list[ExpertRecord], bufs: list[np.ndarray],
+                  futures: list[Future]) -> None:
         """One preadv for the run, then _settle."""
-        t0 = time.perf_counter()
-        self._count_request()
+        t0 = self._begin(drive)
         try:
-            n, why = os.preadv(self.fds[recs[0].file], [memoryview(b) for b in bufs], recs[0].offset), None
+            n, why = os.preadv(drive.fds[recs[0].file], [memoryview(b) for b in bufs], recs[0].offset), None
         except OSError as e:
             n, why = 0, e.strerror or str(e)
-        self._settle(recs, bufs, futures, n, why, t0)
+        self._settle(drive, recs, bufs, futures, n, why, t0)
 
-    def _ring_landed(self, recs, bufs, futures, ring: Future, t0: float) -> None:
+    def _ring_landed(self, drive: Drive, recs, bufs, futures, ring: Future, t0: float) -> None:
         try:
             n, why = ring.result(), None
         except OSError as e:
             n, why = 0, e.strerror or str(e)
-        self._settle(recs, bufs, futures, n, why, t0)
+        self._settle(drive, recs, bufs, futures, n, why, t0)
 
-    def _settle(self, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future], n: int,
+    def _settle(self, drive: Drive, recs: list[ExpertRecord], bufs: list[np.ndarray], futures: list[Future], n: int,
                 why: str | None, t0: float) -> None:
-        """A request of one or more adjacent records has landed with n bytes (or failed, and
-        `why`): each record is checked on its own, and one that fails (a short read, a
-        checksum, a fault drill) is read again alone (read(): retried, then the mirror)."""
+        """A request of one or more adjacent records has landed from `drive` with n bytes (or
+        failed, and `why`): each record is checked on its own, and one that fails (a short
+        read, a checksum, a fault drill) is read again alone (read(): retried, then the other
+        drives)."""
+        want = sum(r.length for r in recs)
+        self.drives.end(drive, t0, n, why if why else None if n >= want else f"short read of a run, {n} bytes")
         try:
             got = 0
             for rec, buf, fut in zip(recs, bufs, futures):
                 bad = why
-                fault = self.faults.take("primary", rec.layer, rec.expert) if self.faults and not bad else None
+                fault = self.faults.take(drive.index, rec.layer, rec.expert) if self.faults and not bad else None
                 if fault:  # a drill (faults.py) on the ring's read, as _read_once does on the pool's
                     try:
                         if inject(fault, buf, 0) is not None:
@@ -240,11 +246,11 @@ class ExpertReader:
                     except OSError as e:
                         bad = e.strerror
                 if bad is None:
-                    bad = f"short read of a run, {n} bytes" if n < got + rec.length else self._check(rec, buf)
+                    bad = f"short read of a run, {n} bytes" if n < got + rec.length else self._check(rec, buf, drive)
                 got += rec.length
                 if bad is None:
                     self.bad.pop((rec.layer, rec.expert), None)
-                    fut.set_result(time.perf_counter() - t0)
+                    fut.set_result(time.monotonic() - t0)
                     continue
                 self.stats.read_errors += 1
                 log.warning("layer %d expert %d: %s in a read of %d record%s; reading it alone", rec.layer,
@@ -262,24 +268,22 @@ class ExpertReader:
 
     def read(self, rec: ExpertRecord, buf: np.ndarray) -> float:
         """Read one record into `buf` (on the calling thread), verified, retried, then from
-        the mirror. Raises ExpertReadError: the buffer's bytes are then not to be used.
-        Returns the seconds it took."""
-        t0 = time.perf_counter()
+        each other drive holding a copy. Raises ExpertReadError: the buffer's bytes are then
+        not to be used. Returns the seconds it took."""
+        t0 = time.monotonic()
         key = (rec.layer, rec.expert)
-        tries = [("primary", self.fds[rec.file], rec.file)] * 2
-        if rec.file in self.mirror_fds:
-            tries.append(("mirror", self.mirror_fds[rec.file], os.path.join(self.mirror, os.path.basename(rec.file))))
+        order = self.drives.order(rec)
         failed = []
-        for where, fd, path in tries:
-            why = self._read_once(rec, buf, where, fd)
+        for d in [order[0], *order]:  # the first choice twice (an error may pass), then each other copy
+            why = self._read_once(rec, buf, d)
             if why is None:
                 if failed:
-                    log.warning("layer %d expert %d: read from the %s after %s", rec.layer, rec.expert, where,
+                    log.warning("layer %d expert %d: read from drive %d after %s", rec.layer, rec.expert, d.index,
                                 "; ".join(failed))
                 self.bad.pop(key, None)
-                return time.perf_counter() - t0
+                return time.monotonic() - t0
             self.stats.read_errors += 1
-            failed.append(f"{where} {path}: {why}")
+            failed.append(f"{self.where(d)} {os.path.join(d.root, os.path.basename(rec.file))}: {why}")
         said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]  # the same twice: once
         msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
                + "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said))
@@ -287,28 +291,40 @@ class ExpertReader:
         log.error("%s", msg)
         raise ExpertReadError(msg)
 
-    def _read_once(self, rec: ExpertRecord, row: np.ndarray, where: str, fd: int) -> str | None:
-        """One attempt; why it failed, or None."""
+    @staticmethod
+    def where(d: Drive) -> str:
+        return "primary" if d.index == 0 else f"drive {d.index}"
+
+    def _read_once(self, rec: ExpertRecord, row: np.ndarray, d: Drive) -> str | None:
+        """One attempt on drive d; why it failed, or None."""
         buf = memoryview(row)
-        fault = self.faults.take(where, rec.layer, rec.expert) if self.faults else None
+        fault = self.faults.take(d.index, rec.layer, rec.expert) if self.faults else None
         done = 0
         while done < rec.length:
+            t0 = self._begin(d)
             try:
-                self._count_request()
-                n = os.preadv(fd, [buf[done:]], rec.offset + done)
+                n = os.preadv(d.fds[rec.file], [buf[done:]], rec.offset + done)
                 if fault:  # a drill (faults.py): this read fails as told
                     forced, fault = inject(fault, row, done), None
                     n = n if forced is None else forced
             except OSError as e:
+                self.drives.end(d, t0, 0, e.strerror or str(e))
                 return e.strerror or str(e)
             if n <= 0:
-                return f"short read, {done} of {rec.length} bytes"
+                why = f"short read, {done} of {rec.length} bytes"
+                self.drives.end(d, t0, 0, why)
+                return why
+            self.drives.end(d, t0, n, None)
             done += n
-        return self._check(rec, row)
+        why = self._check(rec, row, d)
+        if why is not None:
+            self.drives.bad_copy(d)
+        return why
 
-    def _check(self, rec: ExpertRecord, row: np.ndarray) -> str | None:
-        """The record's bytes against the manifest's crc32, as `verify` says; why not, or None."""
-        key = (rec.layer, rec.expert)
+    def _check(self, rec: ExpertRecord, row: np.ndarray, d: Drive) -> str | None:
+        """The record's bytes (read from drive d) against the manifest's crc32, as `verify`
+        says; why not, or None."""
+        key = (d.index, rec.layer, rec.expert)
         if self.verify == "always" or (self.verify == "first" and key not in self.verified):
             t = time.perf_counter()
             crc = crc32(row)
@@ -320,7 +336,7 @@ class ExpertReader:
         return None
 
     def describe(self) -> dict:
-        return {"verify": self.verify, "mirror": self.mirror,
+        return {"verify": self.verify, "drives": [d.root for d in self.drives.drives[1:]],
                 "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())],
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
                 "records_per_read": self.max_run, "reader": self.kind, "reader_note": self.kind_why,

@@ -233,6 +233,15 @@ def build_container(root, family: str, case: str, seed: int, **overrides):
     return open_container(str(root / "c"))
 
 
+def flip(path, offset):
+    """Flip one bit of the byte at `offset` of the file: a damaged drive or copy."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def served(cache, il, ids):
     """What an expert source hands out for experts `ids` of layer il, copied: {id: [arrays]}."""
     import numpy as np

@@ -12,6 +12,8 @@ from colibri.ctl import exitcodes
 from colibri.storage.container import open_container
 from colibri.storage.demo import write_demo_model
 
+from hf_models import flip
+
 
 def colictl(*args, env=None):
     return subprocess.run([sys.executable, "-m", "colibri.ctl", *map(str, args)], capture_output=True, text=True,
@@ -62,14 +64,6 @@ def test_a_corrupted_record_is_found_by_the_deep_check(container, tmp_path):
     assert r.returncode == exitcodes.CHECK_FAILED
     line = next(ln for ln in r.stdout.splitlines() if "checksums" in ln)
     assert line.startswith("FAIL") and "1 of 64" in line and "2:9 (experts-0002.safetensors" in line
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_a_flipped_byte_in_the_dense_file_is_caught_by_doctor_and_at_load(container, tmp_path):

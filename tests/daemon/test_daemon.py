@@ -652,3 +652,20 @@ def test_kill_9_keeps_the_last_saved_history_and_a_damaged_one_is_moved_aside(tm
         assert json.loads(ctl(sock, "stats", "--json").stdout)["history"]["steps_loaded"] == 0
         assert any(".corrupt-" in f.name for f in folder.iterdir())
         assert "moved aside" in (tmp_path / "colibrid.log").read_text()
+
+
+def test_the_daemon_shares_reads_between_drives_and_shows_the_rotation(tmp_path, container):
+    copy = tmp_path / "drive1"
+    r = ctl("-", "drives", "stage", "--model", container, copy)
+    assert r.returncode == 0 and "4 expert files copied" in r.stderr, r.stderr
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text(f"expert_cache: min\nmirror: {copy}\n")  # the old key: read as drives, said so in the log
+    with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
+        assert ctl(sock, "generate", "--max-tokens", 8, "two drives").returncode == 0
+        ds = [json.loads(line) for line in ctl(sock, "drives", "status", "--json").stdout.splitlines()]
+        assert [d["path"] for d in ds] == [str(container), str(copy)] and all(d["in_rotation"] for d in ds)
+        assert all(d["measured_gbs"] > 0 for d in ds) and sum(d["bytes"] for d in ds) > 0
+        text = ctl(sock, "drives", "status").stdout
+        assert text.count("drive ") == 2 and "in rotation" in text and "4/4 expert files" in text
+        assert json.loads(ctl(sock, "status", "--json").stdout)["config"]["drives"] == [str(copy)]
+    assert "mirror is now drives" in (tmp_path / "colibrid.log").read_text()

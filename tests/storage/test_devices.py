@@ -4,9 +4,9 @@ only when asked and reported step by step."""
 
 import contextlib
 import os
-import subprocess
 
 import pytest
+from loopdrives import loop_file_system
 
 from colibri.storage.devices import cpu_set, discover, plan, tune
 
@@ -37,35 +37,14 @@ def test_a_virtual_file_system_has_no_device_and_says_so():
 
 
 @contextlib.contextmanager
-def loop_file_system(tmp_path):
-    """A file on an ext4 file system on a loop device (root only), unmounted and detached after."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root for a loop device")
-    image, mnt = tmp_path / "drive.img", tmp_path / "mnt"
-    with open(image, "wb") as f:
-        f.truncate(32 * 2**20)
-    mnt.mkdir()
-    try:
-        dev = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"no loop device here: {e}")
-    try:
-        subprocess.run(["mkfs.ext4", "-q", dev], check=True, capture_output=True)
-        subprocess.run(["mount", dev, str(mnt)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        subprocess.run(["losetup", "-d", dev])
-        pytest.skip(f"cannot make a file system on {dev}: {e}")
-    try:
+def one_file_on_a_loop_device(tmp_path):
+    with loop_file_system(tmp_path) as (mnt, dev, image):
         (mnt / "experts-0000.safetensors").write_bytes(b"\0" * 4096)
-        yield str(mnt / "experts-0000.safetensors"), dev, str(image)
-    finally:
-        subprocess.run(["umount", str(mnt)])
-        subprocess.run(["losetup", "-d", dev])
+        yield str(mnt / "experts-0000.safetensors"), dev, image
 
 
 def test_a_loop_device_is_found_and_tuned_only_when_asked(tmp_path):
-    with loop_file_system(tmp_path) as (file, dev, image):
+    with one_file_on_a_loop_device(tmp_path) as (file, dev, image):
         d = discover(file)
         assert d["device"] == os.path.basename(dev) and d["backing_file"] == image and d["irqs"] == []
         q = os.path.join(d["sysfs"], "queue")

@@ -34,13 +34,14 @@ def same(a, b):
 
 
 def test_fault_spec():
-    plan = FaultPlan.parse("eio@1:2, short@1:3x2,corrupt@mirror:0:4")
-    assert plan.take("primary", 1, 2) == "eio" and plan.take("primary", 1, 2) == "eio"  # every read
-    assert [plan.take("primary", 1, 3) for _ in range(3)] == ["short", "short", None]  # twice, then clean
-    assert plan.take("primary", 0, 4) is None and plan.take("mirror", 0, 4) == "corrupt"
+    plan = FaultPlan.parse("eio@1:2, short@1:3x2,corrupt@mirror:0:4,stall@drive2:0:5")
+    assert plan.take(0, 1, 2) == "eio" and plan.take(0, 1, 2) == "eio"  # every read
+    assert [plan.take(0, 1, 3) for _ in range(3)] == ["short", "short", None]  # twice, then clean
+    assert plan.take(0, 0, 4) is None and plan.take(1, 0, 4) == "corrupt"  # mirror: drive 1
+    assert plan.take(1, 0, 5) is None and plan.take(2, 0, 5) == "stall"
     assert FaultPlan.parse("") is None
-    for bad in ("eio@1", "melt@1:2", "eio@1:2x", "eio@a:b"):
-        with pytest.raises(FaultSpecInvalid, match="KIND@LAYER:EXPERT"):
+    for bad in ("eio@1", "melt@1:2", "eio@1:2x", "eio@a:b", "eio@drive:1:2"):
+        with pytest.raises(FaultSpecInvalid, match=r"KIND@\[driveN:\]LAYER:EXPERT"):
             FaultPlan.parse(bad)
 
 
@@ -71,16 +72,32 @@ def test_a_bad_expert_is_a_named_error_and_the_rest_still_serve(container, kind,
         same(served(c, il, [ie])[ie], served(ref, il, [ie])[ie])
 
 
-def test_the_mirror_takes_over(container, mirror):
+def drilled(container, copy, spec):
+    """A cache reading from the container and `copy`, with the drill `spec` on the drive each
+    expert is read from first and FIRST/OTHER standing for those drives' indices."""
+    c = ExpertCache(container, "all", drives=[copy], faults=FaultPlan.parse("eio@0:999"))  # (reads one record at a time)
     il = container.moe_layers[0]
-    c = ExpertCache(container, "all", mirror=mirror, faults=FaultPlan.parse(f"corrupt@{il}:2,eio@{il}:3"))
+
+    def plan(ie):
+        order = [d.index for d in c.reader.drives.order(container.records[(il, ie)])]
+        return {"FIRST": f"drive{order[0]}:", "OTHER": f"drive{order[1]}:"}
+
+    c.reader.faults = FaultPlan.parse(",".join(spec(il, ie, plan(ie)) for ie in (1, 2, 3)))
+    return c, il
+
+
+def test_another_drive_takes_over(container, mirror):
+    c, il = drilled(container, mirror, lambda il, ie, p: f"corrupt@{p['FIRST']}{il}:2,eio@{p['FIRST']}{il}:3")
     ref = ExpertCache(container, "all")
     got = served(c, il, [2, 3])
     for ie in (2, 3):
         same(got[ie], served(ref, il, [ie])[ie])
     assert c.stats.read_errors == 4 and not c.reader.bad
-    both = ExpertCache(container, "all", mirror=mirror, faults=FaultPlan.parse(f"eio@{il}:1,short@mirror:{il}:1"))
-    with pytest.raises(ExpertReadError, match="primary .*Input/output error.*mirror .*short read"):
+    drives = c.reader.drives.describe()
+    assert sum(d["errors"] for d in drives) == 4 and sum(not d["in_rotation"] for d in drives) == 1  # (the EIO)
+    both, il = drilled(container, mirror, lambda il, ie, p: f"eio@{p['FIRST']}{il}:1,short@{p['OTHER']}{il}:1")
+    with pytest.raises(ExpertReadError, match=r"(primary|drive 1) .*Input/output error.* \(2 tries\); "
+                                              r"(primary|drive 1) .*short read"):
         served(both, il, [1])
 
 

@@ -1,0 +1,72 @@
+"""Drives for tests, made as root: ext4 file systems on loop devices, and the cgroup v1
+`blkio` read throttle that makes one slower than another. Each helper skips the test
+when the machine cannot make one (not root, no loop devices, no blkio controller)."""
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+
+BLKIO = "/sys/fs/cgroup/blkio"
+
+
+@contextlib.contextmanager
+def loop_file_system(tmp_path, name: str = "drive", size: int = 32 << 20):
+    """An ext4 file system on a loop device over the file tmp_path/NAME.img, mounted on
+    tmp_path/NAME; yields (mount point, device path, image). Unmounted and detached after."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a loop device")
+    image, mnt = tmp_path / f"{name}.img", tmp_path / name
+    with open(image, "wb") as f:
+        f.truncate(size)
+    mnt.mkdir()
+    try:
+        dev = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"no loop device here: {e}")
+    try:
+        subprocess.run(["mkfs.ext4", "-q", dev], check=True, capture_output=True)
+        subprocess.run(["mount", dev, str(mnt)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        subprocess.run(["losetup", "-d", dev])
+        pytest.skip(f"cannot make a file system on {dev}: {e}")
+    try:
+        yield mnt, dev, str(image)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+        subprocess.run(["losetup", "-d", dev])
+
+
+def fail_device(dev: str, image: str) -> None:
+    """Make every read of the loop device `dev` beyond its first MiB fail with EIO, as a
+    dying drive's do: its backing file shrinks, and the device with it."""
+    os.truncate(image, 1 << 20)
+    subprocess.run(["losetup", "--set-capacity", dev], check=True)
+
+
+def device_number(dev: str) -> str:
+    with open(f"/sys/block/{os.path.basename(dev)}/dev") as f:
+        return f.read().strip()
+
+
+@contextlib.contextmanager
+def throttled(limits: dict[str, int]):
+    """This process (all its threads) in a blkio cgroup reading each device of `limits`
+    ({device path: bytes per second}) at most that fast; moved back out after."""
+    if not os.path.isfile(os.path.join(BLKIO, "blkio.throttle.read_bps_device")):
+        pytest.skip("no cgroup v1 blkio throttle here")
+    group = os.path.join(BLKIO, f"colibri-test-{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    try:
+        for dev, bps in limits.items():
+            with open(os.path.join(group, "blkio.throttle.read_bps_device"), "w") as f:
+                f.write(f"{device_number(dev)} {bps}")
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        yield
+    finally:
+        with open(os.path.join(BLKIO, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(group)
