@@ -27,7 +27,8 @@ class LazyGroup(click.Group):
     """A group whose offline commands are imported when used, not at start."""
 
     LAZY = {"run": ("offline", "run"), "demo-model": ("offline", "demo_model"), "convert": ("offline", "convert"),
-            "doctor": ("doctor", "doctor")}  # name -> (module, command)
+            "doctor": ("doctor", "doctor"), "plan": ("offline", "plan"),
+            "tune": ("offline", "tune")}  # name -> (module, command)
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -148,8 +149,8 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "requests", "uptime_s", "policy",
-                                                         "history", "phase", "progress")}))
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "plan", "requests", "uptime_s",
+                                                         "policy", "history", "phase", "progress")}))
         elif r.get("experts") is None:
             click.echo(f"colibrid is {phase_line(r)}")
         else:
@@ -166,12 +167,23 @@ def stats(client, as_json, watch):
             if len(r.get("drives") or []) > 1:
                 for d in r["drives"]:
                     click.echo(drive_line(d))
+            if r.get("plan") and r["plan"].get("predicted"):
+                click.echo(plan_line(r["plan"]))
         if not watch:
             return
         try:
             time.sleep(watch)
         except KeyboardInterrupt:
             return
+
+
+def plan_line(p: dict) -> str:
+    """colictl tune's prediction at the current budget against the measured decode rate."""
+    g = p["predicted"]
+    got = (f"measured {p['measured_tok_s']:.2f} tok/s over {p['decode_steps']} decode steps"
+           if p["measured_tok_s"] else "nothing decoded yet")
+    return (f"plan: predicted {g['tok_s']:.2f} tok/s at a {100 * g['budget_fraction']:.0f} % expert budget "
+            f"({g['bound']}-bound, hit rate {g['hit_rate']:.2f}), {got} (plan made {p['made']})")
 
 
 def phase_line(r: dict) -> str:

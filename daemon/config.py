@@ -1,11 +1,14 @@
 """colibrid's configuration: etc/colibri.yaml, loaded once, validated, frozen.
 
 Every key has a default here and a line in etc/colibri.yaml; an unknown key or a bad
-value stops the daemon at start with a message naming the key (ConfigError).
+value stops the daemon at start with a message naming the key (ConfigError). Fragments in
+FILE.d/*.yaml (in name order; `colictl tune` writes one) are read after FILE, a key in a
+later one overriding an earlier value.
 """
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 from ..storage.errors import ColibriError
@@ -165,35 +168,11 @@ def _check(key: str, value, where: str):
 
 
 def load(path: str | None, overrides: dict | None = None) -> Config:
-    """The configuration from `path` (YAML; None: defaults only) with `overrides` (flags)
-    on top. Raises ConfigError naming the file and key."""
-    import yaml
-
+    """The configuration from `path` (YAML; None: defaults only) and its fragments, with
+    `overrides` (flags) on top. Raises ConfigError naming the file and key."""
     values: dict = {}
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the configuration ({e.strerror})") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            what = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"{path}: not valid YAML{where}: {what}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the configuration is a mapping of keys to values")
-        for key, value in data.items():
-            if key == "mirror":  # (before drives shared the reads, one copy was read only on failure)
-                log.warning("%s: mirror is now drives: [%s]; every copy shares the reads", path, value)
-                key, value = "drives", [value] if value else []
-            if key not in _KINDS:
-                raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
-            values[key] = _check(key, value, path)
+    for one in [path, *fragments(path)] if path else []:
+        values |= _read(one)
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _check(key, value, "command line")
@@ -203,6 +182,44 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
         if key in values:
             values[key] = str(values[key])
     return Config(**values)
+
+
+def fragments(path: str) -> list[str]:
+    """The configuration fragments of `path`: PATH.d/*.yaml, in name order."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(glob.escape(path + ".d"), "*.yaml")))
+
+
+def _read(path: str) -> dict:
+    """One configuration file's keys, checked. Raises ConfigError naming the file and key."""
+    import yaml
+
+    values: dict = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where}: {what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the configuration is a mapping of keys to values")
+    for key, value in data.items():
+        if key == "mirror":  # (before drives shared the reads, one copy was read only on failure)
+            log.warning("%s: mirror is now drives: [%s]; every copy shares the reads", path, value)
+            key, value = "drives", [value] if value else []
+        if key not in _KINDS:
+            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
+        values[key] = _check(key, value, path)
+    return values
 
 
 def resolved(cfg: Config) -> dict:

@@ -125,9 +125,22 @@ class Handlers:
             if s.control is not None else {"policy": None}
         return {"experts": s.model.experts.stats.as_dict() if s.model is not None else None,
                 "kv": s.prefix.describe() if s.prefix is not None else None,
-                "drives": s.control.drives() if s.control is not None else None,
+                "drives": s.control.drives() if s.control is not None else None, "plan": self.plan_vs_measured(),
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),
                 **learned}
+
+    def plan_vs_measured(self) -> dict | None:
+        """What `colictl tune`'s plan predicts at the budget the cache has now, and the
+        decode tok/s a running stream has got (decode-only steps over their time)."""
+        s = self.s
+        if s.plan is None or s.control is None:
+            return None
+        from ..storage.planner import predicted_now
+
+        b = s.batcher
+        measured = round(b.decode_steps / b.decode_s, 3) if b is not None and b.decode_s > 0 else None
+        return {"made": s.plan.get("made"), "predicted": predicted_now(s.plan, s.control.budget_bytes),
+                "measured_tok_s": measured, "decode_steps": b.decode_steps if b is not None else 0}
 
     def on_generate(self, identity, rid, msg):
         s = self.s

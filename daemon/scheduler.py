@@ -85,7 +85,7 @@ class Scheduler:
 
         self.d, self.push = daemon, push
         self._chunk = daemon.cfg.prefill_chunk
-        self.batcher = Batcher(daemon.model, self._chunk, daemon.prefix)
+        self.batcher = daemon.batcher = Batcher(daemon.model, self._chunk, daemon.prefix)  # (stats reads its counters)
         self.waiting: list[Generate] = []
         self.state: dict[Key, tuple] = {}  # key -> (request, token ids, text pieces)
         self.turns: dict[Key, Turn] = {}  # requests that continue a session

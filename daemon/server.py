@@ -67,6 +67,8 @@ class Server:
         self.boot: dict = {}
         self.model = None  # set by the engine thread once placed
         self.control = None  # the expert cache's runtime control; None when every expert is resident
+        self.plan: dict | None = None  # colictl tune's plan for the container (stats: predicted vs measured)
+        self.batcher = None  # the engine's, once it runs (stats read its decode counters)
         self.history = None  # the usage history the daemon saves, or None
         self.phase, self.progress = "starting", None  # what loading does now, (done, total) of it
         self.load_error: BaseException | None = None
@@ -167,6 +169,7 @@ class Server:
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
         self.boot["drives"] = self.set_up_drives(path)
         self.control, self.history = placed.control, placed.history
+        self.plan = self.load_plan()
         self.sessions = self.session_store(path, model)
         from ..engine.prefix import PrefixCache
 
@@ -198,6 +201,30 @@ class Server:
                 d["would_change"] = plan(d, cpus)
             out.append({k: v for k, v in d.items() if k not in ("sysfs", "schedulers")})
         return out
+
+    def load_plan(self) -> dict | None:
+        """The plan `colictl tune` kept for this container (storage/planner.py), or None."""
+        import json
+
+        from ..storage.planner import PLAN_VERSION, plan_path
+
+        if self.control is None:
+            return None
+        where = plan_path(state_dir(self.cfg), self.control.c.fingerprint)
+        try:
+            with open(where) as f:
+                plan = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("plan %s unreadable (%s): stats show no prediction", where, e)
+            return None
+        if plan.get("version") != PLAN_VERSION:
+            log.warning("plan %s is of another version: run colictl tune again", where)
+            return None
+        log.info("plan of %s: made %s, predicted %s tok/s at its recommended settings", where, plan.get("made"),
+                 plan.get("recommend", {}).get("predicted_tok_s"))
+        return plan
 
     def session_store(self, path: str, model):
         from ..storage.sessions import fingerprints

@@ -314,6 +314,9 @@ class Batcher:
         self.active: list[Request] = []
         self.sizer: ChunkSizer | None = None
         self.set_prefill_chunk(prefill_chunk)
+        # decode-only steps and their time: steps / seconds is the tok/s each running stream
+        # gets (what `colictl plan` predicts for one)
+        self.decode_steps, self.decode_s = 0, 0.0
 
     def set_prefill_chunk(self, value: int | str | None) -> None:
         """Tokens of prompt a step takes beside decoding requests: a number, "auto", or None
@@ -353,7 +356,11 @@ class Batcher:
         feeds = self.feeds()
         stepping = [r for r in self.active if feeds[id(r)]]
         t0 = time.perf_counter()
+        decode_only = not any(r.prefilling for r in stepping)
         logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_s += time.perf_counter() - t0
         if self.sizer is not None:
             self.sizer.observe(time.perf_counter() - t0, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
                                sum(not r.prefilling for r in stepping))

@@ -9,10 +9,17 @@ against the manifest on its first read from that drive.)
 
 Which drive reads a record: weighted rendezvous hashing (highest random weight) of the
 record's stripe unit, a run of STRIPE_BYTES of its file, over the drives in rotation that
-hold the file, each weighted by the O_DIRECT bandwidth it showed at start. Each drive gets
-a share of the units in proportion to its bandwidth; the choice is the same on every start
-with the same weights; a drive leaving the rotation moves only its own units; and the
-adjacent records of one unit stay on one drive, so they are still read as one request.
+hold the file, each weighted by its bandwidth: measured at start (O_DIRECT reads of its
+records for START_S), then, after every LAG_WINDOW_BYTES it reads, moved halfway to the
+bandwidth it delivered over that window per second of busy time (a start figure flattered
+by a throttle's burst or a cache, or a drive that slows, corrects itself within a few
+windows). Each drive gets a share of the units in proportion to its weight; the choice is
+the same for the same weights; a weight that changes, or a drive leaving the rotation,
+moves only the units at the margin; and the adjacent records of one unit stay on one
+drive, so they are still read as one request. The hash names each unit's two preferred
+drives; a read goes to the first unless reads are queued there and the second would finish
+it sooner, counting the bytes queued on each at its weight (the power of two choices): a step's few
+misses hash unevenly, and without it the drive given more of them holds the step back.
 
 A drive leaves the rotation when a read on it fails with an I/O error or comes back short,
 when its reads stall (some in flight, none finished for STALL_S), or when it lags (over its
@@ -36,8 +43,9 @@ from .container import Container, ExpertRecord
 
 log = logging.getLogger("colibri.storage")
 STRIPE_BYTES = 2 << 20  # the unit a drive is chosen for: at least one record
+START_S = 0.3  # each drive's bandwidth is measured this long at start
 STALL_S = 5.0  # reads in flight on a drive and none finished this long: the drive is out
-LAG_FACTOR = 4.0  # slower than its start figure by this much: the drive is out
+LAG_FACTOR = 10.0  # slower than its start figure by this much: the drive is out (less: its weight follows)
 LAG_WINDOW_BYTES = 64 << 20  # bytes over which a drive's pace is judged (at least LAG_WINDOW_READS reads)
 LAG_WINDOW_READS = 8
 RETRY_S = 10.0
@@ -67,12 +75,14 @@ class Drive:
     fds: dict[str, int]  # container file (absolute path) -> open descriptor of this drive's copy
     pool: ThreadPoolExecutor
     left_out: dict[str, str] = field(default_factory=dict)  # file name -> why this drive's copy is not used
-    gbs: float | None = None  # O_DIRECT GB/s measured at start (None: one drive, not measured)
+    gbs: float | None = None  # its weight: GB/s measured at start, then as it reads (None: one drive)
+    start_gbs: float | None = None  # the start's figure (lag is judged against it)
     bytes: int = 0
     reads: int = 0
     errors: int = 0
     busy_s: float = 0.0  # time with at least one of its reads in flight
     inflight: int = 0
+    queued: int = 0  # bytes of requests submitted to it and not finished (for pick())
     since: float = 0.0  # start of the current busy stretch
     last_done: float = 0.0  # when a read last finished, or a busy stretch began
     latencies: deque = field(default_factory=lambda: deque(maxlen=LATENCIES))
@@ -174,7 +184,27 @@ class DriveSet:
                 self._out(d, f"no read finished in {now - d.last_done:.1f} s with {d.inflight} in flight")
 
     def first(self, rec: ExpertRecord) -> Drive:
+        """The drive rec's unit hashes to first (adjacent records share it)."""
         return self.order(rec)[0]
+
+    def pick(self, rec: ExpertRecord, n_bytes: int) -> Drive:
+        """The drive to read n_bytes starting with rec from: of the unit's two preferred
+        drives in rotation, the first unless reads are queued on it and the second would
+        finish sooner (an idle drive keeps the hash's choice). Counts the bytes as queued there until done(d, n_bytes)."""
+        order = self.order(rec)
+        two = [d for d in order[:2] if d.out_until is None] or order[:1]
+        with self.lock:
+            d = two[0]
+            if len(two) > 1 and d.queued and (d.queued + n_bytes) / (d.gbs or 1.0) > \
+                    (two[1].queued + n_bytes) / (two[1].gbs or 1.0):
+                d = two[1]
+            d.queued += n_bytes
+        return d
+
+    def done(self, d: Drive, n_bytes: int) -> None:
+        """A request pick() placed on d has finished (read, failed over, or failed)."""
+        with self.lock:
+            d.queued -= n_bytes
 
     # ---- what the reads report --------------------------------------------------------------
 
@@ -210,10 +240,14 @@ class DriveSet:
                 busy = d.busy_now(now) - w[2]
                 pace = w[0] / busy / 1e9 if busy > 0 else math.inf
                 d.window = [0, 0, d.busy_now(now)]
-                if d.gbs and pace < d.gbs / LAG_FACTOR and d.out_until is None and len(self.drives) > 1:
-                    self._out(d, f"lags: {pace:.3f} GB/s over its last {w[1]} reads, {d.gbs:.3f} GB/s at start")
+                if d.start_gbs and pace < d.start_gbs / LAG_FACTOR and d.out_until is None and len(self.drives) > 1:
+                    self._out(d, f"lags: {pace:.3f} GB/s over its last {w[1]} reads, {d.start_gbs:.3f} GB/s at "
+                                 "start")
                 elif d.out_until is None:
                     d.backoff = RETRY_S  # a whole window read well: the next time out is short again
+                    if d.gbs and math.isfinite(pace):
+                        d.gbs = 0.5 * d.gbs + 0.5 * pace
+                        self._orders.clear()
 
     def bad_copy(self, d: Drive) -> None:
         """A record read from d did not match its checksum: an error of that copy, which is
@@ -237,7 +271,7 @@ class DriveSet:
     def set_weights(self, gbs: list[float]) -> None:
         with self.lock:
             for d, g in zip(self.drives, gbs):
-                d.gbs = g
+                d.gbs = d.start_gbs = g
             self._orders.clear()
 
     # ---- what it says -----------------------------------------------------------------------
@@ -256,6 +290,7 @@ class DriveSet:
                 out.append({
                     "drive": d.index, "path": d.root, "files": len(d.fds), "of_files": n_files,
                     "left_out": dict(sorted(d.left_out.items())), "measured_gbs": round(d.gbs, 3) if d.gbs else None,
+                    "start_gbs": round(d.start_gbs, 3) if d.start_gbs else None,
                     "bytes": d.bytes, "reads": d.reads, "errors": d.errors, "share": round(d.bytes / total, 4),
                     "busy_s": round(busy, 3), "gbs": round(d.bytes / busy / 1e9, 3) if busy > 0 else None,
                     "latency_ms_p50": round(1e3 * lat[len(lat) // 2], 3) if lat else None,

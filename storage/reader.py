@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from .container import Container, ExpertRecord, crc32
-from .drives import Drive, DriveSet
+from .drives import START_S, Drive, DriveSet
 from .errors import ExpertReadError
 from .experts import ExpertStats
 from .faults import FaultPlan, inject
@@ -73,7 +73,7 @@ class ExpertReader:
         if reader not in READERS:
             raise ValueError(f"reader must be one of {READERS}")
         if len(self.drives.drives) > 1:
-            self.drives.set_weights([self.measure(0, d)[0] for d in self.drives.drives])
+            self.drives.set_weights([self.measure(0, d, START_S)[0] for d in self.drives.drives])
         if reader != "preadv":
             self._start_uring(reader, queue_depth, sqpoll_cpu)
 
@@ -120,11 +120,11 @@ class ExpertReader:
                              f"{AUTO_PROBE_RECORDS} records each")
             log.info("reader %s", self.kind_why)
 
-    def measure(self, first: int, drive: Drive | None = None) -> tuple[float, float]:
+    def measure(self, first: int, drive: Drive | None = None, min_s: float = 0.0) -> tuple[float, float]:
         """(GB/s, the calling thread's pace) of reading AUTO_PROBE_RECORDS of the
         container's records from the `first` on (in file order; those `drive` holds, by
         default the container's own) all in flight at once, through the ring when there is
-        one, else the drive's pool: raw reads into a scratch buffer
+        one, else the drive's pool, again until `min_s` have passed: raw reads into a scratch buffer
         (no checks, retries or drills, and a failed read only counts as no bytes: measuring
         never fails a start). The pace: Python steps the calling thread makes meanwhile,
         as a fraction of its pace alone (the engine thread's share of the interpreter)."""
@@ -138,15 +138,18 @@ class ExpertReader:
         scratch = np.frombuffer(mmap.mmap(-1, rb * len(recs)), np.uint8)
         bufs = [scratch[i * rb:(i + 1) * rb] for i in range(len(recs))]
         t0 = time.perf_counter()
-        if self.uring is not None:
-            futures = [self.uring.read(fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
-        else:
-            futures = [drive.pool.submit(os.preadv, fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
-        steps = 0
-        while not all(f.done() for f in futures):
-            steps += pace_steps(1000)
-        elapsed = time.perf_counter() - t0
-        got = sum(f.result() for f in futures if f.exception() is None)
+        steps = got = 0
+        while True:
+            if self.uring is not None:
+                futures = [self.uring.read(fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
+            else:
+                futures = [drive.pool.submit(os.preadv, fds[r.file], [b], r.offset) for r, b in zip(recs, bufs)]
+            while not all(f.done() for f in futures):
+                steps += pace_steps(1000)
+            got += sum(f.result() for f in futures if f.exception() is None)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_s:
+                break
         t1 = time.perf_counter()
         alone = pace_steps(100_000) / (time.perf_counter() - t1)
         return got / elapsed / 1e9, min(1.0, steps / elapsed / alone) if steps else 1.0
@@ -164,7 +167,8 @@ class ExpertReader:
             return self.submit_run([(key, buf)])[0]
         self._busy(+1)
         rec = self.c.records[key]
-        return self.drives.first(rec).pool.submit(self._read_counted, rec, buf)
+        drive = self.drives.pick(rec, rec.length)
+        return drive.pool.submit(self._read_counted, rec, buf, drive)
 
     def adjacent(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
         """Whether expert b's record follows expert a's in the same file, on the same drive."""
@@ -180,7 +184,7 @@ class ExpertReader:
         recs, bufs = [self.c.records[k] for k, _ in reads], [b for _, b in reads]
         futures = [Future() for _ in reads]
         self._busy(+1)
-        drive = self.drives.first(recs[0])
+        drive = self.drives.pick(recs[0], sum(r.length for r in recs))
         if self.uring is None:
             drive.pool.submit(self._read_run, drive, recs, bufs, futures)
         else:  # in flight on the ring; checked (and retried when bad) on the pool once it lands
@@ -203,10 +207,11 @@ class ExpertReader:
             self.stats.read_requests += 1
         return self.drives.begin(drive)
 
-    def _read_counted(self, rec: ExpertRecord, buf: np.ndarray) -> float:
+    def _read_counted(self, rec: ExpertRecord, buf: np.ndarray, drive: Drive) -> float:
         try:
-            return self.read(rec, buf)
+            return self.read(rec, buf, drive)
         finally:
+            self.drives.done(drive, rec.length)
             self._busy(-1)
 
     def _read_run(self, drive: Drive, recs: list[ExpertRecord], bufs: list[np.ndarray],
@@ -234,6 +239,7 @@ class ExpertReader:
         drives)."""
         want = sum(r.length for r in recs)
         self.drives.end(drive, t0, n, why if why else None if n >= want else f"short read of a run, {n} bytes")
+        self.drives.done(drive, want)
         try:
             got = 0
             for rec, buf, fut in zip(recs, bufs, futures):
@@ -266,13 +272,16 @@ class ExpertReader:
         finally:
             self._busy(-1)
 
-    def read(self, rec: ExpertRecord, buf: np.ndarray) -> float:
-        """Read one record into `buf` (on the calling thread), verified, retried, then from
-        each other drive holding a copy. Raises ExpertReadError: the buffer's bytes are then
-        not to be used. Returns the seconds it took."""
+    def read(self, rec: ExpertRecord, buf: np.ndarray, first: Drive | None = None) -> float:
+        """Read one record into `buf` (on the calling thread; from `first` first, by default
+        the drive its unit hashes to), verified, retried, then from each other drive holding
+        a copy. Raises ExpertReadError: the buffer's bytes are then not to be used. Returns
+        the seconds it took."""
         t0 = time.monotonic()
         key = (rec.layer, rec.expert)
         order = self.drives.order(rec)
+        if first is not None and first in order:
+            order = [first, *(d for d in order if d is not first)]
         failed = []
         for d in [order[0], *order]:  # the first choice twice (an error may pass), then each other copy
             why = self._read_once(rec, buf, d)

@@ -669,3 +669,17 @@ def test_the_daemon_shares_reads_between_drives_and_shows_the_rotation(tmp_path,
         assert text.count("drive ") == 2 and "in rotation" in text and "4/4 expert files" in text
         assert json.loads(ctl(sock, "status", "--json").stdout)["config"]["drives"] == [str(copy)]
     assert "mirror is now drives" in (tmp_path / "colibrid.log").read_text()
+
+
+def test_stats_compare_the_tuned_plan_with_the_measured_rate(tmp_path, container):
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\nexpert_cache: 2MiB\n")
+    r = ctl("-", "tune", "--model", container, "--config", cfg)
+    assert r.returncode == 0 and "the plan is in" in r.stderr, r.stderr
+    (tmp_path / "colibri.yaml.d" / "50-tune.yaml").unlink()  # keep the small budget: a prediction off "all"
+    with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
+        assert ctl(sock, "generate", "--max-tokens", 12, "how fast").returncode == 0
+        plan = json.loads(ctl(sock, "stats", "--json").stdout)["plan"]
+        assert 0 < plan["predicted"]["budget_fraction"] < 1 and plan["predicted"]["tok_s"] > 0
+        assert plan["measured_tok_s"] > 0 and plan["decode_steps"] >= 10
+        assert "plan: predicted" in ctl(sock, "stats").stdout

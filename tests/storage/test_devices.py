@@ -6,7 +6,7 @@ import contextlib
 import os
 
 import pytest
-from loopdrives import loop_file_system
+from loop import loop_file_system
 
 from colibri.storage.devices import cpu_set, discover, plan, tune
 

@@ -1,41 +1,45 @@
-"""Drives for tests, made as root: ext4 file systems on loop devices, and the cgroup v1
-`blkio` read throttle that makes one slower than another. Each helper skips the test
-when the machine cannot make one (not root, no loop devices, no blkio controller)."""
+"""Drives for the tests and benchmarks, made as root: ext4 file systems on loop devices,
+and the cgroup v1 `blkio` read throttle that makes one slower than another. Each helper
+raises Unavailable (the tests skip, the benchmarks say so) when the machine cannot make
+one: not root, no loop devices, no blkio controller."""
 
 import contextlib
 import os
 import subprocess
 
-import pytest
-
 BLKIO = "/sys/fs/cgroup/blkio"
 
 
+class Unavailable(Exception):
+    """This machine cannot make the drive asked for (the message says why)."""
+
+
 @contextlib.contextmanager
-def loop_file_system(tmp_path, name: str = "drive", size: int = 32 << 20):
-    """An ext4 file system on a loop device over the file tmp_path/NAME.img, mounted on
-    tmp_path/NAME; yields (mount point, device path, image). Unmounted and detached after."""
+def loop_file_system(where, name: str = "drive", size: int = 32 << 20):
+    """An ext4 file system on a loop device over the file WHERE/NAME.img, mounted on
+    WHERE/NAME; yields (mount point, device path, image), paths as strings. Unmounted and
+    detached after."""
     if os.geteuid() != 0:
-        pytest.skip("needs root for a loop device")
-    image, mnt = tmp_path / f"{name}.img", tmp_path / name
+        raise Unavailable("needs root for a loop device")
+    image, mnt = os.path.join(where, f"{name}.img"), os.path.join(where, name)
     with open(image, "wb") as f:
         f.truncate(size)
-    mnt.mkdir()
+    os.makedirs(mnt)
     try:
         dev = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True,
                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"no loop device here: {e}")
+        raise Unavailable(f"no loop device here: {e}") from None
     try:
         subprocess.run(["mkfs.ext4", "-q", dev], check=True, capture_output=True)
-        subprocess.run(["mount", dev, str(mnt)], check=True, capture_output=True)
+        subprocess.run(["mount", dev, mnt], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
         subprocess.run(["losetup", "-d", dev])
-        pytest.skip(f"cannot make a file system on {dev}: {e}")
+        raise Unavailable(f"cannot make a file system on {dev}: {e}") from None
     try:
-        yield mnt, dev, str(image)
+        yield mnt, dev, image
     finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+        subprocess.run(["umount", "-l", mnt])
         subprocess.run(["losetup", "-d", dev])
 
 
@@ -56,7 +60,7 @@ def throttled(limits: dict[str, int]):
     """This process (all its threads) in a blkio cgroup reading each device of `limits`
     ({device path: bytes per second}) at most that fast; moved back out after."""
     if not os.path.isfile(os.path.join(BLKIO, "blkio.throttle.read_bps_device")):
-        pytest.skip("no cgroup v1 blkio throttle here")
+        raise Unavailable("no cgroup v1 blkio throttle here")
     group = os.path.join(BLKIO, f"colibri-test-{os.getpid()}")
     os.makedirs(group, exist_ok=True)
     try:

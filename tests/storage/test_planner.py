@@ -1,0 +1,123 @@
+"""colictl plan and tune (storage/planner.py): the box measured, the routing's hit rates,
+the prediction's arithmetic, a plan of a container and of a checkpoint before conversion,
+tune's configuration fragment, and the daemon's predicted-against-measured stats."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri.daemon.config import ConfigError, load
+from colibri.engine.registry import build_model
+from colibri.storage.planner import (
+    OVERLAP,
+    Shape,
+    hit_at,
+    hit_curve,
+    lru_hits,
+    make_plan,
+    measure_drive,
+    pinned_hits,
+    plan_path,
+    predict,
+    predicted_now,
+    trace_accesses,
+)
+
+from hf_models import build, build_container
+
+TINY = dict(num_experts=16, num_hidden_layers=3, hidden_size=64, moe_intermediate_size=64, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    return build_container(tmp_path_factory.mktemp("plan"), "qwen3_moe", "basic", seed=8, **TINY)
+
+
+def test_the_routing_decides_the_hit_rates():
+    assert hit_curve(100, (0.1, 0.5, 1.0))["hits"] == {0.1: 0.1, 0.5: 0.5, 1.0: 1.0}  # uniform
+    cyc = [(0, [i % 4], None) for i in range(40)]  # four experts in turn
+    assert lru_hits(cyc, 3) == 0.0 and lru_hits(cyc, 4) == 0.9  # LRU thrashes below the loop, then hits
+    assert pinned_hits(np.array([6.0, 3.0, 1.0]), 1) == 0.6
+    curve = hit_curve(8, (0.375, 0.5), accesses=cyc)  # 3 slots: pinning three of four beats LRU's nothing
+    assert curve["source"] == "trace" and curve["hits"] == {0.375: 0.75, 0.5: 1.0}  # (the steady state)
+    counts = np.zeros((2, 4))
+    counts[0, 0], counts[1, 3] = 9, 1
+    assert hit_curve(8, (0.125,), counts=counts)["hits"] == {0.125: 0.9}  # the history's hottest expert
+    ahead = [(0, [1, 2], [1, 3, 4]), (1, [5, 6], [5, 6]), (0, [1], None)]
+    assert hit_curve(8, (0.5,), accesses=ahead)["waste"] == 1.0  # (2 + 0) / 2 predicted reads not used
+    assert hit_at({"hits": {"0.1": 0.3, "0.5": 0.7}}, 0.3) == pytest.approx(0.5)
+
+
+def test_the_prediction_is_the_slower_side_plus_part_of_the_other():
+    shape = Shape(moe_layers=10, top_k=4, n_expert=64, record_bytes=1 << 20)
+    p = predict(shape, compute_s=0.01, disk_gbs=1.0, hit=0.5, waste=1.0)
+    assert p["bytes_read_per_token"] == 10 * 5 * 0.5 * (1 << 20)
+    disk = p["bytes_read_per_token"] / 1e9  # 0.026 s
+    assert p["bound"] == "disk" and p["tok_s"] == pytest.approx(1 / (disk + OVERLAP * 0.01), rel=1e-3)
+    assert predict(shape, 0.05, 1.0, 1.0)["bound"] == "compute" and predict(shape, 0.05, 1.0, 1.0)["tok_s"] == 20.0
+
+
+def test_a_drive_is_measured_with_direct_reads(tmp_path):
+    f = tmp_path / "x"
+    f.write_bytes(os.urandom(4 << 20))
+    m = measure_drive([str(f)], 256 << 10, 2, 0.2)
+    assert m["gbs"] > 0 and m["threads"] == 2 and m["latency_ms_p99"] >= m["latency_ms_p50"] > 0
+    assert m["block_bytes"] == 256 << 10 and isinstance(m["o_direct"], bool)
+
+
+def test_a_plan_of_a_container_predicts_every_budget_and_recommends(container, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"step": s, "layer": il, "experts": [s % 3, 5]}) + "\n"
+                             for s in range(20) for il in container.moe_layers))
+    p = make_plan(container.path, build_model, trace=str(trace), memory=4 << 30, seconds=0.2)
+    assert p["precision"] == "f32" and list(p["precisions"]) == ["f32"] and p["container"] == container.fingerprint
+    row = p["precisions"]["f32"]
+    assert row["record_bytes"] == container.record_bytes and row["compute_s"] > 0 and row["fit_fraction"] == 1.0
+    assert [t["budget_fraction"] for t in row["table"]] == [0.05, 0.1, 0.25, 0.5, 1.0]
+    assert p["routing"]["source"] == "trace" and p["routing"]["hits"]["0.1"] > 0.1  # 4 hot experts of 48
+    tok = [t["tok_s"] for t in row["table"]]
+    assert tok == sorted(tok) and row["table"][-1]["bytes_read_per_token"] == 0
+    rec = p["recommend"]
+    assert rec["expert_cache"] == "all" and rec["reader"] in ("preadv", "io_uring") and rec["io_threads"] in (1, 2, 4)
+    small = make_plan(container.path, build_model, memory=p["dense_bytes"] + (512 << 20) + container.expert_bytes // 4,
+                      seconds=0.2)
+    assert small["precisions"]["f32"]["fit_fraction"] == pytest.approx(0.25, abs=0.01)
+    assert small["recommend"]["expert_cache"].endswith("MiB")
+    with pytest.raises(ValueError, match="not a routing trace line"):
+        trace.write_text("{}\n")
+        trace_accesses(str(trace), 16)
+
+
+def test_a_checkpoint_is_planned_before_it_is_converted(tmp_path):
+    build("qwen3_moe", "basic", tmp_path / "hf", seed=9, **TINY)
+    p = make_plan(str(tmp_path / "hf"), build_model, memory=4 << 30, seconds=0.2)
+    assert p["container"] is None and p["precision"] == "f32"
+    rows = p["precisions"]
+    assert list(rows) == ["f32", "int8", "int4"] and [r["lossy"] for r in rows.values()] == [False, True, True]
+    assert rows["f32"]["record_bytes"] > rows["int8"]["record_bytes"] > rows["int4"]["record_bytes"]
+    assert "reader" not in p["recommend"] and p["recommend"]["precision"] == "f32"
+
+
+def test_tune_writes_a_fragment_the_daemon_reads_and_keeps_the_plan(container, tmp_path):
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\nio_threads: 7\nexpert_cache: min\n")
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "tune", "--model", container.path, "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    frag = tmp_path / "colibri.yaml.d" / "50-tune.yaml"
+    assert frag.exists() and "predicted" in frag.read_text()
+    tuned = load(str(cfg))
+    assert tuned.io_threads in (1, 2, 4) and tuned.expert_cache == "all"  # the fragment overrides the file
+    plan = json.loads(open(plan_path(str(tmp_path / "state"), container.fingerprint)).read())
+    now = predicted_now(plan, container.expert_bytes // 10)
+    assert now["budget_fraction"] == pytest.approx(0.1, abs=0.01) and now["tok_s"] > 0
+    (tmp_path / "colibri.yaml.d" / "60-bad.yaml").write_text("io_thread: 3\n")
+    with pytest.raises(ConfigError, match="60-bad.yaml: unknown key 'io_thread'"):
+        load(str(cfg))
+    shown = subprocess.run([sys.executable, "-m", "colibri.ctl", "plan", "--model", container.path],
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "recommended: expert_cache: all" in shown.stdout and "f32" in shown.stdout
