@@ -5,7 +5,7 @@ decode benchmark's model at several expert budgets (issue 24: within 25 %).
 
 First a warm-up run with other prompts writes a routing trace (what a user's earlier
 `colictl run --routing-trace` or the daemon's usage history gives the planner); the plan
-is made from it (storage/planner.py: the drive and memory measured, decode steps timed on
+is made from it (daemon/planner.py: the drive and memory measured, decode steps timed on
 a sample of the experts). Then, per budget, the model is placed from a dropped page
 cache, answers one prompt to settle its cache (a running daemon's state: the plan predicts
 the steady state, not a cold start), and the measured tok/s is that of the decode steps of
@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 from decode import drop_caches, run  # noqa: E402
 from synthetic import build, load_model, prompt  # noqa: E402
 
+from colibri.daemon.planner import Shape, hit_at, make_plan, measure_drives, predict  # noqa: E402
 from colibri.engine import layers  # noqa: E402
 from colibri.engine.registry import build_model  # noqa: E402
-from colibri.storage.planner import Shape, hit_at, make_plan, measure_drives, predict  # noqa: E402
 
 
 def main():

@@ -18,6 +18,8 @@ import zmq
 
 from ..daemon import protocol as P
 
+CANCEL_POLL_S = 0.1  # how often a wait that may be cancelled looks at its cancel flag
+
 
 class DaemonDown(Exception):
     """No colibrid answers on the socket, or it stopped answering mid-request."""
@@ -156,29 +158,41 @@ class Client:
                              "larger than it takes)")
         raise DaemonDown(f"colibrid does not answer on {self.path}")
 
-    def reply_to(self, rid: str, timeout_ms: int | None = -1, stream=None) -> dict:
+    def reply_to(self, rid: str, timeout_ms: int | None = -1, stream=None, cancel=None) -> dict:
         """Wait for the final reply to request `rid` and return it (ok or error); each
         generate_stream event of it goes to `stream`. An error reply with a null id answers
         a message the daemon could not read: the one this client waits for.
-        With timeout_ms None the wait is as long as the daemon answers pings."""
+        With timeout_ms None the wait is as long as the daemon answers pings. `cancel`: a
+        threading.Event another thread may set; the request is then cancelled (a
+        cancel_request) and its final reply still awaited."""
         limit = self.timeout_ms if timeout_ms == -1 else timeout_ms
         deadline = None if limit is None else time.monotonic() + limit / 1000
         ping = None  # (id, sent at) of the heartbeat in flight
+        heard = time.monotonic()  # when the daemon last said something
+        asked_cancel = False
         while True:
-            wait = self.heartbeat_s if limit is None else max(deadline - time.monotonic(), 0)
+            if cancel is not None and cancel.is_set() and not asked_cancel:
+                self.send("cancel", target=rid)
+                asked_cancel = True
+            now = time.monotonic()
+            wait = heard + self.heartbeat_s - now if limit is None else deadline - now
             if ping is not None:
-                wait = max(min(wait, ping[1] + self.timeout_ms / 1000 - time.monotonic()), 0)
+                wait = min(wait, ping[1] + self.timeout_ms / 1000 - now)
+            if cancel is not None and not asked_cancel:
+                wait = min(wait, CANCEL_POLL_S)
             try:
-                msg = self.recv(int(wait * 1000))
+                msg = self.recv(int(max(wait, 0) * 1000))
             except DaemonDown as e:
-                if isinstance(e, ConnectionClosed) or limit is not None:
+                now = time.monotonic()
+                if isinstance(e, ConnectionClosed) or (limit is not None and now >= deadline):
                     raise
-                if ping is not None and time.monotonic() >= ping[1] + self.timeout_ms / 1000:
+                if ping is not None and now >= ping[1] + self.timeout_ms / 1000:
                     raise DaemonDown(f"colibrid stopped answering on {self.path} (no reply to a ping in "
                                      f"{self.timeout_ms / 1000:.0f} s)") from None
-                if ping is None:
-                    ping = (self.send("ping"), time.monotonic())
+                if ping is None and limit is None and now >= heard + self.heartbeat_s:
+                    ping = (self.send("ping"), now)
                 continue
+            heard = time.monotonic()
             mid = msg.get("id")
             if ping is not None and mid == ping[0]:
                 ping = None

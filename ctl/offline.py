@@ -446,8 +446,8 @@ def plan_options(fn):
 
 def plan_for(model_path, memory, trace_path, drives, config_path, threads, precisions=None) -> dict:
     from ..daemon.config import load, state_dir
+    from ..daemon.planner import make_plan
     from ..engine.registry import build_model
-    from ..storage.planner import make_plan
     from ..storage.sizes import parse_size
 
     cfg = load(config_path)
@@ -522,8 +522,8 @@ def tune(model_path, memory, trace_path, drives, config_path, threads, out):
     configuration fragment colibrid reads after its configuration file; keep the plan in
     the state directory, so that `colictl stats` shows predicted against measured tok/s."""
     from ..daemon.config import load, state_dir
+    from ..daemon.planner import plan_path
     from ..storage.container import is_container
-    from ..storage.planner import plan_path
 
     cfg = load(config_path)
     p = plan_for(model_path, memory, trace_path, drives, config_path, threads)

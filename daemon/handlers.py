@@ -135,7 +135,7 @@ class Handlers:
         s = self.s
         if s.plan is None or s.control is None:
             return None
-        from ..storage.planner import predicted_now
+        from .planner import predicted_now
 
         b = s.batcher
         measured = round(b.decode_steps / b.decode_s, 3) if b is not None and b.decode_s > 0 else None

@@ -203,10 +203,10 @@ class Server:
         return out
 
     def load_plan(self) -> dict | None:
-        """The plan `colictl tune` kept for this container (storage/planner.py), or None."""
+        """The plan `colictl tune` kept for this container (daemon/planner.py), or None."""
         import json
 
-        from ..storage.planner import PLAN_VERSION, plan_path
+        from .planner import PLAN_VERSION, plan_path
 
         if self.control is None:
             return None

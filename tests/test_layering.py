@@ -2,21 +2,25 @@
 of ours; the engine reaches storage only through the ExpertSource module (and the named
 errors every floor shares); the daemon imports the engine and storage; ctl's client path
 imports the protocol module and nothing else of ours, while its offline commands (run,
-convert, doctor, demo-model) run the engine and storage in-process, lazily."""
+convert, doctor, demo-model) run the engine and storage in-process, lazily; the gateway
+is a client like colictl (the protocol and ctl's client)."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED = {"storage": set(), "engine": {"storage"}, "daemon": {"engine", "storage"}, "ctl": {"daemon"}}
+ALLOWED = {"storage": set(), "engine": {"storage"}, "daemon": {"engine", "storage"}, "ctl": {"daemon"},
+           "gateway": {"daemon", "ctl"}}
 # the modules of another package each package may import ("*": any)
 MODULES = {
     "engine": {"storage": {"storage.experts", "storage.errors"}},
     "daemon": {"engine": {"*"}, "storage": {"*"}},
     "ctl": {"daemon": {"daemon.protocol"}},
+    "gateway": {"daemon": {"daemon.protocol"}, "ctl": {"ctl.client"}},  # a client, like colictl: never the engine
 }
 # ctl's offline commands run the engine in-process (and read the daemon's configuration)
-OFFLINE = {"ctl/offline.py": {"engine": {"*"}, "storage": {"*"}, "daemon": {"daemon.protocol", "daemon.config"}},
+OFFLINE = {"ctl/offline.py": {"engine": {"*"}, "storage": {"*"},
+                              "daemon": {"daemon.protocol", "daemon.config", "daemon.planner"}},
            "ctl/doctor.py": {"engine": {"*"}, "storage": {"*"}, "daemon": {"daemon.protocol", "daemon.config"}}}
 
 

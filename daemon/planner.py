@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .container import ALIGN, round_up
-from .experts import ExpertStats, QuantWeight
+from ..storage.container import ALIGN, round_up
+from ..storage.experts import ExpertStats, QuantWeight
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)  # expert budgets the table shows, as fractions of the experts
 THREADS = (1, 2, 4)  # read threads tried
@@ -197,7 +197,7 @@ def int4_group(src, names: list[str]) -> int | None:
 def checkpoint_sample(src, model, k: int, dtype: str | None) -> SampleExperts:
     """k experts of the checkpoint's first MoE layers in `dtype` (None: as published;
     int8/int4 quantized as convert would: int8 a scale per row, int4 int4_group)."""
-    from .convert import expert_values
+    from ..storage.convert import expert_values
 
     first = model.expert_names(model.moe_layers[0], 0)
     group = int4_group(src, first[:3]) if dtype == "int4" else None
@@ -362,7 +362,7 @@ def predicted_now(plan: dict, budget_bytes: int) -> dict | None:
 
 def own_precision(src, model) -> str:
     """The checkpoint's expert precision as published: bf16, f16, f32, fp8_e4m3/e5m2, mxfp4."""
-    from .convert import OUR_NAME
+    from ..storage.convert import OUR_NAME
 
     w = src.read_weight(model.expert_names(model.moe_layers[0], 0)[0])
     if isinstance(w, QuantWeight):
@@ -383,9 +383,9 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     import psutil
 
     from ..engine import layers
-    from .checkpoint import load_config, open_checkpoint
-    from .container import is_container, open_container
-    from .history import UsageHistory, history_path
+    from ..storage.checkpoint import load_config, open_checkpoint
+    from ..storage.container import is_container, open_container
+    from ..storage.history import UsageHistory, history_path
 
     t_start = time.perf_counter()
     model = build(path, load_config(path))
@@ -482,7 +482,7 @@ def recommend(plan: dict, container, disks: list[dict]) -> dict:
         out["lossy_option"] = {"precision": p, "predicted_tok_s": r["at_fit"]["tok_s"],
                                "how": f"colictl convert --dtype {p} (lossy: the tokens change)"}
     if container is not None:
-        from .reader import ExpertReader
+        from ..storage.reader import ExpertReader
 
         r = ExpertReader(container, ExpertStats(), out["io_threads"], reader="auto")
         out["reader"], out["reader_note"] = r.kind if r.kind_why else "preadv", r.kind_why

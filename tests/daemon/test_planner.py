@@ -1,4 +1,4 @@
-"""colictl plan and tune (storage/planner.py): the box measured, the routing's hit rates,
+"""colictl plan and tune (daemon/planner.py): the box measured, the routing's hit rates,
 the prediction's arithmetic, a plan of a container and of a checkpoint before conversion,
 tune's configuration fragment, and the daemon's predicted-against-measured stats."""
 
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from colibri.daemon.config import ConfigError, load
-from colibri.engine.registry import build_model
-from colibri.storage.planner import (
+from colibri.daemon.planner import (
     OVERLAP,
     Shape,
     hit_at,
@@ -26,6 +25,7 @@ from colibri.storage.planner import (
     predicted_now,
     trace_accesses,
 )
+from colibri.engine.registry import build_model
 
 from hf_models import build, build_container
 

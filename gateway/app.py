@@ -1,0 +1,239 @@
+"""The gateway's HTTP application (Starlette): the OpenAI API, /metrics and the live map,
+each request served by talking to colibrid as a client of its user socket.
+
+Each generate runs on its own thread with its own connection (ctl/client.py, blocking
+ZeroMQ), and hands its events to the request's asyncio task through a queue. A streamed
+request waits for its first event before it answers, so an error the daemon gives at once
+(busy, invalid, loading, down) is an HTTP status, not a broken stream. A client that goes
+away (the stream's task is cancelled, or a waiting request sees the disconnect) sets the
+job's cancel flag: its thread sends cancel_request and the daemon stops the request.
+"""
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..ctl.client import Client, DaemonDown, PermissionDenied, ReplyError, TooLarge
+from ..daemon import protocol as P
+from . import openai as O
+
+DONE = object()  # the queue's end
+
+
+class Job:
+    """One generate request on its own thread and connection; its events (stream messages,
+    then the final reply or an error) arrive on `queue` in the caller's event loop."""
+
+    def __init__(self, socket_path: str, fields: dict, loop: asyncio.AbstractEventLoop):
+        self.socket_path, self.fields, self.loop = socket_path, fields, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        threading.Thread(target=self._run, name="colibri-gateway-job", daemon=True).start()
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        c = Client(self.socket_path, timeout_s=10.0)
+        try:
+            c.connect()
+            c.hello()
+            rid = c.send("generate", **self.fields)
+            reply = c.reply_to(rid, None, stream=lambda m: self._put(("token", m)), cancel=self.cancel)
+            if reply.get("status") == "ok":
+                self._put(("reply", reply))
+            else:
+                err = reply.get("error") or {}
+                self._put(("error", err.get("name", "INTERNAL"), err.get("message", "error")))
+        except ReplyError as e:
+            self._put(("error", e.name, str(e)))
+        except TooLarge as e:
+            self._put(("error", "TOO_LARGE", str(e)))
+        except PermissionDenied as e:
+            self._put(("error", "FORBIDDEN", f"the gateway may not use colibrid's socket: {e}"))
+        except DaemonDown as e:
+            self._put(("error", "DAEMON_DOWN", str(e)))
+        except Exception as e:  # a bug: the HTTP client gets a 500, the gateway goes on
+            self._put(("error", "INTERNAL", f"{type(e).__name__}: {e}"))
+        finally:
+            c.close()
+            self._put(DONE)
+
+
+class Gateway:
+    """The application's state: where colibrid is, the bearer token (None: none asked), the
+    largest body taken."""
+
+    def __init__(self, socket_path: str | None = None, token: str | None = None, max_body: int = 1 << 20):
+        self.socket_path = socket_path or P.default_socket()
+        self.token, self.max_body = token, max_body
+        self._model: tuple[float, str] | None = None
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def authorized(self, request: Request) -> bool:
+        if self.token is None:
+            return True
+        got = request.headers.get("authorization", "")
+        given = got[7:] if got.lower().startswith("bearer ") else request.query_params.get("token", "")
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def call(self, kind: str, **fields) -> dict:
+        """One short request to colibrid (blocking: run it in a thread)."""
+        c = Client(self.socket_path, timeout_s=5.0)
+        try:
+            c.connect()
+            return c.call(kind, **fields)
+        finally:
+            c.close()
+
+    async def model_id(self) -> str:
+        """The served model's name (its directory's), asked of colibrid at most every 10 s."""
+        now = time.monotonic()
+        if self._model is None or now - self._model[0] > 10:
+            r = await asyncio.to_thread(self.call, "hello", protocol=P.PROTOCOL_VERSION, client="colibri-gateway")
+            m = r.get("model") or {}
+            name = (m.get("path") or "colibri").rstrip("/").rsplit("/", 1)[-1]
+            self._model = (now, name)
+        return self._model[1]
+
+    async def body(self, request: Request) -> dict:
+        """The JSON body, at most max_body bytes. Raises BadRequest (TOO_LARGE or invalid)."""
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > self.max_body:
+            raise O.BadRequest(f"the request body is {size} bytes, above the gateway's {self.max_body}", None,
+                               "TOO_LARGE")
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.max_body:
+                raise O.BadRequest(f"the request body is above the gateway's {self.max_body} bytes", None,
+                                   "TOO_LARGE")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            raise O.BadRequest("the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise O.BadRequest("the body is not a JSON object")
+        return body
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        try:
+            name = await self.model_id()
+        except (DaemonDown, ReplyError, PermissionDenied) as e:
+            return error(getattr(e, "name", "DAEMON_DOWN"), str(e))
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                        "owned_by": "colibri"}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        try:
+            body = await self.body(request)
+            fields = O.chat_request(body) if kind == "chat" else O.completion_request(body)
+            model = await self.model_id()
+        except O.BadRequest as e:
+            return error(e.name, str(e), e.param)
+        except (DaemonDown, ReplyError, PermissionDenied) as e:
+            return error(getattr(e, "name", "DAEMON_DOWN"), str(e))
+        job = Job(self.socket_path, fields, asyncio.get_running_loop())
+        rid = O.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        if body.get("stream"):
+            return await self.stream(request, job, kind, rid, model, bool((body.get("stream_options") or {})
+                                                                         .get("include_usage")))
+        return await self.wait(request, job, kind, rid, model)
+
+    async def wait(self, request: Request, job: Job, kind: str, rid: str, model: str) -> Response:
+        """The whole reply; a client that disconnects meanwhile cancels it."""
+        final = None
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), 0.25)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                continue
+            if item is DONE:
+                break
+            if item[0] != "token":
+                final = item
+        if final[0] == "error":
+            return error(final[1], final[2])
+        reply = final[1]
+        return JSONResponse(O.chat_object(rid, model, reply) if kind == "chat" else
+                            O.completion_object(rid, model, reply))
+
+    async def stream(self, request: Request, job: Job, kind: str, rid: str, model: str,
+                     include_usage: bool) -> Response:
+        """Server-sent events, started once the first event is in (so an early error is a
+        status); the stream's task cancelled (the client left) cancels the request."""
+        first = await job.queue.get()
+        if first is DONE or first[0] == "error":
+            return error(*first[1:]) if first is not DONE else error("INTERNAL", "no reply")
+        created = int(time.time())
+
+        def event(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def piece(text: str, reason: str | None = None) -> str:
+            if kind == "chat":
+                return event(O.chat_chunk(rid, model, created, {"content": text} if reason is None else {}, reason))
+            return event(O.completion_chunk(rid, model, created, text, reason))
+
+        async def events():
+            item = first
+            try:
+                if kind == "chat":
+                    yield event(O.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+                while item is not DONE:
+                    if item[0] == "token":
+                        if item[1].get("text"):
+                            yield piece(item[1]["text"])
+                    elif item[0] == "reply":
+                        yield piece("", O.finish(item[1].get("finish_reason")))
+                        if include_usage:
+                            yield event(O.usage_chunk(kind, rid, model, created, item[1]))
+                    else:  # an error after the stream began: OpenAI's error event
+                        yield event(O.error_body(item[1], item[2])[1])
+                    item = await job.queue.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                if item is not DONE:  # the client went away (the task was cancelled): stop the request
+                    job.cancel.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def error(name: str, message: str, param: str | None = None) -> JSONResponse:
+    status, body = O.error_body(name, message, param)
+    return JSONResponse(body, status_code=status)
+
+
+def make_app(gw: Gateway) -> Starlette:
+    """The routes, each behind the bearer token when one is set."""
+
+    def guarded(handler):
+        async def endpoint(request: Request) -> Response:
+            if not gw.authorized(request):
+                return error("UNAUTHORIZED", "a bearer token is needed (Authorization: Bearer TOKEN)")
+            return await handler(request)
+        return endpoint
+
+    routes = [Route("/v1/models", guarded(gw.models), methods=["GET"]),
+              Route("/v1/chat/completions", guarded(gw.chat), methods=["POST"]),
+              Route("/v1/completions", guarded(gw.completions), methods=["POST"])]
+    return Starlette(routes=routes)

@@ -1,0 +1,165 @@
+"""colibri-gateway against a real colibrid on a temporary socket, driven by the official
+`openai` client: the same tokens as colictl, streamed or not; OpenAI's error statuses; a
+client that leaves cancels its request; a non-loopback bind without a token is refused."""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from colibri.ctl.client import Client
+from colibri.storage.demo import write_demo_model
+
+openai = pytest.importorskip("openai")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def colibrid(tmp, model, config: str = ""):
+    sock = str(tmp / "colibri.sock")
+    cfg = tmp / "colibri.yaml"
+    cfg.write_text(config or "max_queue: 64\n")
+    log = open(tmp / "colibrid.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", str(model), "--socket", sock,
+                             "--config", str(cfg)], stderr=log, env={**os.environ, "STATE_DIRECTORY": str(tmp / "st")})
+    try:
+        c = Client(sock).connect(wait_s=60)
+        for _ in range(600):
+            if c.call("hello", protocol="1.4").get("phase") == "serving":
+                break
+            time.sleep(0.1)
+        c.close()
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@contextlib.contextmanager
+def gateway(sock, *extra):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "colibri.gateway", "--port", str(port), "--socket", sock, *extra],
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(url + "/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gw")
+    model = write_demo_model(tmp / "demo")
+    with colibrid(tmp, model) as sock, gateway(sock) as url:
+        yield sock, url
+
+
+def colictl(sock, *args):
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "--socket", sock, *map(str, args)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_chat_and_completions_give_colictls_tokens_streamed_or_not(served):
+    sock, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    want = colictl(sock, "generate", "--json", "--chat", "--max-tokens", 16, "--seed", 3, "Tell me a fortune")
+    got = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Tell me a fortune"}],
+                                         max_tokens=16, seed=3)
+    assert got.choices[0].message.content == want["text"] and got.choices[0].finish_reason == want["finish_reason"]
+    assert got.usage.completion_tokens == len(want["token_ids"])
+    assert got.usage.prompt_tokens == len(want["prompt_token_ids"])
+    chunks = list(client.chat.completions.create(model="demo", max_tokens=16, seed=3, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "Tell me a fortune"}]))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want["text"] and chunks[-1].usage.completion_tokens == len(want["token_ids"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want["finish_reason"]
+    plain = colictl(sock, "generate", "--json", "--max-tokens", 12, "--temperature", 0.7, "--seed", 5, "Once upon")
+    done = client.completions.create(model="demo", prompt="Once upon", max_tokens=12, temperature=0.7, seed=5)
+    assert done.choices[0].text == plain["text"]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt="Once upon", max_tokens=12, temperature=0.7, seed=5, stream=True))
+    assert streamed == plain["text"]
+
+
+def test_errors_have_openais_shape_and_status(served, tmp_path):
+    sock, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], top_p=7.0)
+    r = httpx.post(url + "/v1/completions", content=b"{" + b" " * (2 << 20) + b"}", timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    assert httpx.post(url + "/v1/completions", content=b"[1]").status_code == 400
+    with gateway(str(tmp_path / "nobody.sock")) as down:
+        r = httpx.post(down + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-some-length\n")
+    token.chmod(0o600)
+    with gateway(sock, "--token-file", str(token)) as locked:
+        assert httpx.get(locked + "/v1/models").status_code == 401
+        ok = openai.OpenAI(base_url=locked + "/v1", api_key="s3cret-token-of-some-length")
+        assert ok.models.list().data[0].id == "demo"
+
+
+def test_a_busy_daemon_is_429(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = write_demo_model(tmp_path / "demo")
+    with colibrid(tmp_path, model, "max_active: 1\nmax_queue: 1\n") as sock, gateway(sock) as url:
+        def post(i):
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": "Once upon a time", "max_tokens": 64, "seed": i, "temperature": 1.0})
+            return r.status_code, r.json()
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(post, range(8)))
+    statuses = [s for s, _ in got]
+    assert 200 in statuses and 429 in statuses, statuses  # one runs, one waits, the rest are turned away
+    busy = next(body for s, body in got if s == 429)
+    assert busy["error"]["type"] == "rate_limit_error" and busy["error"]["code"] == "busy"
+
+
+def test_a_client_that_leaves_cancels_its_request(served):
+    sock, url = served
+    before = colictl(sock, "stats", "--json")["requests"]["cancelled"]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 2000, "stream": True,
+            "temperature": 1.0, "seed": 1}) as r:
+        lines = r.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)  # it runs
+    for _ in range(100):  # the connection closed: the daemon stops the request
+        if colictl(sock, "stats", "--json")["requests"]["cancelled"] > before:
+            break
+        time.sleep(0.1)
+    assert colictl(sock, "stats", "--json")["requests"]["cancelled"] == before + 1
+
+
+def test_a_network_address_needs_a_token_file():
+    r = subprocess.run([sys.executable, "-m", "colibri.gateway", "--host", "0.0.0.0", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "needs --allow-remote and --token-file" in r.stderr and r.stderr.count("\n") == 1
