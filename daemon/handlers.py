@@ -126,8 +126,21 @@ class Handlers:
         return {"experts": s.model.experts.stats.as_dict() if s.model is not None else None,
                 "kv": s.prefix.describe() if s.prefix is not None else None,
                 "drives": s.control.drives() if s.control is not None else None, "plan": self.plan_vs_measured(),
+                "experts_by_layer": s.model.experts.layer_stats() if s.model is not None else None,
+                "latency": s.latency.as_dict(), "queue": {"active": len(s.inflight), "queued": s.inbox.qsize()},
+                "memory": self.memory(),
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),
                 **learned}
+
+    def memory(self) -> dict:
+        """The process's resident memory, and the expert cache's budget and arena."""
+        s = self.s
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out = {"rss_bytes": rss}
+        if s.control is not None:
+            out |= {"expert_budget_bytes": s.control.budget_bytes, "expert_arena_bytes": s.control.arena_bytes}
+        return out
 
     def plan_vs_measured(self) -> dict | None:
         """What `colictl tune`'s plan predicts at the budget the cache has now, and the
@@ -161,6 +174,7 @@ class Handlers:
             self.session_name(session)
         s.inflight[key] = time.time()
         s.counters["accepted"] += 1  # each ends as exactly one of served, failed, cancelled
+        s.latency.arrive(key)
         s.inbox.put(Generate(key, msg, self.uid))
         return None  # the engine thread streams and replies
 

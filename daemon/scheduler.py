@@ -276,10 +276,12 @@ class Scheduler:
                 ids.append(ev.token_id)
                 pieces.append(ev.text)
                 d.counters["tokens"] += 1
+                d.latency.token(key)
                 self.out(key, P.stream(key[1], ev.token_id, ev.text))
                 continue
             pieces.append(ev.text)
             del self.state[key]
+            d.latency.done(key)
             made = {"token_ids": ids, "text": "".join(pieces)}
             session = self.end_turn(key, ev.conversation, made["text"])
             if session is not None:

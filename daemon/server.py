@@ -67,6 +67,9 @@ class Server:
         self.boot: dict = {}
         self.model = None  # set by the engine thread once placed
         self.control = None  # the expert cache's runtime control; None when every expert is resident
+        from .metrics import Latencies
+
+        self.latency = Latencies()  # time to first token and between tokens (stats, the gateway's /metrics)
         self.plan: dict | None = None  # colictl tune's plan for the container (stats: predicted vs measured)
         self.batcher = None  # the engine's, once it runs (stats read its decode counters)
         self.history = None  # the usage history the daemon saves, or None

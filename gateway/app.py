@@ -134,6 +134,18 @@ class Gateway:
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                                         "owned_by": "colibri"}]})
 
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus' scrape: colibrid's stats now (colibri_up 0 when it does not answer)."""
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+        from .metrics import render
+
+        try:
+            stats = await asyncio.to_thread(self.call, "stats")
+        except (DaemonDown, ReplyError, PermissionDenied):
+            stats = None
+        return Response(render(stats), media_type=CONTENT_TYPE_LATEST)
+
     async def chat(self, request: Request) -> Response:
         return await self.generate(request, "chat")
 
@@ -234,6 +246,7 @@ def make_app(gw: Gateway) -> Starlette:
         return endpoint
 
     routes = [Route("/v1/models", guarded(gw.models), methods=["GET"]),
+              Route("/metrics", guarded(gw.metrics), methods=["GET"]),
               Route("/v1/chat/completions", guarded(gw.chat), methods=["POST"]),
               Route("/v1/completions", guarded(gw.completions), methods=["POST"])]
     return Starlette(routes=routes)

@@ -61,6 +61,7 @@ class ExpertCache:
         self.history = history or UsageHistory(container.moe_layers, container.n_expert)
         self._arena: Arena | None = None
         self.lru: dict[int, OrderedDict[int, int]] = {il: OrderedDict() for il in container.moe_layers}  # ie -> slot
+        self.by_layer = {il: [0, 0, 0] for il in container.moe_layers}  # hits, misses, bytes read (stats)
         self.pinned: dict[tuple[int, int], int] = {}  # (il, ie) -> slot, by hand (pin) or by policy
         self.hand_pins: set[tuple[int, int]] = set()  # pinned by hand: never repinned away
         self.pinned_set_by_hand = False  # False: the pinned part's size follows the policy
@@ -425,6 +426,7 @@ class ExpertCache:
             slot, fut = ahead.pop(ie)
             self.unchosen.setdefault(il, []).append((ie, slot, fut))
             st.bytes_read += self.record_bytes
+            self.by_layer[il][2] += self.record_bytes
             st.prefetch_wasted += 1
         hits, pinned, pending = [], [], deque()  # in the layer's LRU; pinned or main (slots that stay put); to read
         for ie in ids:
@@ -438,6 +440,9 @@ class ExpertCache:
         pending = deque(sorted(pending, key=lambda ie: (records[(il, ie)].file, records[(il, ie)].offset)))
         st.hits += len(hits) + len(pinned)
         st.misses += len(pending) + len(ahead)
+        counts = self.by_layer[il]
+        counts[0] += len(hits) + len(pinned)
+        counts[1] += len(pending) + len(ahead)
         st.prefetch_used += len(ahead)
         busy = set(hits) | set(ahead) | {ie for ie, _ in pinned}  # experts of this step whose slots must not be reused yet
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
@@ -472,6 +477,7 @@ class ExpertCache:
             finally:
                 st.io_wait_s += time.perf_counter() - t0
             st.bytes_read += self.record_bytes
+            self.by_layer[il][2] += self.record_bytes
             self._keep(il, ie, slot)
             return ie, self.views(slot)
 
@@ -557,6 +563,10 @@ class ExpertCache:
             n += 1
         self.stats.prefetch_issued += n
         return n
+
+    def layer_stats(self) -> list[dict]:
+        """Per MoE layer: hits, misses and bytes read since start."""
+        return [{"layer": il, "hits": c[0], "misses": c[1], "bytes_read": c[2]} for il, c in sorted(self.by_layer.items())]
 
     def drives(self) -> list[dict]:
         """The drives the experts are read from, and how each reads (drives.py)."""

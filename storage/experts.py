@@ -111,6 +111,7 @@ class ResidentExperts:
             il: [tuple(src.read_weight(n) for n in names(il, ie)) for ie in range(n_expert)] for il in layers
         }
         self.stats = ExpertStats()
+        self.by_layer = dict.fromkeys(layers, 0)  # experts served per layer (all hits)
 
     int4_group = None  # a checkpoint's experts are bf16, f16, f32, FP8 or MXFP4
     lookahead = False  # nothing to read ahead
@@ -129,8 +130,13 @@ class ResidentExperts:
         self.stats.fetches += 1
         self.stats.experts += len(ids)
         self.stats.hits += len(ids)
+        self.by_layer[il] += len(ids)
         layer = self.experts[il]
         yield [(ie, layer[ie]) for ie in ids]
+
+    def layer_stats(self) -> list[dict]:
+        """Per MoE layer: hits (every expert is one), misses and bytes read (none)."""
+        return [{"layer": il, "hits": n, "misses": 0, "bytes_read": 0} for il, n in sorted(self.by_layer.items())]
 
     @property
     def n_bytes(self) -> int:

@@ -163,3 +163,33 @@ def test_a_network_address_needs_a_token_file():
     r = subprocess.run([sys.executable, "-m", "colibri.gateway", "--host", "0.0.0.0", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs --allow-remote and --token-file" in r.stderr and r.stderr.count("\n") == 1
+
+
+def scrape(url) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_parse_and_move_as_requests_run(served, tmp_path):
+    sock, url = served
+    before = scrape(url)
+    assert before[("colibri_up", ())] == 1 and before[("colibri_serving", ())] == 1
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    client.completions.create(model="demo", prompt="Once upon a time", max_tokens=8, seed=1)
+    after = scrape(url)
+    served_key = ("colibri_requests_total", (("outcome", "served"),))
+    assert after[served_key] == before[served_key] + 1
+    assert after[("colibri_tokens_generated_total", ())] > before[("colibri_tokens_generated_total", ())]
+    ttft = ("colibri_time_to_first_token_seconds_count", ())
+    assert after[ttft] == before[ttft] + 1 and after[("colibri_inter_token_latency_seconds_count", ())] > 0
+    layers = [k for k in after if k[0] == "colibri_expert_hits_total"]
+    assert len(layers) == 4  # the demo's four MoE layers, one labelled sample each
+    assert sum(after[k] for k in layers) + sum(after[k] for k in after if k[0] == "colibri_expert_misses_total") > 0
+    assert after[("colibri_resident_memory_bytes", ())] > 10 << 20
+    assert ("colibri_queue_requests", (("state", "queued"),)) in after
+    with gateway(str(tmp_path / "nobody.sock")) as down:
+        assert scrape(down) == {("colibri_up", ()): 0}
