@@ -1,15 +1,17 @@
 #!/bin/sh
 # Install colibri and everything it needs on a fresh Debian/Ubuntu machine.
 #   ./setup.sh          system packages + colibri (editable)
-#   ./setup.sh --test   the same, plus the test dependencies (pytest, transformers, torch==2.13.0 CPU, ruff)
-#                       and the io_uring binding (colibri[uring], built from source: its tests need it)
+#   ./setup.sh --test   the same, plus the test dependencies (pytest, transformers, torch==2.13.0 CPU, ruff,
+#                       the gateway's stack and the openai client, selenium) and the io_uring binding
+#                       (colibri[uring], built from source: its tests need it)
 # System packages: libsystemd-dev and pkg-config, which systemd-python needs to build.
 set -eu
 cd "$(dirname "$0")"
 
 pkgs="libsystemd-dev pkg-config"
-# systemd-analyze verifies the unit in the tests; wamerican's word list tells the demo's English from noise
-[ "${1:-}" = "--test" ] && pkgs="$pkgs systemd wamerican"
+# systemd-analyze verifies the units in the tests; wamerican's word list tells the demo's English from noise;
+# chromium and its driver show the gateway's live map to its test in a headless browser
+[ "${1:-}" = "--test" ] && pkgs="$pkgs systemd wamerican chromium chromium-driver"
 need=""
 for pkg in $pkgs; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"

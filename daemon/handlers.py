@@ -20,7 +20,7 @@ log = logging.getLogger("colibri.daemon")
 
 RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
             "(colictl convert) to stream them under a budget")
-NEEDS_MODEL = ("generate", "session", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
+NEEDS_MODEL = ("generate", "session", "map", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
 
 
 class Handlers:
@@ -37,6 +37,7 @@ class Handlers:
             "generate_request": self.on_generate,
             "cancel_request": self.on_cancel,
             "session_request": self.on_session,
+            "map_request": self.on_map,
             "shutdown_request": self.on_shutdown,
             "cache_request": self.on_cache,
             "reload_request": self.on_reload,
@@ -131,6 +132,16 @@ class Handlers:
                 "memory": self.memory(),
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),
                 **learned}
+
+    def on_map(self, identity, rid, msg):
+        """The live map's state: where each expert is, its heat, and the routing of the
+        steps after `since` (absent: the latest step's)."""
+        since = msg.get("since")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
+            raise ProtocolError("BAD_MESSAGE", "'since' must be an integer (a step)")
+        from .maps import snapshot
+
+        return snapshot(self.s.model, self.s.model.experts, since)
 
     def memory(self) -> dict:
         """The process's resident memory, and the expert cache's budget and arena."""

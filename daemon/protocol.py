@@ -32,9 +32,9 @@ ERRORS = {
 }
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
-REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "cache", "pin", "unpin",
+REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "map", "cache", "pin", "unpin",
                  "policy", "reload", "shutdown")
-USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session")  # the user socket takes only these;
+USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "map")  # the user socket takes only these;
 # the operator socket takes every type
 
 DEFAULT_SOCKET_NAME = "colibri.sock"

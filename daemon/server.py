@@ -177,6 +177,9 @@ class Server:
         from ..engine.prefix import PrefixCache
 
         self.prefix = PrefixCache(parse_size(self.cfg.kv_cache))
+        from .maps import RoutingLog
+
+        model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
         self.model = model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])

@@ -17,7 +17,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..ctl.client import Client, DaemonDown, PermissionDenied, ReplyError, TooLarge
@@ -25,6 +25,8 @@ from ..daemon import protocol as P
 from . import openai as O
 
 DONE = object()  # the queue's end
+HEAT = "0123456789abcdefghijklmnopqrstuvwxyz"  # heat 0..1 as one character a cell
+MAP_POLL_S = 0.25  # the live map asks colibrid this often
 
 
 class Job:
@@ -71,10 +73,14 @@ class Gateway:
     """The application's state: where colibrid is, the bearer token (None: none asked), the
     largest body taken."""
 
-    def __init__(self, socket_path: str | None = None, token: str | None = None, max_body: int = 1 << 20):
+    def __init__(self, socket_path: str | None = None, token: str | None = None, max_body: int = 1 << 20,
+                 trace: str | None = None):
         self.socket_path = socket_path or P.default_socket()
         self.token, self.max_body = token, max_body
         self._model: tuple[float, str] | None = None
+        self.trace = trace  # a routing trace the Atlas starts from
+        self.atlas = None  # atlas.Atlas, made with the first map state
+        self.atlas_step = 0  # the last step whose routing the Atlas has counted
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -145,6 +151,84 @@ class Gateway:
         except (DaemonDown, ReplyError, PermissionDenied):
             stats = None
         return Response(render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- the live map -------------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        from importlib.resources import files
+
+        return HTMLResponse(files(__package__).joinpath("map.html").read_text(encoding="utf-8"))
+
+    def map_state(self, since: int | None) -> dict:
+        """One state of the map (blocking): where and heat per cell, the latest step's
+        routed experts, the routing since `since` counted into the Atlas, and the counters
+        the charts follow."""
+        if self.atlas is None:
+            since = 0  # the first state: the daemon's whole routing log seeds the Atlas
+        m = self.call("map", **({} if since is None else {"since": since}))
+        stats = self.call("stats")
+        if self.atlas is None:
+            from .atlas import Atlas
+
+            self.atlas = Atlas(m["layers"], m["n_expert"])
+            if self.trace:
+                self.atlas.add_trace(self.trace)
+        for step, il, ids in m["routing"]:
+            if step > self.atlas_step:
+                self.atlas.add(il, ids)
+        self.atlas_step = max([self.atlas_step] + [s for s, _, _ in m["routing"]])
+        latest = max((s for s, _, _ in m["routing"]), default=None)
+        e, req = stats.get("experts") or {}, stats.get("requests") or {}
+        return {"layers": m["layers"], "n_expert": m["n_expert"], "step": m["step"], "where": m["where"],
+                "heat": ["".join(HEAT[min(35, int(h * 36))] for h in row) for row in m["heat"]],
+                "flash": {str(il): ids for s, il, ids in m["routing"] if s == latest},
+                "counters": {"t": time.time(), "hits": e.get("hits", 0), "experts": e.get("experts", 0),
+                             "bytes_read": e.get("bytes_read", 0), "io_wait_s": e.get("io_wait_s", 0.0),
+                             "tokens": req.get("tokens", 0)}}
+
+    async def map_state_endpoint(self, request: Request) -> Response:
+        try:
+            return JSONResponse(await asyncio.to_thread(self.map_state, None))
+        except (DaemonDown, ReplyError, PermissionDenied) as e:
+            return error(getattr(e, "name", "DAEMON_DOWN"), str(e))
+
+    async def map_events(self, request: Request) -> Response:
+        """The map's state as server-sent events, each time the step moves (and every few
+        seconds regardless), while the viewer stays."""
+
+        async def events():
+            sent, since, quiet = None, None, 0
+            while True:
+                try:
+                    state = await asyncio.to_thread(self.map_state, since)
+                except (DaemonDown, ReplyError, PermissionDenied) as e:
+                    yield f"event: down\ndata: {json.dumps({'message': str(e)})}\n\n"
+                    await asyncio.sleep(2.0)
+                    continue
+                since = state["step"]
+                if state["step"] != sent or quiet >= 8:
+                    yield f"data: {json.dumps(state)}\n\n"
+                    sent, quiet = state["step"], 0
+                else:
+                    quiet += 1
+                await asyncio.sleep(MAP_POLL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def map_atlas(self, request: Request) -> Response:
+        """One layer's Atlas layout (?layer=N; default the first MoE layer)."""
+        try:
+            if self.atlas is None:
+                await asyncio.to_thread(self.map_state, None)
+            layer = int(request.query_params.get("layer", self.atlas.layers[0]))
+            if layer not in self.atlas.row:
+                return error("INVALID_REQUEST", f"layer {layer} is not a MoE layer", "layer")
+            return JSONResponse(await asyncio.to_thread(self.atlas.layout, layer))
+        except ValueError:
+            return error("INVALID_REQUEST", "'layer' must be an integer", "layer")
+        except (DaemonDown, ReplyError, PermissionDenied) as e:
+            return error(getattr(e, "name", "DAEMON_DOWN"), str(e))
 
     async def chat(self, request: Request) -> Response:
         return await self.generate(request, "chat")
@@ -247,6 +331,10 @@ def make_app(gw: Gateway) -> Starlette:
 
     routes = [Route("/v1/models", guarded(gw.models), methods=["GET"]),
               Route("/metrics", guarded(gw.metrics), methods=["GET"]),
+              Route("/", guarded(gw.page), methods=["GET"]),
+              Route("/map/state", guarded(gw.map_state_endpoint), methods=["GET"]),
+              Route("/map/events", guarded(gw.map_events), methods=["GET"]),
+              Route("/map/atlas", guarded(gw.map_atlas), methods=["GET"]),
               Route("/v1/chat/completions", guarded(gw.chat), methods=["POST"]),
               Route("/v1/completions", guarded(gw.completions), methods=["POST"])]
     return Starlette(routes=routes)

@@ -44,8 +44,10 @@ def read_token(path: str) -> str:
               help="listen on a non-loopback address (needs --token-file)")
 @click.option("--max-body", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="the largest request body in bytes (larger: 413)")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="a routing trace (colictl run --routing-trace) the map's Atlas starts from")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def main(host, port, socket_path, token_file, allow_remote, max_body, log_level):
+def main(host, port, socket_path, token_file, allow_remote, max_body, trace, log_level):
     """Serve colibrid over HTTP: /v1/chat/completions, /v1/completions, /v1/models,
     /metrics and the live expert map at /."""
     try:
@@ -64,7 +66,7 @@ def main(host, port, socket_path, token_file, allow_remote, max_body, log_level)
     except click.UsageError as e:
         click.echo(f"colibri-gateway: {e.message}", err=True)
         sys.exit(EXIT_USAGE)
-    app = make_app(Gateway(socket_path, token, max_body))
+    app = make_app(Gateway(socket_path, token, max_body, trace))
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
 
 

@@ -564,6 +564,27 @@ class ExpertCache:
         self.stats.prefetch_issued += n
         return n
 
+    def expert_map(self) -> dict:
+        """Where each expert is now and how hot: {"where": a string per MoE layer, one
+        letter per expert (p pinned, c cached, d on disk only), "heat": per layer the usage
+        history's decayed counts over the hottest's, rounded}. For the live map."""
+        values = self.history.values()
+        top = float(values.max()) or 1.0
+        where = []
+        for il in self.c.moe_layers:
+            row = ["d"] * self.c.n_expert
+            for ie in self.lru[il]:
+                row[ie] = "c"
+            for (jl, ie) in self.main:
+                if jl == il:
+                    row[ie] = "c"
+            for (jl, ie) in self.pinned:
+                if jl == il:
+                    row[ie] = "p"
+            where.append("".join(row))
+        return {"where": where, "heat": [[round(float(v) / top, 3) for v in values[self.row[il]]]
+                                         for il in self.c.moe_layers]}
+
     def layer_stats(self) -> list[dict]:
         """Per MoE layer: hits, misses and bytes read since start."""
         return [{"layer": il, "hits": c[0], "misses": c[1], "bytes_read": c[2]} for il, c in sorted(self.by_layer.items())]

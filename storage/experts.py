@@ -134,6 +134,11 @@ class ResidentExperts:
         layer = self.experts[il]
         yield [(ie, layer[ie]) for ie in ids]
 
+    def expert_map(self) -> dict:
+        """Every expert resident (c); heat: none kept (the map shows the routing live)."""
+        return {"where": ["c" * len(experts) for _, experts in sorted(self.experts.items())],
+                "heat": [[0.0] * len(experts) for _, experts in sorted(self.experts.items())]}
+
     def layer_stats(self) -> list[dict]:
         """Per MoE layer: hits (every expert is one), misses and bytes read (none)."""
         return [{"layer": il, "hits": n, "misses": 0, "bytes_read": 0} for il, n in sorted(self.by_layer.items())]

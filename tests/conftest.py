@@ -10,4 +10,5 @@ for var, val in {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_T
     os.environ.setdefault(var, val)
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `import hf_models`
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gateway"))  # the map test reuses the gateway's fixtures
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))  # loopdrives
