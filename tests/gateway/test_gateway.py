@@ -193,3 +193,17 @@ def test_metrics_parse_and_move_as_requests_run(served, tmp_path):
     assert ("colibri_queue_requests", (("state", "queued"),)) in after
     with gateway(str(tmp_path / "nobody.sock")) as down:
         assert scrape(down) == {("colibri_up", ()): 0}
+
+
+def test_a_session_continues_through_the_gateway(served):
+    sock, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    first = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Remember kiwi"}],
+                                           max_tokens=8, extra_body={"session": "gw-notes"})
+    second = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Which fruit?"}],
+                                            max_tokens=8, extra_body={"session": "gw-notes"})
+    s1, s2 = first.model_extra["session"], second.model_extra["session"]
+    assert s1["name"] == s2["name"] == "gw-notes" and s2["turns"] == s1["turns"] + 1 and s2["reused_tokens"] > 0
+    listed = subprocess.run([sys.executable, "-m", "colibri.ctl", "--socket", sock, "session", "list"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "gw-notes" in listed.stdout  # the gateway's user's session
