@@ -3,7 +3,7 @@
 #   ./setup.sh          system packages + colibri (editable)
 #   ./setup.sh --test   the same, plus the test dependencies (pytest, transformers, torch==2.13.0 CPU, ruff,
 #                       the gateway's stack and the openai client, selenium) and the io_uring binding
-#                       (colibri[uring], built from source: its tests need it)
+#                       (colibri[uring], built from source: its tests need it) and Ray (colibri[ray])
 # System packages: libsystemd-dev and pkg-config, which systemd-python needs to build.
 set -eu
 cd "$(dirname "$0")"
@@ -25,7 +25,7 @@ fi
 PY=${PYTHON:-python3}
 if [ "${1:-}" = "--test" ]; then
     # torch is pinned: an unpinned torch pulls a multi-GB GPU build
-    $PY -m pip install -q -e '.[test,uring]'
+    $PY -m pip install -q -e '.[test,uring,ray]'
 else
     $PY -m pip install -q -e .
 fi

@@ -149,8 +149,9 @@ def stats(client, as_json, watch):
     while True:
         r = client.call("stats")
         if as_json:
-            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "plan", "requests", "uptime_s",
-                                                         "policy", "history", "phase", "progress")}))
+            click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "plan", "boxes", "requests",
+                                                         "uptime_s", "policy", "history", "phase", "progress",
+                                                         "experts_by_layer", "latency", "queue", "memory")}))
         elif r.get("experts") is None:
             click.echo(f"colibrid is {phase_line(r)}")
         else:

@@ -50,6 +50,10 @@ class Config:
     sqpoll_cpu: int | None = None  # io_uring: a kernel thread pinned to this CPU polls for submissions; null: none
     coalesce_reads: bool = True  # a step's missing experts adjacent in their file are read as one request
     tune_drives: bool = False  # set the expert drives' scheduler, read-ahead and interrupts at start (storage/devices.py)
+    placement: str = "local"  # local, or ray: experts also on other boxes of a Ray cluster (docs/scale-out.md)
+    ray_address: str = "auto"  # placement ray: the cluster to join (ray.init's address)
+    ray_boxes: list = field(default_factory=list)  # placement ray: [{path, node (an IP) or resources, weight}] per box
+    ray_head_weight: float = 1.0  # placement ray: the head's share of the routed traffic against a box's weight
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     batch_window_ms: float = 20.0  # an idle engine waits this long after a request for others sent with it
@@ -81,7 +85,8 @@ _KINDS = {  # key -> what a valid value is
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
     "history": "history", "history_half_life": "positive", "history_save_s": "seconds", "verify": "verify",
-    "drives": "paths", "tune_drives": "bool", "coalesce_reads": "bool", "reader": "reader",
+    "drives": "paths", "tune_drives": "bool", "placement": "placement", "ray_address": "path",
+    "ray_boxes": "boxes", "ray_head_weight": "weight", "coalesce_reads": "bool", "reader": "reader",
     "queue_depth": "positive", "sqpoll_cpu": "node",
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
@@ -152,6 +157,17 @@ def _valid(kind: str, v) -> str | None:
         from ..storage.reader import READERS
 
         return None if v in READERS else f"one of {', '.join(READERS)}"
+    if kind == "placement":
+        return None if v in ("local", "ray") else "local or ray"
+    if kind == "weight":
+        return None if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else "a number above 0"
+    if kind == "boxes":
+        ok = isinstance(v, list) and all(
+            isinstance(b, dict) and isinstance(b.get("path"), str) and set(b) <= {"path", "node", "resources", "weight"}
+            and (b.get("node") is None or isinstance(b["node"], str))
+            and (b.get("resources") is None or isinstance(b["resources"], dict))
+            and isinstance(b.get("weight", 1.0), int | float) for b in v)
+        return None if ok else "a list of {path, node or resources, weight} (docs/scale-out.md)"
     if kind == "history":
         return None if isinstance(v, bool) or v == "read-only" else "true, false or read-only"
     if kind == "level":

@@ -128,6 +128,8 @@ class Handlers:
                 "kv": s.prefix.describe() if s.prefix is not None else None,
                 "drives": s.control.drives() if s.control is not None else None, "plan": self.plan_vs_measured(),
                 "experts_by_layer": s.model.experts.layer_stats() if s.model is not None else None,
+                "boxes": s.model.experts.boxes(remote=True) if s.model is not None and s.cfg.placement == "ray"
+                else None,
                 "latency": s.latency.as_dict(), "queue": {"active": len(s.inflight), "queued": s.inbox.qsize()},
                 "memory": self.memory(),
                 "requests": dict(s.counters), "uptime_s": round(time.time() - s.t_start, 3), **self.loading(),

@@ -177,6 +177,16 @@ class Server:
         from ..engine.prefix import PrefixCache
 
         self.prefix = PrefixCache(parse_size(self.cfg.kv_cache))
+        if self.cfg.placement == "ray":
+            if self.control is None:
+                raise ColibriError("placement: ray spreads a container's experts: convert the checkpoint first "
+                                   "(colictl convert)")
+            from .scaleout import place_on_ray
+
+            self.set_phase("starting the expert boxes on Ray")
+            model.experts = place_on_ray(model, self.control, self.history, self.cfg.ray_address, self.cfg.ray_boxes,
+                                         self.cfg.ray_head_weight, placement.budget, self.cfg.io_threads)
+            self.boot["boxes"] = model.experts.boxes()
         from .maps import RoutingLog
 
         model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)

@@ -446,6 +446,77 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
     return ids, w
 
 
+def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None, team=None, tok_team=None,
+                 session=None) -> None:
+    # parts: [(rows, expert weights)], rows (t * A + a) of x [T, D] that chose the expert, each
+    # row's output times its weight w_flat[row] into ys [T * A, D]. Each expert's rows by path:
+    # a quantized expert's prompt rows (prompt_rows[t]: a sequence with several tokens in this
+    # step) take the prompt path, its other rows the decode path; float experts have one path.
+    # int4 decode rows: the crew's int4 job (`team`, group g); prompt rows and float experts:
+    # its prompt-path job (`tok_team`, one per kind and shape); the rest one expert at a time,
+    # side by side. A row's result does not depend on the others computed with it, so a
+    # worker computing some of a step's experts (daemon/scaleout.py) gives the same rows.
+    crew_ffn = ffn is None or clamped is not None  # the crew's jobs compute this expert
+    q4, tok, rest = [], {}, []
+    for r, ew in parts:
+        quant = isinstance(ew[0], QuantWeight)
+        kind = crew.tok_kind(*ew[:3]) if crew_ffn else None
+        q4_ok = crew_ffn and team is not None and is_int4(*ew[:3]) and ew[0].group_size == g
+        p = prompt_rows[r // A] if quant else None  # a quantized expert's prompt rows
+        for sub, prompt in ((r, False),) if p is None else ((r[p], True), (r[~p], False)):
+            if not len(sub):
+                continue
+            if (prompt or not quant) and kind is not None:
+                tok.setdefault((kind, crew._signature(ew[0])), []).append((sub, ew))
+            elif not prompt and q4_ok:
+                q4.append((sub, ew))
+            else:
+                rest.append((sub, ew, prompt))
+
+    def expert(part):  # rows of an expert the crew does not take, on their own
+        r, ew, prompt = part
+        if ffn is not None:
+            ys[r] = ffn(x[r // A], ew) * w_flat[r][:, None]
+        else:
+            ys[r] = swiglu(x[r // A], *ew, prompt) * w_flat[r][:, None]
+
+    def run(job, parts):  # one crew job over (rows, expert weights) parts of one kind and shape
+        rows = np.concatenate([r for r, _ in parts])
+        starts = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(r) for r, _ in parts], out=starts[1:])
+        job(x, rows, starts, A, w_flat, [ew for _, ew in parts], ys, clamped)
+
+    if q4:
+        run(team.experts, q4)
+    for parts_ in tok.values():
+        run(tok_team.experts_tok, parts_)
+    if not crew.threads_set() or len(rest) <= 1:
+        for part in rest:
+            expert(part)
+    else:  # the kernels release the GIL: the experts run side by side, the crews parked meanwhile
+        for c in (team, tok_team, session):  # (their helpers would spin on the CPUs the pool's threads need)
+            if c is not None:
+                c.close()
+        crew.run_shared(rest, expert)
+
+
+def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, clamped=None) -> np.ndarray:
+    # what moe() computes for some of a step's experts, on crews of its own (a worker that holds
+    # them: daemon/scaleout.py): batches of [(expert, weights)] as a source streams them,
+    # rows_of[expert] its rows (t * A + a) -> ys [T * A, D], zero outside those rows
+    ys = np.zeros((len(w_flat), x.shape[1]), np.float32)
+    team = crew.Crew(g, share=True) if g and not bool(np.all(prompt_rows)) else None
+    tok_team = team if team is not None else crew.Crew(64, share=True)
+    try:
+        for batch in batches:
+            compute_rows([(rows_of[ie], ew) for ie, ew in batch], x, A, w_flat, prompt_rows, ys, g, None, clamped,
+                         team, tok_team, None)
+    finally:
+        for c in {id(c): c for c in (team, tok_team) if c is not None}.values():
+            c.close()
+    return ys
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None,
         ffn=None, clamped: tuple | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]. ffn(x [n, D],
@@ -484,61 +555,22 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
     union = by_expert[bounds[:-1]].tolist()  # each expert of the step once
     index = {ie: k for k, ie in enumerate(union)}
-    crew_ffn = ffn is None or clamped is not None  # the crew's jobs compute this expert
-
-    def expert(part):  # rows of an expert the crew does not take, on their own
-        r, ew, prompt = part
-        if ffn is not None:
-            ys[r] = ffn(x[r // A], ew) * w_flat[r][:, None]
-        else:
-            ys[r] = swiglu(x[r // A], *ew, prompt) * w_flat[r][:, None]
-
-    def run(job, parts):  # one crew job over (rows, expert weights) parts of one kind and shape
-        rows = np.concatenate([r for r, _ in parts])
-        starts = np.zeros(len(parts) + 1, np.int64)
-        np.cumsum([len(r) for r, _ in parts], out=starts[1:])
-        job(x, rows, starts, A, w_flat, [ew for _, ew in parts], ys, clamped)
 
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
         routed = sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
     else:
         routed = len(union)
+
+    def compute(parts):  # [(rows, expert weights)] of this step into ys
+        compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session)
+
+    rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)]
     try:
-        for batch in experts.stream(il, union):  # in any order
-            # each expert's rows by path: a quantized expert's prompt rows (rows of a sequence
-            # with several tokens in this step) take the prompt path, its other rows the decode
-            # path; float experts have one path. int4 decode rows: the crew's int4 job; prompt
-            # rows and float experts: its prompt-path job (one per kind and shape); the rest one
-            # expert at a time, side by side
-            q4, tok, rest = [], {}, []
-            for ie, ew in batch:
-                k = index[ie]
-                r = order[bounds[k] : bounds[k + 1]]
-                quant = isinstance(ew[0], QuantWeight)
-                kind = crew.tok_kind(*ew[:3]) if crew_ffn else None
-                q4_ok = crew_ffn and team is not None and is_int4(*ew[:3]) and ew[0].group_size == g
-                p = prompt_rows[r // A] if quant else None  # a quantized expert's prompt rows
-                for sub, prompt in ((r, False),) if p is None else ((r[p], True), (r[~p], False)):
-                    if not len(sub):
-                        continue
-                    if (prompt or not quant) and kind is not None:
-                        tok.setdefault((kind, crew._signature(ew[0])), []).append((sub, ew))
-                    elif not prompt and q4_ok:
-                        q4.append((sub, ew))
-                    else:
-                        rest.append((sub, ew, prompt))
-            if q4:
-                run(team.experts, q4)
-            for parts in tok.values():
-                run(tok_team.experts_tok, parts)
-            if not crew.threads_set() or len(rest) <= 1:
-                for part in rest:
-                    expert(part)
-            else:  # the kernels release the GIL: the experts run side by side, the crews parked meanwhile
-                for c in (team, tok_team, session):  # (their helpers would spin on the CPUs the pool's threads need)
-                    if c is not None:
-                        c.close()
-                crew.run_shared(rest, expert)
+        if hasattr(experts, "compute_into") and ffn is None:  # a source that computes some experts elsewhere
+            experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute)
+        else:
+            for batch in experts.stream(il, union):  # in any order
+                compute([(rows_of[index[ie]][1], ew) for ie, ew in batch])
     finally:
         for c in {id(c): c for c in (team, tok_team) if c is not None and c is not session}.values():
             c.close()

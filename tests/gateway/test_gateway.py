@@ -4,7 +4,6 @@ client that leaves cancels its request; a non-loopback bind without a token is r
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import time
 
 import httpx
 import pytest
+from daemons import colibrid
 
-from colibri.ctl.client import Client
 from colibri.storage.demo import write_demo_model
 
 openai = pytest.importorskip("openai")
@@ -23,27 +22,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def colibrid(tmp, model, config: str = ""):
-    sock = str(tmp / "colibri.sock")
-    cfg = tmp / "colibri.yaml"
-    cfg.write_text(config or "max_queue: 64\n")
-    log = open(tmp / "colibrid.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", str(model), "--socket", sock,
-                             "--config", str(cfg)], stderr=log, env={**os.environ, "STATE_DIRECTORY": str(tmp / "st")})
-    try:
-        c = Client(sock).connect(wait_s=60)
-        for _ in range(600):
-            if c.call("hello", protocol="1.4").get("phase") == "serving":
-                break
-            time.sleep(0.1)
-        c.close()
-        yield sock
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @contextlib.contextmanager
