@@ -84,6 +84,26 @@ def test_two_boxes_give_the_single_boxs_tokens(cluster, container):
     assert 0.3 < boxes[1]["experts_share"] < 0.7
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "glm4_moe"])
+def test_other_families_are_token_exact_on_two_boxes(cluster, tmp_path, family):
+    from hf_models import CASES, build_container
+
+    c = build_container(tmp_path, family, CASES[family][0][0], seed=11)  # the family's first case
+    shutil.copytree(tmp_path / "c", tmp_path / "box1")
+    root = tmp_path / "two"
+    root.mkdir()
+    (root / "head").symlink_to(tmp_path / "c")
+    (root / "box1").symlink_to(tmp_path / "box1")
+    ids = list(range(3, 20))
+
+    def tokens(model):
+        return [e.token_id for e in generate(model, ids, SamplingParams(max_tokens=10)) if e.kind == "token"]
+
+    want = tokens(open_model(c.path, Placement(budget="min"), build_model).model)
+    model = placed_on_two_boxes(root)
+    assert tokens(model) == want and model.experts.boxes()[1]["rows_sent"] > 0
+
+
 def test_a_box_that_dies_mid_request_loses_nothing(cluster, container):
     c, node = cluster
     alone = open_model(str(container / "head"), Placement(budget="min"), build_model).model
