@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from decode import drop_caches, run  # noqa: E402
 from synthetic import build, prompt  # noqa: E402
 
-from colibri.daemon.scaleout import RayExperts, assign, start_workers  # noqa: E402
+from colibri.daemon.scaleout import RayExperts  # noqa: E402
 from colibri.engine import layers  # noqa: E402
 from colibri.engine.registry import build_model  # noqa: E402
 from colibri.storage.container import open_container  # noqa: E402
@@ -70,11 +70,11 @@ def main():
             drop_caches()
             two = open_model(path, Placement(budget=budget), build_model)
             m = two.model
-            workers = start_workers([{"path": copy, "resources": {"box1": 0.5}}], budget)
-            m.experts = RayExperts(two.control, workers, assign(np.ones((len(m.moe_layers), m.n_expert)), [1, 1]),
-                                   m.moe_layers)
+            spec = {"path": copy, "resources": {"box1": 0.5}, "threads": 1}  # the machine's 2 cores: one each
+            m.experts = RayExperts(two.control, [spec], m.moe_layers, np.ones((len(m.moe_layers), m.n_expert)),
+                                   budget)  # capacities measured
             r = run(m, ids, a.tokens, seed=1)
-            boxes = m.experts.boxes(remote=True)
+            boxes = m.experts.describe_boxes()
             st = r["decode_st"]
             rows.append({"setup": "two boxes (one machine)", "tok_s": round((r["n"] - 1) / r["stats"]["decode_s"], 3),
                          "head_bytes_read_per_token": int(st.bytes_read / max(1, r["n"] - 1)), "boxes": boxes})
@@ -83,7 +83,7 @@ def main():
             bare = []
             for _ in range(50):  # a call's own cost: the box's counters, no read or compute
                 t = time.perf_counter()
-                ray.get(workers[0].stats.remote())
+                ray.get(m.experts.boxes[1].actor.stats.remote())
                 bare.append(time.perf_counter() - t)
             lat = float(np.median(bare))
         finally:

@@ -135,6 +135,13 @@ def status(client, as_json):
         for bad in pl.get("bad_experts") or []:
             click.echo(f"BAD       expert {bad}")
     for step, got in r["boot"].items():
+        if step == "boxes":
+            for b in got:
+                click.echo(f"box {b['box']}{' (head)' if not b['box'] else ''}     " + (
+                    f"{100 * b['experts_share']:.1f} % of the experts, {100 * b['traffic_share']:.1f} % of the "
+                    f"traffic, drive {b['disk_gbs']} GB/s, {b['cache_slots']} cache slots a layer"
+                    if b["in_use"] else f"OUT: {b.get('out_why')}"))
+            continue
         click.echo(f"boot      {step}: {json.dumps(got)}")
     click.echo(f"requests  {r['requests']['active']} running or queued")
 

@@ -52,8 +52,8 @@ class Config:
     tune_drives: bool = False  # set the expert drives' scheduler, read-ahead and interrupts at start (storage/devices.py)
     placement: str = "local"  # local, or ray: experts also on other boxes of a Ray cluster (docs/scale-out.md)
     ray_address: str = "auto"  # placement ray: the cluster to join (ray.init's address)
-    ray_boxes: list = field(default_factory=list)  # placement ray: [{path, node (an IP) or resources, weight}] per box
-    ray_head_weight: float = 1.0  # placement ray: the head's share of the routed traffic against a box's weight
+    ray_boxes: list = field(default_factory=list)  # placement ray: per box {path, node (an IP) or resources, ...}
+    ray_head_weight: float | None = None  # placement ray: fixed weights instead of measured capacities (head's)
     max_queue: int = 64  # requests waiting beyond the running ones; more get BUSY
     max_active: int = 8  # requests decoding together in one batch
     batch_window_ms: float = 20.0  # an idle engine waits this long after a request for others sent with it
@@ -96,6 +96,7 @@ _KINDS = {  # key -> what a valid value is
     "watchdog_s": "seconds", "log_level": "level",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BOX_KEYS = {"path", "node", "resources", "weight", "expert_cache", "threads", "env"}  # a ray_boxes entry
 
 
 def _valid(kind: str, v) -> str | None:
@@ -163,11 +164,14 @@ def _valid(kind: str, v) -> str | None:
         return None if isinstance(v, int | float) and not isinstance(v, bool) and v > 0 else "a number above 0"
     if kind == "boxes":
         ok = isinstance(v, list) and all(
-            isinstance(b, dict) and isinstance(b.get("path"), str) and set(b) <= {"path", "node", "resources", "weight"}
+            isinstance(b, dict) and isinstance(b.get("path"), str) and set(b) <= BOX_KEYS
             and (b.get("node") is None or isinstance(b["node"], str))
             and (b.get("resources") is None or isinstance(b["resources"], dict))
+            and (b.get("env") is None or isinstance(b["env"], dict))
+            and (b.get("expert_cache") is None or _valid("size", b["expert_cache"]) is None)
+            and isinstance(b.get("threads", 0), int) and not isinstance(b.get("threads", 0), bool)
             and isinstance(b.get("weight", 1.0), int | float) for b in v)
-        return None if ok else "a list of {path, node or resources, weight} (docs/scale-out.md)"
+        return None if ok else f"a list of {{{', '.join(sorted(BOX_KEYS))}}} (docs/scale-out.md)"
     if kind == "history":
         return None if isinstance(v, bool) or v == "read-only" else "true, false or read-only"
     if kind == "level":

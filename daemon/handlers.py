@@ -115,6 +115,8 @@ class Handlers:
         s = self.s
         # what the process has now, read back from the kernel, not what boot once got
         boot = s.boot | {"cpus": s.boot.get("cpus", {}) | {"got": sorted(os.sched_getaffinity(0))}}
+        if "boxes" in boot and s.model is not None:  # boxes leave and come back
+            boot["boxes"] = s.model.experts.describe_boxes()
         return {"pid": os.getpid(), "uptime_s": round(time.time() - s.t_start, 3), "socket": s.socket_path,
                 "operator_socket": s.operator_path, "model": self.model_summary(), "boot": boot,
                 "requests": {"active": len(s.inflight), "queued": s.inbox.qsize()}, "config": s.cfg.as_dict(),
@@ -128,7 +130,7 @@ class Handlers:
                 "kv": s.prefix.describe() if s.prefix is not None else None,
                 "drives": s.control.drives() if s.control is not None else None, "plan": self.plan_vs_measured(),
                 "experts_by_layer": s.model.experts.layer_stats() if s.model is not None else None,
-                "boxes": s.model.experts.boxes(remote=True) if s.model is not None and s.cfg.placement == "ray"
+                "boxes": s.model.experts.describe_boxes() if s.model is not None and s.cfg.placement == "ray"
                 else None,
                 "latency": s.latency.as_dict(), "queue": {"active": len(s.inflight), "queued": s.inbox.qsize()},
                 "memory": self.memory(),

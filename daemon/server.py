@@ -186,7 +186,7 @@ class Server:
             self.set_phase("starting the expert boxes on Ray")
             model.experts = place_on_ray(model, self.control, self.history, self.cfg.ray_address, self.cfg.ray_boxes,
                                          self.cfg.ray_head_weight, placement.budget, self.cfg.io_threads)
-            self.boot["boxes"] = model.experts.boxes()
+            self.boot["boxes"] = model.experts.describe_boxes()
         from .maps import RoutingLog
 
         model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)

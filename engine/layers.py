@@ -500,7 +500,7 @@ def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None
         crew.run_shared(rest, expert)
 
 
-def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, clamped=None) -> np.ndarray:
+def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, ffn=None, clamped=None) -> np.ndarray:
     # what moe() computes for some of a step's experts, on crews of its own (a worker that holds
     # them: daemon/scaleout.py): batches of [(expert, weights)] as a source streams them,
     # rows_of[expert] its rows (t * A + a) -> ys [T * A, D], zero outside those rows
@@ -509,7 +509,7 @@ def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, clamped=No
     tok_team = team if team is not None else crew.Crew(64, share=True)
     try:
         for batch in batches:
-            compute_rows([(rows_of[ie], ew) for ie, ew in batch], x, A, w_flat, prompt_rows, ys, g, None, clamped,
+            compute_rows([(rows_of[ie], ew) for ie, ew in batch], x, A, w_flat, prompt_rows, ys, g, ffn, clamped,
                          team, tok_team, None)
     finally:
         for c in {id(c): c for c in (team, tok_team) if c is not None}.values():
@@ -566,8 +566,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
 
     rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)]
     try:
-        if hasattr(experts, "compute_into") and ffn is None:  # a source that computes some experts elsewhere
-            experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute)
+        if hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
+            experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped)
         else:
             for batch in experts.stream(il, union):  # in any order
                 compute([(rows_of[index[ie]][1], ew) for ie, ew in batch])

@@ -16,6 +16,7 @@ kept in MXFP4 (storage/fpformats.py).
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -195,21 +196,22 @@ class Model(MoEModel):
         L = self.layers[il]
         return route(linear(x, L["router"], L["router_bias"]), self.args.num_experts_per_tok)
 
-    def expert(self, x, w):
-        # x [n, D], one expert's (gate, up, down, gate_bias, up_bias, down_bias) -> [n, D]
-        a = self.args
-        gate, up, down, gb, ub, db = w
-        g = np.minimum(linear(x, gate, to_f32(gb)), np.float32(a.swiglu_limit))  # [n, I]
-        u = np.clip(linear(x, up, to_f32(ub)), -a.swiglu_limit, a.swiglu_limit)  # [n, I]
-        h = (u + 1) * (g / (1 + np.exp(-g * np.float32(a.swiglu_alpha))))  # [n, I]
-        return linear(h.astype(np.float32), down, to_f32(db))
-
     def block(self, il, h, step):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
         h = h + attention(self.attn_spec, L, rmsnorm(h, L["in_norm"], a.rms_norm_eps), step, il, self.windows[il])
         x = rmsnorm(h, L["post_norm"], a.rms_norm_eps)
         ids, w = self.router(il, x)  # [T, A]
-        return h + moe(x, ids, w, self.experts, il, step, ffn=self.expert,
+        return h + moe(x, ids, w, self.experts, il, step, ffn=partial(expert, a.swiglu_alpha, a.swiglu_limit),
                        clamped=(np.float32(a.swiglu_alpha), np.float32(a.swiglu_limit)))
+
+
+def expert(alpha: float, limit: float, x, w):
+    # x [n, D], one expert's (gate, up, down, gate_bias, up_bias, down_bias) -> [n, D]: the
+    # biased, clamped SwiGLU (a module function, so an expert box on Ray gets it by name)
+    gate, up, down, gb, ub, db = w
+    g = np.minimum(linear(x, gate, to_f32(gb)), np.float32(limit))  # [n, I]
+    u = np.clip(linear(x, up, to_f32(ub)), -limit, limit)  # [n, I]
+    h = (u + 1) * (g / (1 + np.exp(-g * np.float32(alpha))))  # [n, I]
+    return linear(h.astype(np.float32), down, to_f32(db))
 
