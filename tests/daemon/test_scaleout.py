@@ -16,6 +16,8 @@ from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.placement import Placement, open_model
 
+from hf_models import CASES, build_container
+
 ray = pytest.importorskip("ray")
 
 
@@ -116,10 +118,8 @@ def test_two_boxes_give_the_single_boxs_tokens(cluster, container):
     assert 0.3 < boxes[1]["experts_share"] < 0.7 and boxes[1]["bytes_read"] > 0 and boxes[1]["disk_gbs"] > 0
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"])
-def test_other_families_are_token_exact_on_two_boxes(cluster, tmp_path, family):
-    from hf_models import CASES, build_container
-
+@pytest.mark.parametrize("family", list(CASES))
+def test_every_family_is_token_exact_on_two_boxes(cluster, tmp_path, family):
     c = build_container(tmp_path, family, CASES[family][0][0], seed=11)  # the family's first case
     shutil.copytree(tmp_path / "c", tmp_path / "box1")
     root = tmp_path / "two"
