@@ -16,9 +16,14 @@ one token a character), with the expert cache at --budget of the expert bytes:
     session (each turn sends its new text only): prompt tokens computed and wall time.
 (c) bench/prefill_gap.py's measurement at --gap-tokens: a running stream's largest gap
     between tokens while a long prompt arrives, whole (prefill_chunk 0) and chunked (64).
+(d) in-process, the model's attention shape: the paged kernel (a sequence's KV in the
+    pool's blocks, in shuffled order) against the same positions as one block, at decode
+    and at a 64-token prompt chunk, 512 and 2048 positions (the same bits, asserted); and
+    the KV pool's bytes for 8 requests that share a --prefix-tokens prefix, against what
+    8 private copies would take.
 
 Prints one JSON object; the machine's memory bandwidth and the KV bytes per token are in
-it, so the copy of a prefix's blocks (bytes / bandwidth) can be set against its compute.
+it.
 """
 
 import argparse
@@ -98,7 +103,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.25, help="expert cache, a fraction of the expert bytes")
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--gap-tokens", type=int, default=4000)
-    ap.add_argument("--parts", default="a,b,c")
+    ap.add_argument("--parts", default="a,b,c,d")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     path = build(a.workdir, a.expert_gb)
@@ -160,7 +165,68 @@ def main():
             res.append(run | {"prefill_chunk": chunk})
             print(json.dumps(res[-1]), file=sys.stderr)
         out["c_prefill_gap"] = res
+    if "d" in parts:
+        out["d_paged"] = paged(path, a.prefix_tokens)
+        print(json.dumps(out["d_paged"]), file=sys.stderr)
     print(json.dumps(out, indent=2))
+
+
+def best_of(f, *args, n: int = 15) -> float:
+    f(*args)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f(*args)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def paged(path: str, prefix_tokens: int) -> dict:
+    from colibri.engine import kernels, layers
+    from colibri.engine.generate import Batcher, Request, SamplingParams
+    from colibri.engine.layers import KV_BLOCK, KVPool
+    from colibri.engine.prefix import PrefixCache
+
+    model = load_model(path, budget="all")
+    sp = model.attn_spec
+    Hq, Hkv, hd, hv = sp.n_head, sp.n_kv_head, sp.head_dim, sp.hv
+    rng = np.random.default_rng(2)
+    rows = []
+    for S in (512, 2048):
+        pool = KVPool({"k": (1, Hkv, hd), "v": (1, Hkv, hv)}, reserve=(S // KV_BLOCK + 8) * KV_BLOCK * Hkv * (hd + hv) * 4)
+        table = rng.permutation(pool.n_blocks)[: S // KV_BLOCK].astype(np.int64)
+        pool.arrays["k"][table] = rng.standard_normal(pool.arrays["k"][table].shape).astype(np.float32)
+        pool.arrays["v"][table] = rng.standard_normal(pool.arrays["v"][table].shape).astype(np.float32)
+        k = np.ascontiguousarray(pool.arrays["k"][table, 0].transpose(1, 0, 2, 3).reshape(Hkv, S, hd))
+        v = np.ascontiguousarray(pool.arrays["v"][table, 0].transpose(1, 0, 2, 3).reshape(Hkv, S, hv))
+        for T in (1, 64):
+            q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
+            one, blocks = np.empty((T, Hq, hv), np.float32), np.empty((T, Hq, hv), np.float32)
+            scale = np.float32(hd**-0.5)
+
+            a = best_of(kernels.attention, q, k, v, S - T, 0, scale, layers.NO_SINKS, one)
+            b = best_of(kernels.attention_paged, q, pool.arrays["k"], pool.arrays["v"], 0, table, KV_BLOCK, S - T, 0,
+                        scale, layers.NO_SINKS, blocks)
+            assert np.array_equal(one, blocks)
+            rows.append({"positions": S, "tokens": T, "one_block_ms": round(a * 1e3, 3),
+                         "blocks_ms": round(b * 1e3, 3), "ratio": round(b / a, 3)})
+    ids = rng.integers(0, model.args.vocab_size, prefix_tokens).tolist()
+    prefix = PrefixCache(1 << 34)
+    batcher = Batcher(model, prefix=prefix)
+    first = Request(model, ids + [1], SamplingParams(max_tokens=1), rid=0)
+    batcher.add(first)
+    while batcher.active:
+        batcher.step()
+    del first
+    reqs = [Request(model, ids + rng.integers(0, model.args.vocab_size, 20).tolist(), SamplingParams(max_tokens=1),
+                    rid=i) for i in range(8)]
+    for r in reqs:
+        batcher.add(r)
+    batcher.step()  # each computes its own 20 tokens beside the shared blocks
+    used = model.kv_pool.used * model.kv_pool.block_bytes
+    private = 8 * -(-(prefix_tokens + 20) // KV_BLOCK) * model.kv_pool.block_bytes
+    return {"attention": rows, "requests": 8, "shared_prefix_tokens": prefix_tokens,
+            "pool_bytes_in_use": used, "private_copies_bytes": private, "bytes_ratio": round(used / private, 3)}
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ class Request:
 
         self.prefix = prefix
         if self.prior is None:
-            self.held = prefix.match(self.prompt_ids)
+            self.held = prefix.match(self.prompt_ids, self.cache.pool)
             load_blocks(self.cache, self.held)
             self.fed = self.cached = self.cache.n_pos
 

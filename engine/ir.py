@@ -241,31 +241,40 @@ def exp_shifted(typingctx, a, r, lo, hi, m):
 
 
 @intrinsic
-def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, nh, nv):
-    """out[h0 + i, d0 + d] = sum over lo <= j < hi, in order, of a[r0 + i, j] * v[j, d0 + d]
+def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
+    """out[h0 + i, d0 + d] = sum over lo <= j < hi, in order, of a[r0 + i, j] * v[j - voff, d0 + d]
     for i < nh, d < 8 nv (compile-time constants): attention's weighted sum of values for nh
-    heads at once; a [n, S], v [S, hv], out [H, hv] float32, C-contiguous (v's rows may be
+    heads at once; a [n, S], v [rows, hv], out [H, hv] float32, C-contiguous (v's rows may be
     strided: MLA's values are a slice of its latent cache; the caller checks that its
-    columns are adjacent, and the ranges). Each (head, column) is one chain of separate multiplies and adds in key order,
-    from 0: the operations of the plain loop `out += a * v`, so the same bits, but with the
-    sums in registers for the whole key range instead of loaded and stored at every key."""
+    columns are adjacent, and the ranges). Each (head, column) is one chain of separate
+    multiplies and adds in key order, from 0, or with `cont` (a compile-time bool) from what
+    out holds: the chain of the keys before, continued over a sequence's next KV block; the
+    operations of the plain loop `out += a * v`, so the same bits, but with the sums in
+    registers for the whole key range instead of loaded and stored at every key."""
     if not (isinstance(nh, types.IntegerLiteral) and isinstance(nv, types.IntegerLiteral)
+            and isinstance(cont, types.BooleanLiteral)
             and all(isinstance(x, types.Array) and x.ndim == 2 and x.layout in ("C", "A") and x.dtype == types.float32
                     for x in (a, v, out)) and a.layout == out.layout == "C"):
         return None
-    NH, NV = nh.literal_value, nv.literal_value
-    sig = types.void(a, v, out, r0, h0, d0, lo, hi, nh, nv)
+    NH, NV, CONT = nh.literal_value, nv.literal_value, cont.literal_value
+    sig = types.void(a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont)
 
     def codegen(context, builder, sig, args):
         i64, i32 = ir.IntType(64), ir.IntType(32)
         a_v, v_v, out_v = args[:3]
-        r0_v, h0_v, d0_v, lo_v, hi_v = (context.cast(builder, x, ty, types.int64) for x, ty in zip(args[3:8], sig.args[3:8]))
+        r0_v, h0_v, d0_v, lo_v, hi_v, voff_v = (context.cast(builder, x, ty, types.int64)
+                                                for x, ty in zip(args[3:9], sig.args[3:9]))
         arows = [_row(context, builder, sig.args[0], a_v, builder.add(r0_v, ir.Constant(i64, i))) for i in range(NH)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NV)] for _ in range(NH)]
+        optrs = [[builder.bitcast(builder.gep(_row(context, builder, sig.args[2], out_v,
+                                                   builder.add(h0_v, ir.Constant(i64, i))),
+                                              [builder.add(d0_v, ir.Constant(i64, 8 * k))]), _V8.as_pointer())
+                  for k in range(NV)] for i in range(NH)]
+        accs = [[cgutils.alloca_once_value(builder, builder.load(optrs[i][k], align=4) if CONT
+                                           else ir.Constant(_V8, [0.0] * 8)) for k in range(NV)] for i in range(NH)]
         zeros = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
         with cgutils.for_range(builder, builder.sub(hi_v, lo_v)) as loop:
             j = builder.add(lo_v, loop.index)
-            vrow = _row(context, builder, sig.args[1], v_v, j)
+            vrow = _row(context, builder, sig.args[1], v_v, builder.sub(j, voff_v))
             vs = [builder.load(builder.bitcast(builder.gep(vrow, [builder.add(d0_v, ir.Constant(i64, 8 * k))]),
                                                _V8.as_pointer()), align=4) for k in range(NV)]
             for i in range(NH):
@@ -275,10 +284,8 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, nh, nv):
                 for k in range(NV):
                     builder.store(builder.fadd(builder.load(accs[i][k]), builder.fmul(splat, vs[k])), accs[i][k])
         for i in range(NH):
-            orow = _row(context, builder, sig.args[2], out_v, builder.add(h0_v, ir.Constant(i64, i)))
             for k in range(NV):
-                ptr = builder.gep(orow, [builder.add(d0_v, ir.Constant(i64, 8 * k))])
-                builder.store(builder.load(accs[i][k]), builder.bitcast(ptr, _V8.as_pointer()), align=4)
+                builder.store(builder.load(accs[i][k]), optrs[i][k], align=4)
         return context.get_dummy_value()
 
     return sig, codegen

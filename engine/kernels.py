@@ -175,20 +175,25 @@ def rope(x, cos, sin):
 
 
 @nb.njit(**JIT)
-def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores):
+def attend_token(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, out, t, scores):
     # token t of q [T, Hq, hd] against the keys it sees (see attention), into out[t]; scores
     # [n_rep, S] f32 scratch. Each kv head's query heads against its keys as one float32 tile
-    # product (tiles: 8-lane multiply-adds, the same operations for a (head, key) pair whatever
-    # else is in the call), then per head a softmax and the values summed in key order.
+    # product per KV block (tiles: 8-lane multiply-adds, the same operations for a (head, key)
+    # pair whatever else is in the call), then per head a softmax and the values summed in
+    # key order, the sums carried from one block to the next (pv_tile's cont): the bits of
+    # one contiguous cache
     T, Hq, hd = q.shape
-    Hkv = k_cache.shape[0]
+    Hkv = k_pool.shape[2]
     n_rep = Hq // Hkv
     p = pos0 + t
     lo = 0
     if window > 0 and p - window + 1 > 0:
         lo = p - window + 1
     for g in range(Hkv):
-        tiles(q[t, g * n_rep : (g + 1) * n_rep], k_cache[g], lo, p + 1, scores, 0)  # [n_rep, lo:p+1]
+        for bi in range(lo // B, p // B + 1):
+            j0, j1 = max(lo, bi * B), min(p + 1, (bi + 1) * B)
+            tiles(q[t, g * n_rep : (g + 1) * n_rep], k_pool[table[bi], il, g], j0 - bi * B, j1 - bi * B, scores,
+                  bi * B)  # [n_rep, j0:j1]
         for r in range(n_rep):
             h = g * n_rep + r
             m = np.float32(-np.inf)
@@ -207,52 +212,83 @@ def attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores
                 z += scores[r, j]
             for j in range(lo, p + 1):
                 scores[r, j] = scores[r, j] / z
-        values(scores, v_cache[g], out[t], g * n_rep, n_rep, lo, p + 1)
+        first = lo // B
+        for bi in range(first, p // B + 1):
+            j0, j1 = max(lo, bi * B), min(p + 1, (bi + 1) * B)
+            if bi == first:
+                values(scores, v_pool[table[bi], il, g], out[t], g * n_rep, n_rep, j0, j1, bi * B, False)
+            else:
+                values(scores, v_pool[table[bi], il, g], out[t], g * n_rep, n_rep, j0, j1, bi * B, True)
 
 
 @nb.njit(**JIT)
-def values(a, v, out, h0, n_rep, lo, hi):
-    # out[h0 + r] = sum over lo <= j < hi, in key order, of a[r, j] * v[j] for r < n_rep: a kv
-    # head's query heads' weighted sums of its values (a [n_rep, S], v [S, hv], out [Hq, hv]),
-    # by pv_tile four heads and 32 columns at a time, the rest the same way in smaller blocks
+def values(a, v, out, h0, n_rep, lo, hi, voff, cont):
+    # out[h0 + r] = sum over lo <= j < hi, in key order, of a[r, j] * v[j - voff] for r < n_rep
+    # (with cont, added on to the sums out holds, as the same chain): a kv head's query
+    # heads' weighted sums of its values (a [n_rep, S], v [rows, hv], out [Hq, hv]), by
+    # pv_tile four heads and 32 columns at a time, the rest the same way in smaller blocks
+    nb.literally(cont)  # a compile-time constant for pv_tile: values is compiled once for each
     hv = v.shape[1]
     if hv > 1 and v.strides[1] != 4:
         raise ValueError("attention: a value row's columns must be adjacent")
     d32, d8 = hv - hv % 32, hv - hv % 8
     for r in range(0, n_rep - n_rep % 4, 4):
         for d0 in range(0, d32, 32):
-            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 4, 4)
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, voff, 4, 4, cont)
     for r in range(n_rep - n_rep % 4, n_rep):
         for d0 in range(0, d32, 32):
-            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 1, 4)
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, voff, 1, 4, cont)
     for r in range(n_rep):
         for d0 in range(d32, d8, 8):
-            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, 1, 1)
+            pv_tile(a, v, out, r, h0 + r, d0, lo, hi, voff, 1, 1, cont)
         for d in range(d8, hv):  # the last hv % 8 columns: the same chain, one lane
-            out[h0 + r, d] = 0.0
+            if not cont:
+                out[h0 + r, d] = 0.0
             for j in range(lo, hi):
-                out[h0 + r, d] += a[r, j] * v[j, d]
+                out[h0 + r, d] += a[r, j] * v[j - voff, d]
+
+
+@nb.njit(**JIT)
+def attention_paged(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, out):
+    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1 of one sequence whose keys and
+    # values are in blocks of B positions: k_pool [blocks, L, Hkv, B, hd], v_pool [blocks, L,
+    # Hkv, B, hv] (hv, the value head size, may differ from hd), table [n] the sequence's
+    # blocks in position order (block table[i] holds positions i*B..), il the layer; out [T,
+    # Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
+    # sinks [Hq] f32 (gpt-oss), or empty: a logit per head that joins the softmax's
+    # denominator and nothing else (attention may go nowhere). No T x T matrix: a token's
+    # scores at a time.
+    scores = np.empty((q.shape[1] // k_pool.shape[2], pos0 + q.shape[0]), np.float32)
+    for t in range(q.shape[0]):
+        attend_token(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, out, t, scores)
+
+
+@nb.njit(parallel=True, **JIT)
+def attention_paged_par(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, out):
+    # attention_paged (same arguments, the same bits) with the tokens shared among numba's threads
+    n_rep, S = q.shape[1] // k_pool.shape[2], pos0 + q.shape[0]
+    for t in nb.prange(q.shape[0]):
+        attend_token(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, out, t,
+                     np.empty((n_rep, S), np.float32))
 
 
 @nb.njit(**JIT)
 def attention(q, k_cache, v_cache, pos0, window, scale, sinks, out):
-    # q [T, Hq, hd] f32 for absolute positions pos0..pos0+T-1; k_cache [Hkv, S, hd], v_cache
-    # [Hkv, S, hv] holding positions 0..pos0+T-1 (hv, the value head size, may differ from hd);
-    # out [T, Hq, hv]. Causal; with window > 0 a query at p sees keys at j with p - window < j <= p.
-    # sinks [Hq] f32 (gpt-oss), or empty: a logit per head that joins the softmax's
-    # denominator and nothing else (attention may go nowhere). No T x T matrix: a token's
-    # scores at a time.
-    scores = np.empty((q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]), np.float32)
-    for t in range(q.shape[0]):
-        attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, scores)
+    # attention_paged over one contiguous cache: k_cache [Hkv, S, hd], v_cache [Hkv, S, hv],
+    # C-contiguous (one block of S positions)
+    Hkv, S = k_cache.shape[:2]
+    attention_paged(q, k_cache.reshape((1, 1, Hkv, S, k_cache.shape[2])),
+                    v_cache.reshape((1, 1, Hkv, S, v_cache.shape[2])), 0, np.zeros(1, np.int64), S, pos0, window,
+                    scale, sinks, out)
 
 
-@nb.njit(parallel=True, **JIT)
+@nb.njit(**JIT)
 def attention_par(q, k_cache, v_cache, pos0, window, scale, sinks, out):
-    # attention (same arguments, the same bits) with the tokens shared among numba's threads
-    n_rep, S = q.shape[1] // k_cache.shape[0], pos0 + q.shape[0]
-    for t in nb.prange(q.shape[0]):
-        attend_token(q, k_cache, v_cache, pos0, window, scale, sinks, out, t, np.empty((n_rep, S), np.float32))
+    # attention_paged_par over one contiguous cache (see attention)
+    Hkv, S = k_cache.shape[:2]
+    attention_paged_par(q, k_cache.reshape((1, 1, Hkv, S, k_cache.shape[2])),
+                        v_cache.reshape((1, 1, Hkv, S, v_cache.shape[2])), 0, np.zeros(1, np.int64), S, pos0,
+                        window, scale, sinks, out)
 
 
 ATTENTION_PAR_MIN = 2**22  # query x key pairs x head dims from which a prompt's attention runs on every thread

@@ -57,6 +57,12 @@ def init(n_threads: int | None = None, progress=None) -> None:
         kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
         for kernel in (kernels.attention, kernels.attention_par):
             kernel(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
+        pool = KVPool({"k": (1, 1, 4)}, {"v": ("k", 2)}, reserve=1)  # paged: values their own array, or a view (MLA)
+        table = np.zeros(1, np.int64)
+        for kernel in (kernels.attention_paged, kernels.attention_paged_par):
+            for v, hv in ((pool.arrays["k"], 4), (pool.arrays["v"], 2)):
+                kernel(q, pool.arrays["k"], v, 0, table, KV_BLOCK, 0, 0, np.float32(1.0), NO_SINKS,
+                       np.empty((1, 1, hv), np.float32))
         kernels.silu_mul(x, x, np.empty_like(x))
 
     steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), published, attention]
@@ -246,44 +252,165 @@ class Rope:
 # ---- attention -----------------------------------------------------------------------------
 
 
+KV_BLOCK = 16  # positions a KV block holds (the prefix cache shares whole blocks)
+
+
+class KVExhausted(MemoryError):
+    """The KV pool has no free block: every block of RAM it may use holds a running
+    sequence's positions or a cached prefix."""
+
+
+class KVPool:
+    """Every sequence's KV state of one model, in blocks of KV_BLOCK positions: per name
+    (keys, values, a latent, an indexer's keys), one array [blocks, layers, heads, KV_BLOCK,
+    width], and views into them (MLA's values are the first columns of its latent). A
+    sequence holds a table of its blocks in position order; a block is held by every
+    sequence whose table has it and by the prefix cache (engine/prefix.py), so a shared
+    prefix exists once and is never copied, and it returns to the free list when nobody
+    holds it. The arrays lie in one reservation of address space the size of RAM
+    (MAP_NORESERVE): a block's pages are committed when first written, and given back
+    (madvise) when it is freed, where a block's part of an array is whole pages."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int, int]], views: dict[str, tuple[str, int]] | None = None,
+                 reserve: int | None = None):
+        # shapes: name -> (layers, heads, width); views: name -> (the array it looks into, its first columns)
+        import mmap
+
+        self.shapes = shapes
+        self.part_bytes = {n: L * H * KV_BLOCK * d * 4 for n, (L, H, d) in shapes.items()}  # a block, per array
+        self.block_bytes = sum(self.part_bytes.values())
+        reserve = reserve or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        self.n_blocks = max(8, reserve // self.block_bytes)
+        while True:
+            try:  # (strict overcommit counts the reservation: ask for less until it is granted)
+                self.maps = {n: mmap.mmap(-1, self.n_blocks * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                          | 0x4000) for n, size in self.part_bytes.items()}  # 0x4000: MAP_NORESERVE
+                break
+            except OSError:
+                if self.n_blocks <= 8:
+                    raise
+                self.n_blocks //= 2
+        self.arrays = {n: np.frombuffer(self.maps[n], np.float32).reshape(self.n_blocks, L, H, KV_BLOCK, d)
+                       for n, (L, H, d) in shapes.items()}
+        for n, (base, cols) in (views or {}).items():
+            self.arrays[n] = self.arrays[base][..., :cols]
+        self.refs = np.zeros(self.n_blocks, np.int32)
+        self.free = list(range(self.n_blocks - 1, -1, -1))  # the lowest first: fewer pages touched
+        self.page = mmap.PAGESIZE
+
+    @property
+    def used(self) -> int:
+        return self.n_blocks - len(self.free)
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise KVExhausted(f"the KV cache is full: {self.n_blocks} blocks of {KV_BLOCK} positions in use")
+        b = self.free.pop()
+        self.refs[b] = 1
+        return b
+
+    def hold(self, b: int) -> None:
+        self.refs[b] += 1
+
+    def drop(self, blocks) -> None:
+        import mmap
+
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+                for n, m in self.maps.items():
+                    size = self.part_bytes[n]
+                    if size % self.page == 0:  # its pages back to the system
+                        m.madvise(mmap.MADV_DONTNEED, b * size, size)
+
+
 class KVCache:
-    """Keys and values of one sequence, every layer, up to n_ctx positions (what standard
-    attention stores per token: a family with its own attention keeps its own cache)."""
+    """One sequence's KV state, up to n_ctx positions: a table of the pool's blocks in
+    position order (the attention kernels read the blocks through it). Positions are only
+    ever appended, so a block once full never changes: the prefix cache can share it."""
 
-    def __init__(self, n_layer: int, n_kv_head: int, head_dim: int, n_ctx: int, v_head_dim: int | None = None):
-        self.k = np.zeros((n_layer, n_kv_head, n_ctx, head_dim), np.float32)  # [L, Hkv, S, hd]
-        self.v = np.zeros((n_layer, n_kv_head, n_ctx, v_head_dim or head_dim), np.float32)  # [L, Hkv, S, hv]
+    def __init__(self, pool: KVPool, n_ctx: int, flat: frozenset = frozenset()):
+        # flat: names whose saved form has no heads axis (take/put; DSA's indexer keys)
+        import weakref
+
+        self.pool, self.n_ctx, self.flat = pool, n_ctx, flat
         self.n_pos = 0  # positions filled
-        self.n_ctx = n_ctx
+        self.table = np.zeros(-(-n_ctx // KV_BLOCK), np.int64)  # its blocks, in position order
+        self.blocks: list[int] = []  # the same, as held (released when the cache goes)
+        weakref.finalize(self, pool.drop, self.blocks)
 
-    def arrays(self) -> dict[str, tuple[np.ndarray, int]]:
-        # name -> (array, its position axis): what the cache holds per position (a family's
-        # cache with other arrays says so)
-        return {"k": (self.k, 2), "v": (self.v, 2)}
+    def cover(self, n: int) -> None:
+        """Blocks for the first n positions."""
+        while len(self.blocks) * KV_BLOCK < n:
+            b = self.pool.alloc()
+            self.table[len(self.blocks)] = b
+            self.blocks.append(b)
+
+    def adopt(self, blocks: list[int]) -> None:
+        """Start from shared blocks (a cached prefix): its first len(blocks) * KV_BLOCK
+        positions, held, not copied."""
+        assert not self.blocks
+        for b in blocks:
+            self.pool.hold(b)
+            self.table[len(self.blocks)] = b
+            self.blocks.append(b)
+        self.n_pos = len(blocks) * KV_BLOCK
+
+    def write(self, name: str, il: int, pos0: int, x: np.ndarray) -> None:
+        """x [n, heads, width] at positions pos0.. of layer il of array `name`."""
+        self.cover(pos0 + len(x))
+        arr = self.pool.arrays[name]
+        for j0 in range(pos0 - pos0 % KV_BLOCK, pos0 + len(x), KV_BLOCK):
+            lo, hi = max(pos0, j0), min(pos0 + len(x), j0 + KV_BLOCK)
+            b = self.table[j0 // KV_BLOCK]
+            if self.pool.refs[b] > 1:
+                raise AssertionError("a shared KV block written to")  # (positions are appended: never)
+            arr[b, il, :, lo - j0 : hi - j0] = x[lo - pos0 : hi - pos0].transpose(1, 0, 2)
+
+    def gather(self, name: str, il: int, head: int, n: int) -> np.ndarray:
+        """A copy of positions 0..n-1 of one head of layer il: [n, width] (for numpy code
+        that wants them in one array)."""
+        arr = self.pool.arrays[name]
+        nb = -(-n // KV_BLOCK)
+        return arr[self.table[:nb], il, head].reshape(nb * KV_BLOCK, -1)[:n]
+
+    def names(self) -> list[str]:
+        return list(self.pool.shapes)
 
     def take(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        """Copies of positions start..stop-1 of every array (a session's snapshot, a prefix
-        cache's block)."""
-        return {name: np.ascontiguousarray(along(a, axis, start, stop)) for name, (a, axis) in self.arrays().items()}
+        """Copies of positions start..stop-1 of every array: [layers, heads, n, width] (the
+        names in `flat`: [layers, n, width]) (a session's snapshot)."""
+        out = {}
+        for name, (L, H, d) in self.pool.shapes.items():
+            arr = self.pool.arrays[name]
+            b0, b1 = start // KV_BLOCK, -(-stop // KV_BLOCK)
+            got = arr[self.table[b0:b1]].transpose(1, 2, 0, 3, 4).reshape(L, H, (b1 - b0) * KV_BLOCK, d)
+            got = np.ascontiguousarray(got[:, :, start - b0 * KV_BLOCK : stop - b0 * KV_BLOCK])
+            out[name] = got[:, 0] if name in self.flat else got
+        return out
 
     def put(self, state: dict[str, np.ndarray], start: int) -> None:
         """Write `state` (take()'s arrays, of any number of positions) at positions from
         `start` on."""
-        for name, (a, axis) in self.arrays().items():
-            along(a, axis, start, start + state[name].shape[axis])[...] = state[name]
+        for name, x in state.items():
+            x = x[:, None] if name in self.flat else x  # [L, H, n, d]
+            for il in range(x.shape[0]):
+                self.write(name, il, start, x[il].transpose(1, 0, 2))
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of the filled positions of every array (a session keeps them)."""
         return self.take(0, self.n_pos)
 
     def restore(self, state: dict[str, np.ndarray], n_pos: int | None = None) -> None:
-        """Fill the first n_pos positions (None: all of them) from a snapshot of a cache of
-        the same model. Raises ValueError when its arrays do not fit this cache or hold
-        fewer positions."""
-        arrays = self.arrays()
-        if set(state) != set(arrays):
-            raise ValueError(f"the saved cache holds {sorted(state)}, this model's holds {sorted(arrays)}")
-        n = {state[name].shape[axis] for name, (_, axis) in arrays.items()}
+        """Fill the first n_pos positions (None: all of them) of this fresh cache from a
+        snapshot of a cache of the same model. Raises ValueError when its arrays do not fit
+        this cache or hold fewer positions."""
+        shapes = self.pool.shapes
+        if set(state) != set(shapes):
+            raise ValueError(f"the saved cache holds {sorted(state)}, this model's holds {sorted(shapes)}")
+        axis = {name: 1 if name in self.flat else 2 for name in shapes}
+        n = {state[name].shape[axis[name]] if state[name].ndim > axis[name] else -1 for name in shapes}
         if len(n) != 1:
             raise ValueError("the saved cache's arrays hold different numbers of positions")
         saved = n.pop()
@@ -292,12 +419,12 @@ class KVCache:
             raise ValueError(f"the saved cache holds {saved} positions, fewer than the {n_pos} its tokens need")
         if n_pos > self.n_ctx:
             raise ValueError("the saved cache's positions do not fit this cache")
-        for name, (a, axis) in arrays.items():
-            want = a.shape[:axis] + (saved,) + a.shape[axis + 1 :]
-            if state[name].shape != want or state[name].dtype != a.dtype:
+        for name, (L, H, d) in shapes.items():
+            want = (L, saved, d) if name in self.flat else (L, H, saved, d)
+            if state[name].shape != want or state[name].dtype != np.float32:
                 raise ValueError(f"the saved {name} is {state[name].dtype}{list(state[name].shape)}, this model's "
-                                 f"{a.dtype}{list(want)}")
-        self.put({name: along(state[name], axis, 0, n_pos) for name, (_, axis) in arrays.items()}, 0)
+                                 f"float32{list(want)}")
+        self.put({name: along(state[name], axis[name], 0, n_pos) for name in shapes}, 0)
         self.n_pos = n_pos
 
 
@@ -381,22 +508,25 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
     sinks = w.get("sinks", NO_SINKS)  # [Hq] f32: a family's attention sinks
     for sg in step.segments:
         rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
-        cache.k[il, :, pos0 : pos0 + sg.n] = k[rows].transpose(1, 0, 2)  # [Hkv, n, hd]
-        cache.v[il, :, pos0 : pos0 + sg.n] = v[rows].transpose(1, 0, 2)
-        attend(q[rows], cache.k[il], cache.v[il], pos0, window, scale, sinks, out[rows])
+        cache.write("k", il, pos0, k[rows])  # [n, Hkv, hd]
+        cache.write("v", il, pos0, v[rows])
+        attend(q[rows], cache, il, "k", "v", window, scale, sinks, out[rows])
     return linear(out.reshape(T, Hq * hv), w["o"], w.get("o_bias"))
 
 
-def attend(q, k_cache, v_cache, pos0: int, window: int, scale, sinks, out) -> None:
-    # kernels.attention for one sequence's rows; a long prompt's on every thread (the same
-    # bits), the step's crew parked first: its spinning helpers would hold the CPUs
+def attend(q, cache: KVCache, il: int, k: str, v: str, window: int, scale, sinks, out) -> None:
+    # kernels.attention_paged for one sequence's rows (positions cache.n_pos..), its keys and
+    # values the pool's arrays k and v; a long prompt's on every thread (the same bits), the
+    # step's crew parked first: its spinning helpers would hold the CPUs
     T, Hq, hd = q.shape
+    pos0, arrays = cache.n_pos, cache.pool.arrays
+    args = (q, arrays[k], arrays[v], il, cache.table, KV_BLOCK, pos0, window, scale, sinks, out)
     if T > 1 and T * (pos0 + T) * Hq * hd >= kernels.ATTENTION_PAR_MIN:
         if crew.session() is not None:
             crew.session().close()
-        kernels.attention_par(q, k_cache, v_cache, pos0, window, scale, sinks, out)
+        kernels.attention_paged_par(*args)
     else:
-        kernels.attention(q, k_cache, v_cache, pos0, window, scale, sinks, out)
+        kernels.attention_paged(*args)
 
 
 # ---- MoE -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ tensors each layer has (`shapes`) and writes out one decoder layer (`block`).
 """
 
 import dataclasses
+import functools
 import time
 import types
 import typing
@@ -18,6 +19,7 @@ from ..storage.experts import ExpertSource, QuantWeight, ResidentExperts
 from .crew import crew_session
 from .layers import (
     KVCache,
+    KVPool,
     Rope,
     Segment,
     Step,
@@ -167,8 +169,7 @@ class MoEModel:
     def kv_bytes_per_token(self) -> int:
         """What one token's context takes in the family's KV cache, every layer (a view shares
         its bytes with the array it looks into)."""
-        c = self.new_cache(1)
-        return int(sum(a.nbytes for a in vars(c).values() if isinstance(a, np.ndarray) and a.base is None))
+        return sum(L * H * d * 4 for L, H, d in self.kv_layout()[0].values())
 
     def check(self, src, with_experts: bool = True) -> None:
         """Check that src (a Checkpoint, or a container's dense file) has every tensor the
@@ -273,11 +274,21 @@ class MoEModel:
         return {"expert_gate": (n_ff, D), "expert_up": (n_ff, D), "expert_down": (D, n_ff)}
 
     # ---- shared ----
-    def new_cache(self, n_ctx: int) -> KVCache:
-        # what one sequence keeps per token and layer: standard attention's keys and values; a
-        # family with its own attention (a compressed latent, say) returns its own cache
+    def kv_layout(self) -> tuple[dict, dict, frozenset]:
+        # what one sequence keeps per token and layer (KVPool's shapes and views, KVCache's
+        # flat names): standard attention's keys and values; a family with its own attention
+        # (a compressed latent, say) says what it keeps
         sp = self.attn_spec
-        return KVCache(self.n_layer, sp.n_kv_head, sp.head_dim, min(n_ctx, self.n_ctx), sp.v_head_dim)
+        return {"k": (self.n_layer, sp.n_kv_head, sp.head_dim), "v": (self.n_layer, sp.n_kv_head, sp.hv)}, {}, \
+            frozenset()
+
+    @functools.cached_property
+    def kv_pool(self) -> KVPool:
+        shapes, views, _ = self.kv_layout()
+        return KVPool(shapes, views)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.kv_pool, min(n_ctx, self.n_ctx), self.kv_layout()[2])
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)

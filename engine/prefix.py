@@ -2,21 +2,23 @@
 request that starts with the same tokens (a shell loop's shared instructions, a chat that
 resends its conversation) computes only what follows.
 
-A block is BLOCK consecutive positions of one sequence: the KV cache's arrays at those
-positions (what the family's cache holds per token: keys and values, the compressed
-latent for MLA, the indexer keys for DSA). It is found by a hash chained from the start of
+A block is BLOCK consecutive positions of one sequence: a block of the model's KV pool
+(engine/layers.KVPool: what the family's cache holds per token: keys and values, the
+compressed latent for MLA, the indexer keys for DSA). It is found by a hash chained from the start of
 the sequence, key(block i) = H(key(block i-1), its tokens), so a block stands for its
 whole prefix, not only its own tokens (vLLM's automatic prefix caching; SGLang's radix
 tree is the same tree, token-granular). Its tokens are kept and compared too: a hash
 collision can cost a lookup, never a wrong position.
 
-Sharing: a block exists once, whatever number of sequences passed through it; running
-requests that matched it hold a reference, and eviction (least recently used first, under
-a byte budget) takes only blocks no running request holds, with their descendants (which
-no request can hold either: a request holds the whole chain it matched). A request copies
-its matched blocks into its own contiguous KV cache when it starts (the attention kernels
-read one array per sequence): a memory copy of the prefix, against computing it, a forward
-pass with its expert reads (docs/benchmarks.md has both).
+Sharing: a block exists once, whatever number of sequences passed through it: the
+sequence that computed it keeps it in its table, the cache holds it too, and a request
+that matches it puts the same block in its own table (the attention kernels read a
+sequence's blocks through its table), so nothing is copied. Running requests that matched
+a block hold a reference, and eviction (least recently used first, under a byte budget)
+takes only blocks no running request holds, with their descendants (which no request can
+hold either: a request holds the whole chain it matched); a block leaves the pool when
+neither the cache nor any sequence holds it. A full block never changes (a sequence only
+appends positions), so sharing it is safe.
 
 Exactness: a position's keys and values do not depend on which positions shared its step
 (the kernels compute every row on its own), so a prefix restored from blocks continues as
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BLOCK = 16  # tokens per block
+from .layers import KV_BLOCK as BLOCK  # tokens per block
 
 
 @dataclass(eq=False)
@@ -38,7 +40,7 @@ class Block:
     key: bytes
     parent: bytes | None
     tokens: tuple[int, ...]
-    arrays: dict  # name -> the cache array's BLOCK positions (a copy)
+    bid: int  # its block in the KV pool (held by the cache)
     nbytes: int
     refs: int = 0  # running requests that hold it
     children: set = field(default_factory=set)
@@ -56,6 +58,7 @@ class PrefixCache:
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
+        self.pool = None  # the KV pool of the blocks (the first inserted cache's)
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.bytes = 0
         self.counters = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0, "inserted_blocks": 0,
@@ -64,15 +67,19 @@ class PrefixCache:
     def describe(self) -> dict:
         return {"block_tokens": BLOCK, "blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
                 "held_blocks": sum(1 for b in self.blocks.values() if b.refs), **self.counters,
-                "saved_prefill_tokens": self.counters["hit_tokens"]}
+                "saved_prefill_tokens": self.counters["hit_tokens"],
+                "pool_blocks": self.pool.used if self.pool is not None else None,
+                "pool_bytes": self.pool.used * self.pool.block_bytes if self.pool is not None else None}
 
-    def match(self, tokens: list[int]) -> list[Block]:
+    def match(self, tokens: list[int], pool=None) -> list[Block]:
         """The cached blocks of the longest prefix of `tokens` (whole blocks, leaving at
         least one token to compute: the next token's logits need its row), now held by the
-        caller until release()."""
+        caller until release(). `pool`: the caller's KV pool (blocks of another model's
+        pool are no match)."""
         self.counters["lookups"] += 1
         got, parent = [], None
-        for i in range((len(tokens) - 1) // BLOCK):
+        n = (len(tokens) - 1) // BLOCK if pool is None or self.pool in (None, pool) else 0
+        for i in range(n):
             part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
             b = self.blocks.get(chain(parent, part))
             if b is None or b.tokens != part or b.parent != parent:
@@ -97,6 +104,8 @@ class PrefixCache:
         `tokens` at them) that are not cached yet; returns how many were added. Stops at
         the first block the budget has no room for (the chain's earlier blocks are held
         meanwhile: making room never takes them)."""
+        if self.pool not in (None, cache.pool):
+            return 0  # (another model's blocks are kept here)
         added, parent, path = 0, None, []
         try:
             for i in range(n_pos // BLOCK):
@@ -106,11 +115,13 @@ class PrefixCache:
                 if b is not None and (b.tokens != part or b.parent != parent):
                     break  # a hash collision: keep what is there
                 if b is None:
-                    cut = cache.take(i * BLOCK, (i + 1) * BLOCK)  # a copy: the request's cache lives on
-                    nbytes = sum(c.nbytes for c in cut.values())
+                    nbytes = cache.pool.block_bytes
                     if not self.evict(nbytes):
                         break
-                    b = Block(key, parent, part, cut, nbytes)
+                    bid = int(cache.table[i])
+                    cache.pool.hold(bid)  # shared with the sequence that computed it: no copy
+                    self.pool = cache.pool
+                    b = Block(key, parent, part, bid, nbytes)
                     self.blocks[key] = b
                     self.bytes += nbytes
                     if parent is not None:
@@ -152,6 +163,7 @@ class PrefixCache:
             if child in self.blocks:
                 self.drop(self.blocks[child])
         del self.blocks[b.key]
+        self.pool.drop([b.bid])
         self.bytes -= b.nbytes
         self.counters["evicted_blocks"] += 1
         if b.parent is not None and b.parent in self.blocks:
@@ -163,8 +175,6 @@ class PrefixCache:
 
 
 def load_blocks(cache, blocks: list[Block]) -> None:
-    """Copy matched blocks into a fresh request's cache: its first len(blocks) * BLOCK
-    positions."""
-    for i, b in enumerate(blocks):
-        cache.put(b.arrays, i * BLOCK)
-    cache.n_pos = len(blocks) * BLOCK
+    """A fresh request's cache starts from matched blocks: its first len(blocks) * BLOCK
+    positions are those blocks, shared."""
+    cache.adopt([b.bid for b in blocks])

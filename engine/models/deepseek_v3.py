@@ -23,7 +23,6 @@ from .. import kernels
 from ..layers import (
     NO_SINKS,
     AttnSpec,
-    KVCache,
     Rope,
     attend,
     deinterleave,
@@ -159,19 +158,6 @@ class GroupedMoE:
         return out
 
 
-class LatentCache(KVCache):
-    """Per token and layer: the normed latent, then the rotary key; the latent is also the
-    values (a view, not a copy)."""
-
-    def __init__(self, n_layer: int, n_latent: int, n_rope: int, n_ctx: int):
-        self.k = np.zeros((n_layer, 1, n_ctx, n_latent + n_rope), np.float32)  # [L, 1, S, latent + rope]
-        self.v = self.k[..., :n_latent]  # [L, 1, S, latent]
-        self.n_pos, self.n_ctx = 0, n_ctx
-
-    def arrays(self) -> dict:
-        return {"k": (self.k, 2)}  # (the values are a view of it)
-
-
 class Model(GroupedMoE, MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
@@ -193,9 +179,12 @@ class Model(GroupedMoE, MoEModel):
     def make_rope(self, params: dict) -> Rope:
         return Rope(*rope_inv_freq(params, self.args.qk_rope_head_dim, self.args.max_position_embeddings))
 
-    def new_cache(self, n_ctx: int) -> LatentCache:
+    def kv_layout(self):
+        # per token and layer: the normed latent, then the rotary key; the latent is also the
+        # values (a view, not a copy)
         a = self.args
-        return LatentCache(self.n_layer, a.kv_lora_rank, a.qk_rope_head_dim, min(n_ctx, self.n_ctx))
+        return {"k": (self.n_layer, 1, a.kv_lora_rank + a.qk_rope_head_dim)}, {"v": ("k", a.kv_lora_rank)}, \
+            frozenset()
 
     def shapes(self):
         a = self.args
@@ -237,8 +226,7 @@ class Model(GroupedMoE, MoEModel):
         out = np.empty(qa.shape[:2] + (self.args.kv_lora_rank,), np.float32)  # [T, H, latent]
         for sg in step.segments:
             rows = slice(sg.start, sg.start + sg.n)
-            attend(qa[rows], sg.cache.k[il], sg.cache.v[il], sg.cache.n_pos, 0,
-                              np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
+            attend(qa[rows], sg.cache, il, "k", "v", 0, np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
         return self.lift(il, out)
 
     def absorbed_queries(self, il, x, step):
@@ -268,8 +256,7 @@ class Model(GroupedMoE, MoEModel):
         qa[:, :, lat:] = q_rot
         for sg in step.segments:
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
-            cache.k[il, 0, pos0 : pos0 + sg.n, :lat] = latent[rows]
-            cache.k[il, 0, pos0 : pos0 + sg.n, lat:] = k_rot[rows, 0]
+            cache.write("k", il, pos0, np.concatenate([latent[rows], k_rot[rows, 0]], axis=1)[:, None])  # [n, 1, L]
         return qa, q_resid
 
     def lift(self, il, out):

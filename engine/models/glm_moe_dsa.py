@@ -76,19 +76,6 @@ NAMES = deepseek_v3.NAMES | {
 }
 
 
-class DsaCache(deepseek_v3.LatentCache):
-    """MLA's latent and rotary key per token and layer, and the indexer's key per token for
-    each full layer (`rows[il]` its row)."""
-
-    def __init__(self, n_layer: int, n_latent: int, n_rope: int, n_ctx: int, full: list[int], index_head_dim: int):
-        super().__init__(n_layer, n_latent, n_rope, n_ctx)
-        self.rows = {il: i for i, il in enumerate(full)}
-        self.ik = np.zeros((len(full), n_ctx, index_head_dim), np.float32)  # [full layers, S, index_head_dim]
-
-    def arrays(self) -> dict:
-        return super().arrays() | {"ik": (self.ik, 1)}
-
-
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     # x [T, d] f32 -> [T, d]: (x - mean) / sqrt(var + eps) * w + b
     mean = x.mean(-1, keepdims=True, dtype=np.float32)
@@ -116,14 +103,16 @@ class Model(deepseek_v3.Model):
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         super().__init__(args, config, where)
         self.full = [il for il in range(self.n_layer) if args.indexer_types[il] == "full"]
+        self.full_rows = {il: i for i, il in enumerate(self.full)}
 
     def is_moe(self, il: int) -> bool:
         return self.args.mlp_layer_types[il] == "sparse" and self.args.n_routed_experts > 0
 
-    def new_cache(self, n_ctx: int) -> DsaCache:
-        a = self.args
-        return DsaCache(self.n_layer, a.kv_lora_rank, a.qk_rope_head_dim, min(n_ctx, self.n_ctx), self.full,
-                        a.index_head_dim)
+    def kv_layout(self):
+        # MLA's latent and rotary key per token and layer, and the indexer's key per token for
+        # each full layer (full_rows[il] its row; saved without a heads axis)
+        shapes, views, _ = super().kv_layout()
+        return shapes | {"ik": (len(self.full), 1, self.args.index_head_dim)}, views, frozenset({"ik"})
 
     def shapes(self):
         a = self.args
@@ -150,10 +139,9 @@ class Model(deepseek_v3.Model):
         for sg, allowed in zip(step.segments, step.chosen):
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
             if allowed is None:  # every cached token chosen: the dense kernel
-                attend(qa[rows], cache.k[il], cache.v[il], pos0, 0, np.float32(self.attn_spec.scale), NO_SINKS,
-                       out[rows])
-            else:
-                out[rows] = masked_attention(qa[rows], cache.k[il, 0, : pos0 + sg.n], lat, allowed,
+                attend(qa[rows], cache, il, "k", "v", 0, np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
+            else:  # (numpy over the keys gathered in one array)
+                out[rows] = masked_attention(qa[rows], cache.gather("k", il, 0, pos0 + sg.n), lat, allowed,
                                              self.attn_spec.scale)
         return self.lift(il, out)
 
@@ -172,13 +160,13 @@ class Model(deepseek_v3.Model):
         chosen = []
         for sg in step.segments:
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
-            ik = cache.ik[cache.rows[il]]  # [S_max, dI]
-            ik[pos0 : pos0 + sg.n] = k[rows, 0]
+            cache.write("ik", self.full_rows[il], pos0, k[rows])  # [n, 1, dI]
             S = pos0 + sg.n
             if S <= a.index_topk:
                 chosen.append(None)
                 continue
-            scores = np.maximum(np.einsum("nhd,sd->nhs", q[rows], ik[:S]) * np.float32(dI**-0.5), 0)  # [n, Hi, S]
+            ik = cache.gather("ik", self.full_rows[il], 0, S)  # [S, dI]
+            scores = np.maximum(np.einsum("nhd,sd->nhs", q[rows], ik) * np.float32(dI**-0.5), 0)  # [n, Hi, S]
             index = np.einsum("nh,nhs->ns", w[rows], scores)  # [n, S]
             causal = np.arange(S)[None, :] <= (pos0 + np.arange(sg.n))[:, None]  # [n, S]
             index = np.where(causal, index, -np.inf)

@@ -41,7 +41,7 @@ def test_attention_block_follows_the_spec(hd, hv, rot, interleaved, scale):
     w = {"q": rand(Hq * hd, D), "k": rand(Hkv * hd, D), "v": rand(Hkv * hv, D), "o": rand(D, Hq * hv)}
     rope = layers.Rope((1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32), 1.0)
     cos, sin = rope.table(0, T)
-    cache = layers.KVCache(1, Hkv, hd, 8, hv)
+    cache = layers.KVCache(layers.KVPool({"k": (1, Hkv, hd), "v": (1, Hkv, hv)}), 8)
     x = rand(T, D)
     got = layers.attention(spec, w, x, layers.Step([layers.Segment(cache, 0, T)], cos, sin), 0)
 
@@ -56,7 +56,7 @@ def test_attention_block_follows_the_spec(hd, hv, rot, interleaved, scale):
         a = np.exp(s - s.max(-1, keepdims=True))
         out[:, h] = (a / a.sum(-1, keepdims=True)) @ v[:, g]
     np.testing.assert_allclose(got, out.reshape(T, Hq * hv) @ w["o"].T, rtol=2e-4, atol=2e-4)
-    assert cache.v.shape == (1, Hkv, 8, hv)  # the values kept at their own size
+    assert cache.take(0, T)["v"].shape == (1, Hkv, T, hv)  # the values kept at their own size
 
 
 def test_the_lookahead_predicts_with_the_family_router(tmp_path):

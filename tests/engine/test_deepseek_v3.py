@@ -39,9 +39,9 @@ def test_the_kv_cache_holds_the_latent_and_the_rotary_key_only(tmp_path):
     build("deepseek_v3", "q_lora_groups_interleaved", tmp_path / "hf", seed=2)
     model = load_model(tmp_path / "hf")
     a = model.args
-    cache = model.new_cache(32)
-    assert cache.k.shape == (model.n_layer, 1, 32, a.kv_lora_rank + a.qk_rope_head_dim)
-    assert cache.v.base is cache.k  # the values are the latent itself: no second array
+    pool = model.new_cache(32).pool
+    assert list(pool.shapes) == ["k"] and pool.shapes["k"] == (model.n_layer, 1, a.kv_lora_rank + a.qk_rope_head_dim)
+    assert pool.arrays["v"].base is pool.arrays["k"].base  # the values are the latent itself: no second array
     per_token = model.n_layer * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
     assert model.kv_bytes_per_token() == per_token == model.describe()["kv_bytes_per_token"]
     # full heads would be n_layer * H * (qk_head_dim + v_head_dim) floats

@@ -21,7 +21,7 @@ def test_the_indexer_chooses_past_index_topk_and_shared_layers_reuse_it(tmp_path
     model = load_model(tmp_path / "hf")
     a = model.args
     cache = model.new_cache(32)
-    assert model.full == [0, 2] and cache.ik.shape == (2, 32, a.index_head_dim)
+    assert model.full == [0, 2] and cache.pool.shapes["ik"] == (2, 1, a.index_head_dim)
     # per token: the latent and rotary key of every layer, the indexer's key of the full ones
     assert model.kv_bytes_per_token() == 4 * (3 * (a.kv_lora_rank + a.qk_rope_head_dim) + 2 * a.index_head_dim)
     seen = []

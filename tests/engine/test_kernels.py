@@ -154,6 +154,34 @@ def test_attention_is_the_same_bits_parallel_chunked_and_alone(window, sinks):
         np.testing.assert_array_equal(np.concatenate([a, b]), one)
 
 
+@pytest.mark.parametrize("window,sinks,hv", [(0, False, 24), (5, True, 24), (0, False, 40)])
+def test_attention_over_kv_blocks_in_any_order_is_the_contiguous_bits(window, sinks, hv):
+    # a sequence's keys and values in blocks of the pool, in a shuffled order (its table),
+    # some shared with another sequence: the same bits as one contiguous cache
+    from colibri.engine.layers import KV_BLOCK, KVPool
+
+    T, Hq, Hkv, hd, L = 45, 6, 2, 24, 2
+    q, k, v = rand(T, Hq, hd), rand(Hkv, T, hd), rand(Hkv, T, hv)
+    s = rand(Hq) * 2 if sinks else layers.NO_SINKS
+    pool = KVPool({"k": (L, Hkv, hd), "v": (L, Hkv, hv)}, reserve=64 * KV_BLOCK * L * Hkv * (hd + hv) * 4)
+    n = -(-T // KV_BLOCK)
+    table = np.random.default_rng(1).permutation(pool.n_blocks)[:n].astype(np.int64)
+    for i, b in enumerate(table):
+        lo, hi = i * KV_BLOCK, min(T, (i + 1) * KV_BLOCK)
+        pool.arrays["k"][b, 1, :, : hi - lo] = k[:, lo:hi]
+        pool.arrays["v"][b, 1, :, : hi - lo] = v[:, lo:hi]
+    want, got = np.empty((T, Hq, hv), np.float32), np.empty((T, Hq, hv), np.float32)
+    kernels.attention(q, k, v, 0, window, np.float32(0.2), s, want)
+    kernels.attention_paged(q, pool.arrays["k"], pool.arrays["v"], 1, table, KV_BLOCK, 0, window, np.float32(0.2), s,
+                            got)
+    np.testing.assert_array_equal(got, want)
+    for cut in (1, 16, 44):  # a prompt in two chunks, the second on every thread
+        b2 = np.empty((T - cut, Hq, hv), np.float32)
+        kernels.attention_paged_par(np.ascontiguousarray(q[cut:]), pool.arrays["k"], pool.arrays["v"], 1, table,
+                                    KV_BLOCK, cut, window, np.float32(0.2), s, b2)
+        np.testing.assert_array_equal(b2, want[cut:])
+
+
 @pytest.mark.parametrize("hd,hv", [(24, 16), (16, 40)])
 def test_attention_with_a_value_head_of_its_own_size(hd, hv):
     # MLA-style heads: keys and queries of one size, values of another (the output is the values')

@@ -73,22 +73,33 @@ def test_concurrent_requests_share_the_blocks_of_their_prefix(tmp_path):
     run(batcher, model, [a[:2 * BLOCK + 1]], 1)  # the shared part, computed once: 2 blocks
     assert len(prefix.blocks) == 2
     reqs = [Request(model, p, SamplingParams(max_tokens=3), rid=i) for i, p in enumerate((b, c))]
+    pool = model.kv_pool
+    used = pool.used
     for r in reqs:
         batcher.add(r)
     assert [len(r.held) for r in reqs] == [2, 2] and all(blk.refs == 2 for blk in prefix.blocks.values())
+    # never copied: both requests' tables start with the cache's own two blocks, no new block
+    root = next(blk for blk in prefix.blocks.values() if blk.parent is None)
+    shared = [root.bid, prefix.blocks[next(iter(root.children))].bid]  # the chain, in position order
+    assert all(r.cache.table[:2].tolist() == shared for r in reqs) and pool.used == used
+    assert all(pool.refs[bid] == 3 for bid in shared)  # the cache's and the two requests'
     assert prefix.describe()["held_blocks"] == 2  # two requests, the same two blocks: not copied into the cache twice
     while batcher.active:
         batcher.step()
     assert all(blk.refs == 0 for blk in prefix.blocks.values())
     # b's and c's own blocks hang below the shared two: 2 + 1 each (b: 48 tokens + 2 replies, c: 42 + 2)
     assert len(prefix.blocks) == 2 + (len(b) + 2) // BLOCK - 2 + (len(c) + 2) // BLOCK - 2
+    del reqs, r
+    assert pool.used == len(prefix.blocks)  # the requests gone, the pool holds the cached blocks only
+    prefix.resize(0)
+    assert pool.used == 0
 
 
 def test_eviction_never_takes_a_block_a_running_request_holds(tmp_path):
     build("qwen3_moe", "basic", tmp_path / "hf", seed=9)
     model = load_model(str(tmp_path / "hf"))
     a, b, _ = prompts(model)
-    block_bytes = sum(arr.nbytes for arr, _ in model.new_cache(BLOCK).arrays().values())
+    block_bytes = model.kv_pool.block_bytes
     prefix = PrefixCache(2 * block_bytes)  # room for two blocks
     batcher = Batcher(model, prefix=prefix)
     run(batcher, model, [a], 1)
