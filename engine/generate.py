@@ -389,24 +389,30 @@ class Batcher:
 class ChunkSizer:
     """`prefill_chunk: auto`: the prompt tokens a step takes beside decoding requests, sized
     so that such a step lasts at most GAP times a step of the decoding requests alone (their
-    tokens come at most GAP times slower while a prompt goes in). A step's time is not
+    tokens come at most GAP times slower while a prompt goes in). It measures both: a
+    decode-only step's time, and what a prompt token adds to a step beside them; the chunk
+    is what fits AIM x GAP by that measure (a margin, so that steps are not sent over the
+    target to find it: probing by doubling, as a first version did, put every other step
+    over it), growing at most twofold a step, starting from one token (a first larger
+    chunk would be the largest gap of all). A token's cost is taken from its steps' running
+    average, at once from a step that went over the target. A step's time is not
     proportional to its tokens (a streamed model reads a chunk's union of experts, which
-    grows fast with the first tokens and then slowly), so the size is found by measuring:
-    halved after a step over the target, doubled after one well under it that used its
-    whole chunk, starting from one token (a first larger chunk would be the largest gap of
-    all). Timing moves only the chunk size, never a token. The price is the prompt's own
-    speed: where one prompt token beside the decode rows already costs most of a decode
-    step (a streamed MoE reads that token's experts too), the chunk stays at a token or
-    two and the prompt takes several times longer than whole (docs/benchmarks.md); a
-    fixed prefill_chunk trades the other way."""
+    grows fast with the first tokens and then slowly), so the measure per token is high for
+    small chunks: the error is on the side of the running streams. Timing moves only the
+    chunk size, never a token. The price is the prompt's own speed: where one prompt token
+    beside the decode rows already costs most of a decode step (a streamed MoE reads that
+    token's experts too), the chunk stays at one token and the prompt takes several times
+    longer than whole (docs/benchmarks.md); a fixed prefill_chunk trades the other way."""
 
     GAP = 2.0
+    AIM = 0.85  # of GAP: what a chunk is sized for
     START, SMALLEST, LARGEST = 1, 1, 1024
-    EMA = 0.2  # weight of the newest decode-only step in their running average
+    EMA = 0.2  # weight of the newest step in the running averages
 
     def __init__(self):
         self.chunk = self.START
         self.decode_s: float | None = None  # a decode-only step's time, running average
+        self.token_s: float | None = None  # what a prompt token adds to a step beside decoding, running average
 
     def observe(self, step_s: float, prompt_tokens: int, decoding: int) -> None:
         """A step took step_s with prompt_tokens of prompt beside `decoding` requests."""
@@ -414,11 +420,17 @@ class ChunkSizer:
             return
         if not prompt_tokens:
             self.decode_s = step_s if self.decode_s is None else (1 - self.EMA) * self.decode_s + self.EMA * step_s
-        elif self.decode_s is not None:
-            if step_s > self.GAP * self.decode_s:
-                self.chunk = max(self.SMALLEST, self.chunk // 2)
-            elif step_s < 0.7 * self.GAP * self.decode_s and prompt_tokens >= self.chunk:
-                self.chunk = min(self.LARGEST, self.chunk * 2)
+            return
+        if self.decode_s is None:
+            return
+        per = max(step_s - self.decode_s, 0.0) / prompt_tokens
+        if self.token_s is None or step_s > self.GAP * self.decode_s:
+            self.token_s = max(per, self.token_s or 0.0)  # over the target: believed at once
+        else:
+            self.token_s = (1 - self.EMA) * self.token_s + self.EMA * per
+        room = (self.AIM * self.GAP - 1) * self.decode_s
+        fits = int(room / self.token_s) if self.token_s > 0 else self.LARGEST
+        self.chunk = max(self.SMALLEST, min(self.LARGEST, fits, 2 * self.chunk))
 
 
 def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, prior: Conversation | None = None,

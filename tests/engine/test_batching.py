@@ -93,28 +93,35 @@ def test_a_long_prompt_does_not_stop_a_running_stream(tmp_path):
 
 
 def test_the_auto_chunk_follows_the_measured_steps():
-    """prefill_chunk auto: halved after a step beside decoding requests that took more than
-    twice a decode-only step, doubled after one well under that which used its whole chunk,
-    within its bounds; steps with nothing decoding teach it nothing."""
+    """prefill_chunk auto: sized from a decode-only step's time and what a prompt token adds
+    beside it, to AIM x GAP; growing at most twofold a step; cut at once by a step over the
+    target; within its bounds; steps with nothing decoding teach it nothing."""
     z = ChunkSizer()
     assert z.chunk == 1 and z.decode_s is None
     z.observe(0.05, 1, 1)  # no decode-only step measured yet: nothing to compare with
-    assert z.chunk == 1
+    assert z.chunk == 1 and z.token_s is None
     z.observe(0.1, 0, 2)
     z.observe(0.1, 40, 0)  # a prompt alone
     assert z.decode_s == pytest.approx(0.1) and z.chunk == 1
-    for want in (2, 4, 8, 16):  # well under 2x with a whole chunk: double
-        z.observe(0.12, z.chunk, 1)
-        assert z.chunk == want
-    z.observe(0.25, 16, 1)  # over 2x: halve
-    assert z.chunk == 8
-    z.observe(0.12, 3, 1)  # under, but the prompt's rest was smaller than the chunk: no news
-    assert z.chunk == 8
+    z.observe(0.19, 1, 1)  # a token costs 0.09 s beside a 0.1 s decode step: one token fits (1.9x)
+    assert z.token_s == pytest.approx(0.09) and z.chunk == 1
+    z = ChunkSizer()
+    z.observe(0.1, 0, 1)
+    for _ in range(8):  # a token adds 2.5 ms: the 70 ms of room hold 28
+        before = z.chunk
+        z.observe(0.1 + 0.0025 * z.chunk, z.chunk, 1)
+        assert z.chunk <= 2 * before and z.chunk * z.token_s <= (z.AIM * z.GAP - 1) * z.decode_s + 1e-9
+    assert 27 <= z.chunk <= 28  # (the float division may round under)
+    per = 0.2 / z.chunk
+    z.observe(0.3, z.chunk, 1)  # over 2x: the token's cost believed at once
+    assert z.token_s == pytest.approx(per) and z.chunk * per <= 0.07 + 1e-9 and z.chunk < 16
     for _ in range(20):
         z.observe(1.0, z.chunk, 1)
     assert z.chunk == ChunkSizer.SMALLEST
+    z = ChunkSizer()
+    z.observe(0.1, 0, 1)
     for _ in range(20):
-        z.observe(0.01, z.chunk, 1)
+        z.observe(0.1, z.chunk, 1)  # prompt tokens for free
     assert z.chunk == ChunkSizer.LARGEST
 
 
