@@ -10,7 +10,9 @@ at temperature 1, fixed seed); after its 20th token request B sends a prompt of 
 Prints one JSON object, per setting: A's usual interval between tokens (the median before
 B), A's largest gap while B was in (from B's send to its reply) and their ratio (the
 target: at most 2 with chunks; the median and 99th percentile gaps too), B's time to its
-token, and the forward steps B's prompt took. bench/prefix.py runs this measure as its part (c).
+token, and the forward steps B's prompt took; then as many of A's tokens again with
+nothing beside it, whose largest gap (and 99th percentile) against the same interval is
+the box's own jitter, the floor for the ratios above. bench/prefix.py runs this measure as its part (c).
 """
 
 import argparse
@@ -59,7 +61,16 @@ def one_run(sock: str, prompt_tokens: int, rng) -> dict:
             raise SystemExit(f"request A ended early: {msg.get('error') or msg.get('finish_reason')}")
     t.join()
     steps = Client(sock).connect().call("stats")["experts"]["steps"] - steps0
+    n_inside = sum(1 for x in times if got["t0"] <= x <= got["t1"])
+    alone = []  # the same number of A's tokens again with nothing beside it: the box's own jitter
+    while len(alone) < n_inside + 1:
+        msg = a.recv(600000)
+        if msg["type"] == "generate_stream":
+            alone.append(time.perf_counter())
+        elif msg["type"].endswith("_reply"):
+            break
     a.send("cancel", target=rid)
+    alone_gaps = np.diff(np.array(alone)) if len(alone) > 1 else np.zeros(1)
     times = np.array(times)
     usual = float(np.median(np.diff(times[:20])))
     inside = times[(times >= got["t0"]) & (times <= got["t1"])]
@@ -69,6 +80,8 @@ def one_run(sock: str, prompt_tokens: int, rng) -> dict:
     return {"a_interval_s": round(usual, 4), "a_largest_gap_s": round(largest, 4),
             "gap_ratio": round(largest / usual, 2), "gap_ratio_p50": round(float(np.median(gaps)) / usual, 2),
             "gap_ratio_p99": round(float(np.percentile(gaps, 99)) / usual, 2), "a_tokens_meanwhile": int(len(inside)),
+            "alone_gap_ratio": round(float(alone_gaps.max()) / usual, 2),
+            "alone_gap_ratio_p99": round(float(np.percentile(alone_gaps, 99)) / usual, 2),
             "b_prompt_tokens": got["reply"]["stats"]["n_prompt_tokens"], "b_time_s": round(got["t1"] - got["t0"], 3),
             "steps_meanwhile": steps}
 

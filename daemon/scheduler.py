@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -91,6 +92,9 @@ class Scheduler:
         self.turns: dict[Key, Turn] = {}  # requests that continue a session
         self.by_client: set[Key] = set()  # requests their client cancelled (the others a stop cancels)
         self._saved_steps = None  # the usage history's step count at its last write
+        # the history's file is written off the engine thread: a write with its fsync can take
+        # a shared disk hundreds of milliseconds, a stall of every running stream
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="colibri-history")
         self.actions = {Generate: self.on_generate, Cancel: self.on_cancel, Resize: self.on_resize,
                         Pin: self.on_pin, SetPolicy: self.on_policy}
 
@@ -121,7 +125,8 @@ class Scheduler:
                 if self.batcher.active:
                     self.step()
         finally:
-            self.save_history()
+            self.writer.shutdown(wait=True)
+            self.save_history(wait=True)
 
     def take_messages(self) -> None:
         """Apply what the inbox holds; block briefly when idle (an idle engine's first
@@ -364,14 +369,26 @@ class Scheduler:
 
         self.reply("policy", m.reply_to, set_policy)
 
-    def save_history(self) -> None:
-        """Write the usage history (atomically) from the engine thread; a failure is logged."""
+    def save_history(self, wait: bool = False) -> None:
+        """Write the usage history (atomically): encoded here, on the engine thread (a
+        consistent copy), written by the writer thread (or here, `wait`); a failure is
+        logged."""
         history = self.d.history
         if history is None or history.steps == self._saved_steps:
             return  # nothing new since the last write
         self._saved_steps = history.steps
-        try:
-            if history.save():
+        data = history.snapshot()
+        if data is None:
+            return
+
+        def write():
+            try:
+                history.write(data)
                 log.debug("usage history saved to %s", history.path)
-        except OSError as e:
-            log.warning("could not save the usage history to %s: %s", history.path, e.strerror)
+            except OSError as e:
+                log.warning("could not save the usage history to %s: %s", history.path, e.strerror)
+
+        if wait:
+            write()
+        else:
+            self.writer.submit(write)

@@ -23,6 +23,7 @@ ping, status and stats report the phase and its progress, requests that need the
 get LOADING. READY=1 goes to systemd once the model is placed.
 """
 
+import gc
 import logging
 import os
 import queue
@@ -190,6 +191,10 @@ class Server:
         from .maps import RoutingLog
 
         model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
+        # the model, tokenizer and libraries live as long as the process: frozen, the cyclic
+        # collector's full passes skip them (one took ~50 ms, a step's time, at a random step)
+        gc.collect()
+        gc.freeze()
         self.model = model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", path, self.boot["load_s"])

@@ -389,30 +389,35 @@ class Batcher:
 class ChunkSizer:
     """`prefill_chunk: auto`: the prompt tokens a step takes beside decoding requests, sized
     so that such a step lasts at most GAP times a step of the decoding requests alone (their
-    tokens come at most GAP times slower while a prompt goes in). It measures both: a
-    decode-only step's time, and what a prompt token adds to a step beside them; the chunk
-    is what fits AIM x GAP by that measure (a margin, so that steps are not sent over the
-    target to find it: probing by doubling, as a first version did, put every other step
-    over it), growing at most twofold a step, starting from one token (a first larger
-    chunk would be the largest gap of all). A token's cost is taken from its steps' running
-    average, at once from a step that went over the target. A step's time is not
-    proportional to its tokens (a streamed model reads a chunk's union of experts, which
-    grows fast with the first tokens and then slowly), so the measure per token is high for
-    small chunks: the error is on the side of the running streams. Timing moves only the
-    chunk size, never a token. The price is the prompt's own speed: where one prompt token
-    beside the decode rows already costs most of a decode step (a streamed MoE reads that
-    token's experts too), the chunk stays at one token and the prompt takes several times
-    longer than whole (docs/benchmarks.md); a fixed prefill_chunk trades the other way."""
+    tokens come at most GAP times slower while a prompt goes in). It measures a decode-only
+    step's time and each chunk size's step time beside decoding (running averages; a step
+    over the target is believed at once), and takes the largest chunk, at most twice the
+    last, whose step is predicted within AIM x GAP: a measured size by its own time, a
+    larger one from the largest measured below it, per token. A size is tried only when its
+    prediction fits, so steps are not sent over the target to find it (a first version
+    doubled and halved around it: every few steps went to 3-8x).
+
+    Step time is not linear in the chunk: one prompt token beside decoding takes the decode
+    kernels (a sequence with one token in the step), two or more the prompt path, which
+    costs several times as much a token at a few tokens (int4 rows widened to float32); a streamed model reads a chunk's union of experts, which grows fast with the
+    first tokens and then slowly. So from one measured token the prediction for more takes
+    the prompt path's price, and beyond that each size's own measure. Timing moves only
+    the chunk size, never a token. The price is the prompt's own speed: where one prompt
+    token beside the decode rows already costs a good part of a decode step, the chunk
+    stays at one token and the prompt takes several times longer than whole
+    (docs/benchmarks.md); a fixed prefill_chunk trades the other way."""
 
     GAP = 2.0
     AIM = 0.85  # of GAP: what a chunk is sized for
+    PROMPT_PATH = 4.0  # a prompt-path token's cost against one on the decode kernels at a few tokens (5.6x
+    # measured on the int4 bench model in RAM: two tokens widen each of their experts to float32)
     START, SMALLEST, LARGEST = 1, 1, 1024
     EMA = 0.2  # weight of the newest step in the running averages
 
     def __init__(self):
         self.chunk = self.START
         self.decode_s: float | None = None  # a decode-only step's time, running average
-        self.token_s: float | None = None  # what a prompt token adds to a step beside decoding, running average
+        self.cost: dict[int, float] = {}  # chunk size -> its step's time beside decoding, running average
 
     def observe(self, step_s: float, prompt_tokens: int, decoding: int) -> None:
         """A step took step_s with prompt_tokens of prompt beside `decoding` requests."""
@@ -423,14 +428,26 @@ class ChunkSizer:
             return
         if self.decode_s is None:
             return
-        per = max(step_s - self.decode_s, 0.0) / prompt_tokens
-        if self.token_s is None or step_s > self.GAP * self.decode_s:
-            self.token_s = max(per, self.token_s or 0.0)  # over the target: believed at once
+        old = self.cost.get(prompt_tokens)
+        if old is None or step_s > self.GAP * self.decode_s:
+            self.cost[prompt_tokens] = max(step_s, old or 0.0)  # over the target: believed at once
         else:
-            self.token_s = (1 - self.EMA) * self.token_s + self.EMA * per
-        room = (self.AIM * self.GAP - 1) * self.decode_s
-        fits = int(room / self.token_s) if self.token_s > 0 else self.LARGEST
-        self.chunk = max(self.SMALLEST, min(self.LARGEST, fits, 2 * self.chunk))
+            self.cost[prompt_tokens] = (1 - self.EMA) * old + self.EMA * step_s
+        fits = [n for n in range(1, min(self.LARGEST, 2 * self.chunk) + 1)
+                if self.predict(n) <= self.AIM * self.GAP * self.decode_s]
+        self.chunk = max(fits, default=self.SMALLEST)
+
+    def predict(self, n: int) -> float:
+        """A step's time with n prompt tokens beside the decoding requests."""
+        if n in self.cost:
+            return self.cost[n]
+        m = max((k for k in self.cost if k < n), default=0)
+        if m == 0:
+            return self.decode_s
+        per = max(self.cost[m] - self.decode_s, 0.0) / m
+        if m == 1:  # (one token took the decode kernels; more take the prompt path)
+            return self.decode_s + n * per * self.PROMPT_PATH
+        return self.cost[m] + (n - m) * per
 
 
 def generate(model, prompt_ids, params: SamplingParams, eos_ids=(), tokenizer=None, prior: Conversation | None = None,

@@ -124,11 +124,20 @@ class UsageHistory:
     def save(self) -> bool:
         """Write the history atomically; False (and nothing written) without a path or when
         read-only. Raises OSError."""
-        if not self.path or self.read_only:
-            return False
-        write_atomic(self.path, self.to_json())
+        data = self.snapshot()
+        if data is not None:
+            self.write(data)
+        return data is not None
+
+    def snapshot(self) -> bytes | None:
+        """The history as save() writes it, or None without a path or when read-only (the
+        encoding is the consistent copy: write() may then run on another thread)."""
+        return None if not self.path or self.read_only else self.to_json()
+
+    def write(self, data: bytes) -> None:
+        """Write a snapshot() atomically. Raises OSError."""
+        write_atomic(self.path, data)
         self.saved = time.time()
-        return True
 
     def describe(self) -> dict:
         size = None

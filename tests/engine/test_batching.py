@@ -93,31 +93,32 @@ def test_a_long_prompt_does_not_stop_a_running_stream(tmp_path):
 
 
 def test_the_auto_chunk_follows_the_measured_steps():
-    """prefill_chunk auto: sized from a decode-only step's time and what a prompt token adds
-    beside it, to AIM x GAP; growing at most twofold a step; cut at once by a step over the
-    target; within its bounds; steps with nothing decoding teach it nothing."""
+    """prefill_chunk auto: each chunk size's step time beside decoding measured; the largest
+    chunk, at most twice the last, whose predicted step fits AIM x GAP decode steps (from one
+    token to more at the prompt path's price); a step over the target believed at once;
+    within its bounds; steps with nothing decoding teach it nothing."""
     z = ChunkSizer()
     assert z.chunk == 1 and z.decode_s is None
     z.observe(0.05, 1, 1)  # no decode-only step measured yet: nothing to compare with
-    assert z.chunk == 1 and z.token_s is None
+    assert z.chunk == 1 and not z.cost
     z.observe(0.1, 0, 2)
     z.observe(0.1, 40, 0)  # a prompt alone
     assert z.decode_s == pytest.approx(0.1) and z.chunk == 1
-    z.observe(0.19, 1, 1)  # a token costs 0.09 s beside a 0.1 s decode step: one token fits (1.9x)
-    assert z.token_s == pytest.approx(0.09) and z.chunk == 1
+    z.observe(0.125, 1, 1)  # one token adds 25 ms: two on the prompt path would add 200 ms, over 1.7x
+    assert z.predict(2) == pytest.approx(0.1 + 2 * 0.025 * z.PROMPT_PATH) and z.chunk == 1
     z = ChunkSizer()
     z.observe(0.1, 0, 1)
-    for _ in range(8):  # a token adds 2.5 ms: the 70 ms of room hold 28
+    z.observe(0.105, 1, 1)  # 5 ms a token: 2 tokens predicted at 0.14 s fit
+    assert z.chunk == 2
+    z.observe(0.14, 2, 1)  # 20 ms a token from 2 on: up to 3 more fit 0.17 s (doubling at most)
+    assert z.chunk == 3
+    for _ in range(6):
         before = z.chunk
-        z.observe(0.1 + 0.0025 * z.chunk, z.chunk, 1)
-        assert z.chunk <= 2 * before and z.chunk * z.token_s <= (z.AIM * z.GAP - 1) * z.decode_s + 1e-9
-    assert 27 <= z.chunk <= 28  # (the float division may round under)
-    per = 0.2 / z.chunk
-    z.observe(0.3, z.chunk, 1)  # over 2x: the token's cost believed at once
-    assert z.token_s == pytest.approx(per) and z.chunk * per <= 0.07 + 1e-9 and z.chunk < 16
-    for _ in range(20):
-        z.observe(1.0, z.chunk, 1)
-    assert z.chunk == ChunkSizer.SMALLEST
+        z.observe(0.1 + 0.02 * z.chunk, z.chunk, 1)
+        assert z.chunk <= 2 * before and z.predict(z.chunk) <= z.AIM * z.GAP * z.decode_s + 1e-9
+    assert z.chunk == 3  # 0.16 s at 3, 0.18 s predicted at 4: over 1.7x
+    z.observe(0.25, 3, 1)  # over 2x: believed at once
+    assert z.cost[3] == pytest.approx(0.25) and z.chunk == 2
     z = ChunkSizer()
     z.observe(0.1, 0, 1)
     for _ in range(20):
