@@ -294,18 +294,22 @@ class KVPool:
                        for n, (L, H, d) in shapes.items()}
         for n, (base, cols) in (views or {}).items():
             self.arrays[n] = self.arrays[base][..., :cols]
-        self.refs = np.zeros(self.n_blocks, np.int32)
-        self.free = list(range(self.n_blocks - 1, -1, -1))  # the lowest first: fewer pages touched
+        self.refs = np.zeros(self.n_blocks, np.int32)  # (calloc'd: its pages too are committed as used)
+        self.free: list[int] = []  # blocks given back, reused first; then the untouched ones from `fresh` on
+        self.fresh = 0
         self.page = mmap.PAGESIZE
 
     @property
     def used(self) -> int:
-        return self.n_blocks - len(self.free)
+        return self.fresh - len(self.free)
 
     def alloc(self) -> int:
-        if not self.free:
+        if self.free:
+            b = self.free.pop()
+        elif self.fresh < self.n_blocks:
+            b, self.fresh = self.fresh, self.fresh + 1
+        else:
             raise KVExhausted(f"the KV cache is full: {self.n_blocks} blocks of {KV_BLOCK} positions in use")
-        b = self.free.pop()
         self.refs[b] = 1
         return b
 
