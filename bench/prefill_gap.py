@@ -34,7 +34,8 @@ from colibri.ctl.client import Client  # noqa: E402
 
 def one_run(sock: str, prompt_tokens: int, rng) -> dict:
     a, b = Client(sock).connect(), Client(sock).connect()
-    rid = a.send("generate", prompt="".join(rng.choice(list("abcdefgh"), 16)), max_tokens=4000, temperature=1.0, seed=1)
+    rid = a.send("generate", prompt="".join(rng.choice(list("abcdefgh"), 16)), max_tokens=2 * prompt_tokens + 100,
+                 temperature=1.0, seed=1)  # (auto may take a step per prompt token, and then A runs alone as long)
     times = []
     while len(times) < 20:
         msg = a.recv(600000)
