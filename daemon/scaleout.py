@@ -305,7 +305,7 @@ class RayExperts:
         if box.actor is not None:
             _kill(box.actor)
         box.actor, box.desc, box.out_why = None, None, why
-        box.retry_at = time.monotonic() + box.backoff
+        box.retry_at, box.backoff = time.monotonic() + box.backoff, min(2 * box.backoff, REJOIN_S[1])
 
     def _figures(self) -> list:
         """What assign() balances: each box's measured figures (None while out), or its weight."""
@@ -330,8 +330,7 @@ class RayExperts:
                         actor = start_worker(box.spec, self.budget, self.io_threads)
                         box.starting = (actor, actor.describe.remote())
                     except ColibriError as e:
-                        box.out_why = str(e)
-                        box.retry_at, box.backoff = now + box.backoff, min(2 * box.backoff, REJOIN_S[1])
+                        self._out(b, str(e))
                 continue
             actor, ref = box.starting
             if not ray.wait([ref], timeout=0)[0]:
@@ -341,8 +340,7 @@ class RayExperts:
                 desc = ray.get(ref)
             except ray.exceptions.RayError as e:
                 _kill(actor)
-                box.out_why = f"did not start again: {_why(e)}"
-                box.retry_at, box.backoff = now + box.backoff, min(2 * box.backoff, REJOIN_S[1])
+                self._out(b, f"did not start again: {_why(e)}")
                 continue
             if self._admit(b, actor, desc):
                 self.owner = assign(self.shares, self._figures())

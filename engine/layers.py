@@ -4,8 +4,10 @@ SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 
 import functools
 import math
+import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,8 +276,6 @@ class KVPool:
     def __init__(self, shapes: dict[str, tuple[int, int, int]], views: dict[str, tuple[str, int]] | None = None,
                  reserve: int | None = None):
         # shapes: name -> (layers, heads, width); views: name -> (the array it looks into, its first columns)
-        import mmap
-
         self.shapes = shapes
         self.part_bytes = {n: L * H * KV_BLOCK * d * 4 for n, (L, H, d) in shapes.items()}  # a block, per array
         self.block_bytes = sum(self.part_bytes.values())
@@ -317,8 +317,6 @@ class KVPool:
         self.refs[b] += 1
 
     def drop(self, blocks) -> None:
-        import mmap
-
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
@@ -336,8 +334,6 @@ class KVCache:
 
     def __init__(self, pool: KVPool, n_ctx: int, flat: frozenset = frozenset()):
         # flat: names whose saved form has no heads axis (take/put; DSA's indexer keys)
-        import weakref
-
         self.pool, self.n_ctx, self.flat = pool, n_ctx, flat
         self.n_pos = 0  # positions filled
         self.table = np.zeros(-(-n_ctx // KV_BLOCK), np.int64)  # its blocks, in position order
@@ -378,9 +374,6 @@ class KVCache:
         arr = self.pool.arrays[name]
         nb = -(-n // KV_BLOCK)
         return arr[self.table[:nb], il, head].reshape(nb * KV_BLOCK, -1)[:n]
-
-    def names(self) -> list[str]:
-        return list(self.pool.shapes)
 
     def take(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Copies of positions start..stop-1 of every array: [layers, heads, n, width] (the
