@@ -3,10 +3,13 @@ FP8 (e4m3, 128 x 128 scale blocks) and MXFP4 experts (gate, up, silu, down, as d
 them) reach at batch 1, next to the memory read bandwidth measured in the same run, and
 their ratio.
 
-    python bench/kernels.py [--mib 512] [--repeat 3]
+    python bench/kernels.py [--mib 512] [--repeat 3] [--threads 1,N]
 
-Prints one JSON object. Everything runs on one thread, as the kernels do; the weights
-cycle through a working set far larger than the CPU caches, so every byte comes from DRAM.
+Prints one JSON object with a section per thread count (default 1 and the CPUs this process
+may use): on N threads, N sweeps of their own share of the matrices or experts run at once
+(the kernels release the GIL; decode takes a step's experts side by side the same way) and
+the memory bandwidth is that of N threads reading at once. The weights cycle through a
+working set far larger than the CPU caches, so every byte comes from DRAM.
 """
 
 import argparse
@@ -14,6 +17,7 @@ import json
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
     os.environ.setdefault(var, val)
@@ -40,27 +44,42 @@ def best(fn, repeat):
     return min(times)
 
 
-def memory_read_gbs(mib: int, repeat: int) -> float:
-    buf = np.ones(mib * 2**20 // 8, np.uint64)
-    kernels.read_bandwidth(buf, 1)  # compile, fault in
-    return buf.nbytes / best(lambda: kernels.read_bandwidth(buf, 1), repeat) / 1e9
+def on_threads(items, work, threads: int):
+    """A sweep that runs work(item) over `items`, split into `threads` shares run at once."""
+    shares = [items[i::threads] for i in range(threads)]
+
+    def sweep():
+        if threads == 1:
+            for it in items:
+                work(it)
+            return
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda share: [work(it) for it in share], shares))
+
+    return sweep
 
 
-def matvec_gbs(rows: int, cols: int, dtype: str, mib: int, repeat: int) -> float:
+def memory_read_gbs(mib: int, repeat: int, threads: int) -> float:
+    bufs = [np.ones(mib * 2**20 // 8 // threads, np.uint64) for _ in range(threads)]
+    for b in bufs:
+        kernels.read_bandwidth(b, 1)  # compile, fault in
+    sweep = on_threads(bufs, lambda b: kernels.read_bandwidth(b, 1), threads)
+    return sum(b.nbytes for b in bufs) / best(sweep, repeat) / 1e9
+
+
+def matvec_gbs(rows: int, cols: int, dtype: str, mib: int, repeat: int, threads: int) -> float:
     rng = np.random.default_rng(0)
     one = rows * cols * 2
-    n = max(2, mib * 2**20 // one)
+    n = max(2 * threads, mib * 2**20 // one)
     bits = rng.integers(0x3C00, 0x3E00, size=(n, rows, cols), dtype=np.uint16)  # finite values in both formats
     ws = bits if dtype == "bf16" else bits.view(np.float16)
     x = rng.standard_normal((1, cols), dtype=np.float32)
-    out = np.empty((1, rows), np.float32)
     f16 = kernels.f16_table()
 
-    def sweep():
-        for w in ws:
-            kernels.matmul_u16(x, w.view(np.uint16), dtype == "bf16", f16, out)
+    def matvec(w):
+        kernels.matmul_u16(x, w.view(np.uint16), dtype == "bf16", f16, np.empty((1, rows), np.float32))
 
-    kernels.matmul_u16(x, ws[0].view(np.uint16), dtype == "bf16", f16, out)  # compile
+    sweep = on_threads(list(ws), matvec, threads)
     sweep()
     return ws.nbytes / best(sweep, repeat) / 1e9
 
@@ -94,20 +113,16 @@ def make_weight(kind: str, rng, n: int, d: int):
                        rng.integers(118, 122, (n, d // 32), dtype=np.uint8), 32)
 
 
-def expert_gbs(rows: int, cols: int, kind: str, mib: int, repeat: int) -> float:
+def expert_gbs(rows: int, cols: int, kind: str, mib: int, repeat: int, threads: int) -> float:
     """One expert of `kind` (gate and up [rows, cols], down [cols, rows]) per call, as decode
     runs it: GB/s of its bytes (values and scales)."""
     rng = np.random.default_rng(0)
     first = [make_weight(kind, rng, rows, cols), make_weight(kind, rng, rows, cols), make_weight(kind, rng, cols, rows)]
     one = sum(w.nbytes for w in first)
     experts = [first] + [[make_weight(kind, rng, rows, cols), make_weight(kind, rng, rows, cols),
-                          make_weight(kind, rng, cols, rows)] for _ in range(max(1, mib * 2**20 // one - 1))]
+                          make_weight(kind, rng, cols, rows)] for _ in range(max(2 * threads, mib * 2**20 // one) - 1)]
     x = rng.standard_normal((1, cols), dtype=np.float32)
-
-    def sweep():
-        for e in experts:
-            layers.swiglu(x, *e)
-
+    sweep = on_threads(experts, lambda e: layers.swiglu(x, *e), threads)
     sweep()
     return len(experts) * one / best(sweep, repeat) / 1e9
 
@@ -116,33 +131,40 @@ EXPERT_KINDS = {"int4": "int4 g64 expert (gate+up+down)", "fp8_e4m3": "fp8_e4m3 
                 "mxfp4": "mxfp4 expert (gate+up+down)"}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=512, help="working set per measurement (MiB)")
-    ap.add_argument("--repeat", type=int, default=3)
-    a = ap.parse_args()
-    layers.init()
-    mem = memory_read_gbs(a.mib, a.repeat)
+def measure(a, threads: int) -> dict:
+    mem = memory_read_gbs(a.mib, a.repeat, threads)
     results = []
     for name, (rows, cols) in SHAPES.items():
         for dtype in ("bf16", "f16"):
-            gbs = matvec_gbs(rows, cols, dtype, a.mib, a.repeat)
+            gbs = matvec_gbs(rows, cols, dtype, a.mib, a.repeat, threads)
             results.append({"shape": name, "rows": rows, "cols": cols, "dtype": dtype, "batch": 1,
                             "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
     for kind, label in EXPERT_KINDS.items():
         for name, (rows, cols) in SHAPES.items():
-            gbs = expert_gbs(rows, cols, kind, a.mib, a.repeat)
+            gbs = expert_gbs(rows, cols, kind, a.mib, a.repeat, threads)
             results.append({"shape": name, "rows": rows, "cols": cols, "dtype": label, "batch": 1,
                             "weight_gbs": round(gbs, 2), "ratio_to_memory": round(gbs / mem, 3)})
     bf16 = [r["weight_gbs"] for r in results if r["dtype"] == "bf16"]
+    by_kind = {label: round(float(np.median([r["ratio_to_memory"] for r in results if r["dtype"] == label])), 3)
+               for label in ["bf16", "f16", *EXPERT_KINDS.values()]}
+    return {"threads": threads, "memory_read_gbs": round(mem, 2), "bf16_matvec_gbs": round(float(np.median(bf16)), 2),
+            "median_ratio_to_memory": by_kind, "results": results}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="working set per measurement (MiB)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
+                    help="comma-separated thread counts (default: 1 and this process's CPUs)")
+    a = ap.parse_args()
+    layers.init()
+    counts = sorted({int(t) for t in a.threads.split(",")})
     print(json.dumps({
         "benchmark": "kernels",
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1},
-        "memory_read_gbs": round(mem, 2),
-        "bf16_matvec_gbs": round(float(np.median(bf16)), 2),
-        "bf16_ratio_to_memory": round(float(np.median(bf16)) / mem, 3),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0))},
         "target_ratio": 0.5,
-        "results": results,
+        "runs": [measure(a, t) for t in counts],
     }, indent=2))
 
 

@@ -85,6 +85,29 @@ for _f in (F8_E4M3, F8_E5M2):
 
 
 @nb.njit(**JIT)
+def mx4_layout(x):
+    # x [T, K] in the order mx4_matmul reads it: in each pair of 32-column blocks (64 columns,
+    # 32 bytes of codes read as 8 lanes of 4 bytes), the column of nibble h of byte j of lane
+    # k at 8 (4h + j) + k; an odd last block's even columns, then its odd ones
+    T, K = x.shape
+    xp = np.empty((T, K), np.float32)
+    pairs = K // 64
+    for t in range(T):
+        for p in range(pairs):
+            c0 = 64 * p
+            for h in range(2):
+                for j in range(4):
+                    for k in range(8):
+                        xp[t, c0 + 8 * (4 * h + j) + k] = x[t, c0 + 2 * (4 * k + j) + h]
+        if K % 64:
+            c0 = K - 32
+            for i in range(16):
+                xp[t, c0 + i] = x[t, c0 + 2 * i]
+                xp[t, c0 + 16 + i] = x[t, c0 + 2 * i + 1]
+    return xp
+
+
+@nb.njit(**JIT)
 def linear_mx4(x, q, scales, e8m0, out):
     # the decode path: x [T, K] f32, q [N, K/2] uint8, scales [N, K/32] uint8 e8m0, out [T, N]
     T, K = x.shape
@@ -92,12 +115,7 @@ def linear_mx4(x, q, scales, e8m0, out):
     if K % 32 or q.shape[1] * 2 != K or scales.shape[0] != N or scales.shape[1] * 32 != K or out.shape[0] != T \
             or out.shape[1] != N or e8m0.shape[0] != 256:
         raise ValueError("mxfp4 kernel: weight, scale, activation and output shapes do not match")
-    xe, xo = np.empty((T, K // 2), np.float32), np.empty((T, K // 2), np.float32)
-    for t in range(T):
-        for j in range(K // 2):
-            xe[t, j] = x[t, 2 * j]
-            xo[t, j] = x[t, 2 * j + 1]
-    mx4_matmul(xe, xo, q, scales, e8m0, out, 0, T, 0, N)
+    mx4_matmul(mx4_layout(x), q, scales, e8m0, out, 0, T, 0, N)
 
 
 @nb.njit(**JIT)

@@ -529,22 +529,21 @@ def f8_matmul(typingctx, x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
 _E2M1_TWICE = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 
 
-def _has_byte_shuffle(context) -> bool:
-    # x86's pshufb (SSSE3): sixteen 16-entry table lookups in one instruction; numba compiles
-    # for the host, and its cache keys code on the host's features
-    return "+ssse3" in getattr(context.codegen(), "_tm_features", "")
+def _has_feature(context, feature: str) -> bool:
+    # numba compiles for the host, and its cache keys code on the host's features
+    return f"+{feature}" in getattr(context.codegen(), "_tm_features", "")
 
 
 def _e2m1_block(context, builder, b, scale):
     # b: <16 x i8> bytes of 32 codes; scale: <16 x float> of the block's scale -> (low codes'
     # weights, high codes' weights), <16 x float> each: value(code) * scale, exact (a power of
     # two times a value of two significant bits). By a byte-table lookup where the CPU has one
-    # (the values doubled are small integers: a shuffle, a widening, a conversion, and the
-    # scale halved), else in registers (_decode_e2m1)
+    # (x86's pshufb, SSSE3: the values doubled are small integers: a shuffle, a widening, a
+    # conversion, and the scale halved), else in registers (_decode_e2m1)
     v16i8, v16 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(_F32, 16)
     lo = builder.and_(b, ir.Constant(v16i8, [15] * 16))
     hi = builder.lshr(b, ir.Constant(v16i8, [4] * 16))
-    if _has_byte_shuffle(context):
+    if _has_feature(context, "ssse3"):
         shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i8, [v16i8, v16i8]),
                                               "llvm.x86.ssse3.pshuf.b.128")
         table = ir.Constant(v16i8, [v & 0xFF for v in _E2M1_TWICE])
@@ -554,68 +553,114 @@ def _e2m1_block(context, builder, b, scale):
     return tuple(builder.fmul(_decode_e2m1(builder, builder.zext(c, v16i32)), scale) for c in (lo, hi))
 
 
+MX4_PAIR_SHIFT = 25  # a pair's codes decode to value * 2 ** 25 (below); the row's sum is scaled back once
+
+
+def _top_byte(builder, w, j: int):
+    # i32 lanes: byte j of each lane moved to the top (bits 24-31), the bytes below it under it
+    return w if j == 3 else builder.shl(w, _splat_i32(w.type, 24 - 8 * j))
+
+
+def _e2m1_pair(context, builder, w):
+    # w: <8 x i32>, the 32 bytes of two MXFP4 blocks (lanes 0-3 the first, 4-7 the second) ->
+    # [(h, j) -> <8 x float>] for h = 0 (low nibbles), 1 (high) and byte j of every lane, in
+    # the order 4h + j: value(code) * 2 ** 25, exact. Where the CPU has AVX2, one 32-byte
+    # table lookup per nibble gives twice each value as a byte, and a byte moved to the top
+    # of its lane (shifts and a mask, no widening shuffle: the widening is what bound the
+    # kernel) converts to 2 * value * 2 ** 24; elsewhere the nibble is decoded in registers.
+    v32i8 = ir.VectorType(ir.IntType(8), 32)
+    c = lambda v: _splat_i32(_V8I32, v)  # noqa: E731
+    if _has_feature(context, "avx2"):
+        b = builder.bitcast(w, v32i8)
+        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]),
+                                              "llvm.x86.avx2.pshuf.b")
+        table = ir.Constant(v32i8, [v & 0xFF for v in _E2M1_TWICE] * 2)
+        nibbles = (builder.and_(b, ir.Constant(v32i8, [15] * 32)), builder.lshr(b, ir.Constant(v32i8, [4] * 32)))
+        out = []
+        for nib in nibbles:
+            twice = builder.bitcast(builder.call(shuf, [table, nib]), _V8I32)
+            out += [builder.sitofp(builder.and_(_top_byte(builder, twice, j), c(-0x1000000)), _V8) for j in range(4)]
+        return out
+    k = ir.Constant(_V8, [float(2 ** MX4_PAIR_SHIFT)] * 8)
+    return [builder.fmul(_decode_e2m1(builder, builder.and_(builder.lshr(w, c(8 * j + 4 * h)), c(15))), k)
+            for h in range(2) for j in range(4)]
+
+
 def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
-    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4: a byte holds the even
-    # column's code in its low nibble, the odd one's in the high; xe / xo are x's even / odd
-    # columns. Per block of 32 values (16 bytes, decoded once for the nt tokens into the
-    # weights, the block's scale 2 ** (e - 127) in them, exactly): the low weights against xe
-    # and the high against xo, into 16-lane sums per token, even and odd blocks into sums of
-    # their own (a dependent chain through every block would wait on FMA latency); at the end
-    # the sums added in a fixed order.
-    xe_v, xo_v, q_v, s_v, lut_v, out_v = args[:6]
+    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4 (a byte holds the even
+    # column's code in its low nibble, the odd one's in the high), x in fpkernels.mx4_layout's
+    # order. Blocks in pairs (32 bytes, decoded once for the nt tokens, _e2m1_pair): per token
+    # and nibble the four products with x summed, then times the pair's scales (lanes 0-3 the
+    # first block's, 4-7 the second's) into that nibble's sum; the sums times 2 ** -25 at the
+    # end. An odd last block decoded alone (_e2m1_block, its scale in the weights) into 16-lane
+    # sums of its own. A token's floats go through the same operations whatever tokens are
+    # beside it.
+    x_v, q_v, s_v, lut_v, out_v = args[:5]
     i64, i32 = ir.IntType(64), ir.IntType(32)
     v16, v16i8 = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
-    erows = [_row(context, builder, sig.args[0], xe_v, t) for t in ts]
-    orows = [_row(context, builder, sig.args[1], xo_v, t) for t in ts]
-    qrow = _row(context, builder, sig.args[2], q_v, n)
-    srow = _row(context, builder, sig.args[3], s_v, n)
-    lut = context.make_array(sig.args[4])(context, builder, lut_v).data
-    n_blocks = builder.extract_value(context.make_array(sig.args[3])(context, builder, s_v).shape, 1)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
-    zero = ir.Constant(v16, [0.0] * 16)
-    sums = [[[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(2)] for _ in range(nt)]
+    xrows = [_row(context, builder, sig.args[0], x_v, t) for t in ts]
+    qrow = _row(context, builder, sig.args[1], q_v, n)
+    srow = _row(context, builder, sig.args[2], s_v, n)
+    lut = context.make_array(sig.args[3])(context, builder, lut_v).data
+    n_blocks = builder.extract_value(context.make_array(sig.args[2])(context, builder, s_v).shape, 1)
+    fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
+    sums = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(2)] for _ in range(nt)]
+    tails = [[cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(2)] for _ in range(nt)]
 
-    def block(bi, parity):  # block bi into the sums of its parity
-        s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [bi])), i64)]))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), s, ir.Constant(i32, 0)),
-                                       ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-        off = builder.mul(bi, ir.Constant(i64, 16))
-        lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, off, v16i8, 1), splat)
-        for i in range(nt):
-            for half, (rows, w) in enumerate(((erows, lo), (orows, hi))):
-                acc = sums[i][parity][half]
-                builder.store(builder.call(fma, [_vload(builder, rows[i], off, v16, 4), w, builder.load(acc)]), acc)
+    def scale(bi):
+        return builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [bi])), i64)]))
 
     with cgutils.for_range(builder, builder.sdiv(n_blocks, ir.Constant(i64, 2))) as pair:
         first = builder.mul(pair.index, ir.Constant(i64, 2))
-        block(first, 0)
-        block(builder.add(first, ir.Constant(i64, 1)), 1)
+        two = builder.insert_element(builder.insert_element(ir.Constant(_V8, None), scale(first), ir.Constant(i32, 0)),
+                                     scale(builder.add(first, ir.Constant(i64, 1))), ir.Constant(i32, 1))
+        svec = builder.shuffle_vector(two, ir.Constant(_V8, None), ir.Constant(_V8I32, [0] * 4 + [1] * 4))
+        col = builder.mul(pair.index, ir.Constant(i64, 64))
+        ws = _e2m1_pair(context, builder, _vload(builder, qrow, builder.mul(pair.index, ir.Constant(i64, 32)), _V8I32, 1))
+        for i in range(nt):
+            for h in range(2):
+                part = None
+                for j in range(4):
+                    xv = _vload(builder, xrows[i], builder.add(col, ir.Constant(i64, 8 * (4 * h + j))), _V8, 4)
+                    part = builder.fmul(xv, ws[4 * h + j]) if part is None else builder.call(fma8, [xv, ws[4 * h + j], part])
+                builder.store(builder.call(fma8, [part, svec, builder.load(sums[i][h])]), sums[i][h])
     with builder.if_then(builder.icmp_signed("!=", builder.srem(n_blocks, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
-        block(builder.sub(n_blocks, ir.Constant(i64, 1)), 0)
+        last = builder.sub(n_blocks, ir.Constant(i64, 1))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), scale(last), ir.Constant(i32, 0)),
+                                       ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+        col = builder.mul(last, ir.Constant(i64, 32))
+        lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, builder.mul(last, ir.Constant(i64, 16)), v16i8, 1),
+                             splat)
+        for i in range(nt):
+            for h, w in enumerate((lo, hi)):
+                xv = _vload(builder, xrows[i], builder.add(col, ir.Constant(i64, 16 * h)), v16, 4)
+                builder.store(builder.call(fma16, [xv, w, builder.load(tails[i][h])]), tails[i][h])
     for i in range(nt):
-        e0, o0, e1, o1 = (builder.load(sums[i][p][h]) for p in range(2) for h in range(2))
-        acc = builder.fadd(builder.fadd(e0, o0), builder.fadd(e1, o1))
-        halves = [builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8))))
-                  for h in (0, 8)]
-        orow = _row(context, builder, sig.args[5], out_v, ts[i])
-        builder.store(_hsum(builder, builder.fadd(halves[0], halves[1])), builder.gep(orow, [n]))
+        paired = builder.fadd(builder.load(sums[i][0]), builder.load(sums[i][1]))
+        tail = builder.fadd(builder.load(tails[i][0]), builder.load(tails[i][1]))
+        halves = [builder.shuffle_vector(tail, tail, ir.Constant(_V8I32, list(range(h, h + 8)))) for h in (0, 8)]
+        total = builder.fadd(builder.fmul(_hsum(builder, paired), ir.Constant(_F32, 2.0 ** -MX4_PAIR_SHIFT)),
+                             _hsum(builder, builder.fadd(halves[0], halves[1])))
+        orow = _row(context, builder, sig.args[4], out_v, ts[i])
+        builder.store(total, builder.gep(orow, [n]))
 
 
 @intrinsic
-def mx4_matmul(typingctx, xe, xo, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi):
-    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]), MXFP4: xe, xo [T,
-    K/2] f32 (x's even and odd columns), q [N, K/2] uint8 (two e2m1 codes a byte, the even
-    column's low), scales [N, K/32] uint8 (e8m0 exponents), e8m0_lut [256] f32 (2 ** (e - 127)),
-    out [T, N] f32; every array 2-D C-contiguous, K a multiple of 32; the caller checks."""
-    arrays = (xe, xo, q, scales, out)
+def mx4_matmul(typingctx, x, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]), MXFP4: x [T, K] f32
+    in mx4_rows_dot's order (fpkernels.mx4_layout), q [N, K/2] uint8 (two e2m1 codes a byte, the
+    even column's low), scales [N, K/32] uint8 (e8m0 exponents), e8m0_lut [256] f32 (2 ** (e -
+    127)), out [T, N] f32; every array 2-D C-contiguous, K a multiple of 32; the caller checks."""
+    arrays = (x, q, scales, out)
     if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
             and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
         return None
-    sig = types.void(xe, xo, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi)
+    sig = types.void(x, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi)
 
     def codegen(context, builder, sig, args):
-        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[6:10], sig.args[6:10]))
+        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[5:9], sig.args[5:9]))
         _token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
                       lambda t, n, nt: mx4_rows_dot(context, builder, sig, args, t, n, nt), F8_TOKENS)
         return context.get_dummy_value()
