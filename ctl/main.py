@@ -206,8 +206,12 @@ def history_line(h: dict) -> str:
     saved = f"saved {h['saved_age_s']:.0f} s ago" if h.get("saved_age_s") is not None else "not saved yet"
     where = h["path"] or "in memory only"
     size = f", {h['file_bytes'] / 1024:.0f} KiB" if h.get("file_bytes") else ""
+    opt = h.get("optimum")
+    taught = (f", learning from the optimum ({opt['trained']} reuses replayed, "
+              f"{opt['optimum_kept'] or 0:.0%} kept, {opt['capacity']} slots)") if opt else ""
     return (f"{h['steps']} steps ({h['steps_loaded']} from before this start), age {h['age_s'] / 3600:.1f} h, "
-            f"{h['experts_seen']} experts seen, {saved}{', read-only' if h['read_only'] else ''} ({where}{size})")
+            f"{h['experts_seen']} experts seen, {saved}{', read-only' if h['read_only'] else ''} ({where}{size})"
+            f"{taught}")
 
 
 @cli.group()

@@ -36,7 +36,7 @@ class Config:
     hugepages: bool = False  # put the expert arena on reserved hugepages (vm.nr_hugepages), else THP
     mlock: bool = False  # lock the dense weights and the expert cache in RAM (within RLIMIT_MEMLOCK)
     prefetch_reads: int = 8  # router lookahead: reads started ahead per MoE layer; 0: off
-    policy: str = "learned"  # expert cache policy: lru, lru+pinned or learned (storage/policy.py)
+    policy: str = "learned"  # expert cache policy: lru, lru+pinned, learned or learned-opt (storage/policy.py)
     hot_set: float = 0.5  # learned hot set: this fraction of the cache above the LRU minimum
     repin_every: int = 32  # forward steps between revisions of the hot set; 0: only at start
     repin_margin: float = 0.25  # a challenger's usage must exceed the coldest pin's by this factor

@@ -136,9 +136,10 @@ class ExpertCache:
                 lru[il][ie] = slot
                 slot_row[slot], slot_ie[slot] = i, ie
             free[il] = slots
+        self._learn(n_slots)
         main_free = deque(range(per_layer * len(layers), per_layer * len(layers) + n_main))
         spill += list(self.main.items())
-        for key, old_slot in sorted(spill, key=lambda kv: -self.history.value(kv[0]))[:n_main]:  # the most used
+        for key, old_slot in sorted(spill, key=lambda kv: -self.history.worth(kv[0]))[:n_main]:  # the most worth
             slot = main_free.popleft()
             arena[slot] = self.arena[old_slot]
             main[key] = slot
@@ -184,7 +185,12 @@ class ExpertCache:
         if not policy.learns:  # learned pins go back to being ordinary residents
             for key in [k for k in self.pinned if k not in self.hand_pins]:
                 self.pin_free.append(self.pinned.pop(key))
+        self._learn(self.n_slots)
         return self.describe()
+
+    def _learn(self, n_slots: int) -> None:
+        # `learned-opt`: the history learns from Belady's optimum for a cache of this size
+        self.history.learn_optimum(n_slots if self.policy.learns_optimum else None, self.top_k)
 
     def begin_step(self) -> None:
         self.stats.steps += 1
@@ -357,7 +363,7 @@ class ExpertCache:
                 self._admit(key, slot)
                 return self.main_free.popleft()
             low = self._least_used_main(il, busy)
-            if low is not None and self.history.value(key) > self.history.value(low):
+            if low is not None and self.history.worth(key) > self.history.worth(low):
                 out = self.main.pop(low)
                 self.slot_row[out], self.slot_main[out] = -1, False
                 self._admit(key, slot)
@@ -375,7 +381,7 @@ class ExpertCache:
         if self.main_free:
             return self.main_free.popleft()
         low = self._least_used_main(il, busy)
-        if low is None or (not ahead and self.history.value(low) >= self.history.value((il, want))):
+        if low is None or (not ahead and self.history.worth(low) >= self.history.worth((il, want))):
             return None
         slot = self.main.pop(low)
         self.slot_row[slot], self.slot_main[slot] = -1, False
@@ -391,7 +397,7 @@ class ExpertCache:
             ie = next(iter(lru))
             slot = self._unkeep(il, ie)
             low = self._least_used_main(il, set())
-            if low is None or self.history.value((il, ie)) >= self.history.value(low):
+            if low is None or self.history.worth((il, ie)) >= self.history.worth(low):
                 self._admit((il, ie), slot)
             else:
                 self.main_free.append(slot)
@@ -401,8 +407,8 @@ class ExpertCache:
         self.slot_row[slot], self.slot_ie[slot], self.slot_main[slot] = self.row[key[0]], key[1], True
 
     def _least_used_main(self, il: int, busy: set[int]) -> tuple[int, int] | None:
-        """The main region's expert with the lowest usage count, not one of layer il's `busy`."""
-        vals = np.where(self.slot_main, self.history.counts[self.slot_row, self.slot_ie], np.inf)
+        """The main region's expert worth least (history.worth), not one of layer il's `busy`."""
+        vals = np.where(self.slot_main, self.history.worths(self.slot_row, self.slot_ie), np.inf)
         for ie in busy:
             if (il, ie) in self.main:
                 vals[self.main[(il, ie)]] = np.inf

@@ -11,9 +11,13 @@ a re-converted container starts afresh. The file is written atomically
 (statefile.write_atomic): a crash mid-write leaves the previous version. A file of
 another format version, another model or bad contents is moved aside with a warning.
 
+With `learned-opt` (policy.py) it also learns, per expert, whether Belady's optimum would
+have kept it (optgen.py), and keeps those scores with the counts.
+
 File (JSON): {"format": "colibri-usage-history", "version": 1, "fingerprint": str,
 "moe_layers": [int], "n_expert": int, "half_life": steps, "steps": int, "created": unix
-time, "saved": unix time, "counts": [[float] * n_expert] * n_moe_layers}
+time, "saved": unix time, "counts": [[float] * n_expert] * n_moe_layers, and once
+`learned-opt` has run: "keep_scores": [[int 0..7] * n_expert] * n_moe_layers}
 """
 
 import json
@@ -22,6 +26,7 @@ import time
 
 import numpy as np
 
+from .optgen import SCORE_MAX, SCORE_NEW, OptGen
 from .statefile import read_json_state, write_atomic
 
 FORMAT = "colibri-usage-history"
@@ -46,6 +51,8 @@ class UsageHistory:
         self.weight = 1.0  # what one use adds now: grows by `growth` per step (lazy decay)
         self.growth = 2.0 ** (1.0 / self.half_life)
         self.steps, self.created, self.saved, self.loaded_steps = 0, time.time(), None, 0
+        self.keep_scores: np.ndarray | None = None  # [L, E] int8: what the optimum taught (optgen.py)
+        self.learner: OptGen | None = None  # training keep_scores while `learned-opt` runs
         if path:
             self.load()
 
@@ -63,6 +70,32 @@ class UsageHistory:
         row, w = self.counts[self.row[il]], self.weight
         for ie in ids:  # (a handful: item by item is faster than numpy's fancy indexing)
             row[ie] += w
+        if self.learner is not None:
+            self.learner.visit(self.row[il], ids)
+
+    def learn_optimum(self, capacity: int, top_k: int) -> None:
+        """Learn from Belady's optimum for a cache of `capacity` slots from now on (again
+        with the new capacity when it changes); None: stop (what was learned stays)."""
+        if capacity is None:
+            self.learner = None
+        elif self.learner is None:
+            if self.keep_scores is None:
+                self.keep_scores = np.full(self.counts.shape, SCORE_NEW, np.int8)
+            self.learner = OptGen(*self.counts.shape, capacity, top_k, self.keep_scores)
+        elif self.learner.capacity != capacity:
+            self.learner.resize(capacity, top_k)
+
+    def worth(self, key: tuple[int, int]) -> float:
+        """What keeping key = (layer, expert) in the main region is worth: its decayed count;
+        while learning from the optimum, that count times 1 + its score (optgen.py), so an
+        expert the optimum keeps outweighs one used as often that it lets go."""
+        v = self.value(key)
+        return v if self.learner is None else v * (1 + int(self.keep_scores[self.row[key[0]], key[1]]))
+
+    def worths(self, rows: np.ndarray, ies: np.ndarray) -> np.ndarray:
+        """Numbers in the order of worth() of many: rows (history rows) and ies, alike in shape."""
+        c = self.counts[rows, ies]
+        return c if self.learner is None else c * (1 + self.keep_scores[rows, ies].astype(np.float64))
 
     def values(self) -> np.ndarray:
         # -> [L, E] decayed counts: uses, each weighted 2^(-age / half_life)
@@ -100,6 +133,13 @@ class UsageHistory:
             return f"counts of shape {a.shape} or with negative or non-finite values"
         if not all(isinstance(obj.get(k), int | float) for k in ("steps", "created")):
             return "steps or created missing"
+        if "keep_scores" in obj:
+            try:
+                k = np.asarray(obj["keep_scores"], dtype=np.float64)
+            except (TypeError, ValueError):
+                return "keep_scores are not numbers"
+            if k.shape != self.counts.shape or not np.all((k >= 0) & (k <= SCORE_MAX) & (k == np.round(k))):
+                return f"keep_scores of shape {k.shape} or outside 0..{SCORE_MAX}"
         return None
 
     def load(self) -> bool:
@@ -109,6 +149,8 @@ class UsageHistory:
         if obj is None:
             return False
         self.counts = np.asarray(obj["counts"], dtype=np.float64)
+        if "keep_scores" in obj:
+            self.keep_scores = np.asarray(obj["keep_scores"], dtype=np.int8)
         self.weight = 1.0
         self.steps = self.loaded_steps = int(obj["steps"])
         self.created, self.saved = float(obj["created"]), obj.get("saved")
@@ -119,6 +161,7 @@ class UsageHistory:
             "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "moe_layers": self.moe_layers,
             "n_expert": self.n_expert, "half_life": self.half_life, "steps": self.steps, "created": self.created,
             "saved": time.time(), "counts": [[float(f"{x:.6g}") for x in row] for row in self.values()],
+            **({} if self.keep_scores is None else {"keep_scores": self.keep_scores.tolist()}),
         }).encode()
 
     def save(self) -> bool:
@@ -149,4 +192,5 @@ class UsageHistory:
         return {"path": self.path, "read_only": self.read_only, "half_life_steps": self.half_life,
                 "steps": self.steps, "steps_loaded": self.loaded_steps, "age_s": round(time.time() - self.created, 1),
                 "saved_age_s": round(time.time() - self.saved, 1) if self.saved else None,
-                "experts_seen": int(np.count_nonzero(self.counts)), "file_bytes": size}
+                "experts_seen": int(np.count_nonzero(self.counts)), "file_bytes": size,
+                "optimum": self.learner.describe() if self.learner else None}

@@ -26,6 +26,17 @@ so what the benchmark measures is what the daemon does.
   and gives them back after the step. At start the main region is filled from the
   history. In the replay of the synthetic model's traces
   this is the policy closest to Belady's optimum (bench/cache_policy.py).
+- `learned-opt`: `learned`'s window and main region, ranked by usage weighed by what
+  Belady's optimum would have done (after Hawkeye, ISCA 2016; optgen.py): the cache
+  replays the optimum for its own number of slots over a sliding window of the recent
+  past, and each expert's score goes up when the optimum kept it from one use to the next
+  and down when it did not (or when a use leaves the window unreused). An expert's worth
+  is its decayed count times 1 + its score, so one the optimum lets stream through stays
+  in its layer's window and is not admitted over one it keeps (bypass), and a workload
+  that moves on drops its old experts sooner than counts alone would. The scores are kept
+  in the usage history: a restart keeps what was learned. On the trace library it is
+  level with `learned` (bench/cache_policy.py, docs/benchmarks.md), which stays the
+  default.
 - `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
   many reads of the next layer's predicted experts in flight.
 
@@ -35,7 +46,7 @@ the router alone decides which experts compute.
 
 from dataclasses import asdict, dataclass, replace
 
-POLICIES = ("lru", "lru+pinned", "learned")
+POLICIES = ("lru", "lru+pinned", "learned", "learned-opt")
 
 
 class PolicyInvalid(ValueError):
@@ -58,8 +69,13 @@ class Policy:
     @property
     def windowed(self) -> bool:
         """Whether each layer keeps a small recency window and the rest of the budget is one
-        main region kept by usage (else per-layer LRU shares)."""
-        return self.name == "learned"
+        main region kept by worth (else per-layer LRU shares)."""
+        return self.name in ("learned", "learned-opt")
+
+    @property
+    def learns_optimum(self) -> bool:
+        """Whether the main region is ranked by what Belady's optimum taught (optgen.py)."""
+        return self.name == "learned-opt"
 
     def check(self) -> "Policy":
         """Raise PolicyInvalid naming the first bad setting; return self."""

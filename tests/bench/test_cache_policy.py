@@ -88,6 +88,38 @@ def test_learned_keeps_the_regulars_through_a_scan(shapes):
     assert replay_belady(one_layer(seq), 4)["hits"] >= learned["hits"]
 
 
+def test_the_online_replay_of_the_optimum_keeps_what_belady_keeps():
+    """OPTgen (storage/optgen.py), one use a moment and a window longer than the trace, keeps
+    exactly the reuses Belady's optimum (with bypass) hits, at every capacity."""
+    from colibri.storage.optgen import OptGen
+
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        seq = (rng.zipf(1.4, 300) % 20).tolist()
+        for cap in (1, 2, 4, 8):
+            g = OptGen(1, 20, cap, 1, window=len(seq) + 1)
+            for e in seq:
+                g.visit(0, [e])
+            assert g.kept == replay_belady(one_layer(seq), cap)["hits"], cap
+
+
+def test_learned_opt_follows_a_workload_that_moves_on(shapes):
+    """Two phases: four regulars, then four others and never the first again. Counts alone
+    hold on to the first phase's experts for as long as their uses outweigh the new ones';
+    weighed by what the optimum keeps, they go once their last uses leave the window. On
+    the regular phase both reach the optimum."""
+    first = [0, 1, 2, 3] * 30
+    seq = first + [4, 5, 6, 7] * 30
+    kw = dict(prefetch_reads=0)
+    opt = replay_belady(one_layer(seq), 5)["hits"]
+    learned = replay_cache(one_layer(seq), 5, shapes(1, 8), 1, Policy(name="learned", **kw))["hits"]
+    learned_opt = replay_cache(one_layer(seq), 5, shapes(1, 8), 1, Policy(name="learned-opt", **kw))["hits"]
+    assert learned < learned_opt < opt and opt - learned_opt <= (opt - learned) // 2
+    for name in ("learned", "learned-opt"):  # the first phase alone: every use after the first hits
+        assert replay_cache(one_layer(first), 5, shapes(1, 8), 1, Policy(name=name, **kw))["hits"] \
+            == replay_belady(one_layer(first), 5)["hits"] == len(first) - 4
+
+
 def test_belady_without_bypass_keeps_what_it_reads():
     trace = one_layer([1, 2, 1])
     assert replay_belady(trace, 1) == {"hits": 1, "misses": 2}  # 2 streams through, 1 stays
@@ -95,7 +127,7 @@ def test_belady_without_bypass_keeps_what_it_reads():
     assert replay_belady(one_layer(CLASSIC), 3, bypass=False) == {"hits": 5, "misses": 7}  # the textbook OPT
 
 
-@pytest.mark.parametrize("name", ["lru", "lru+pinned", "learned"])
+@pytest.mark.parametrize("name", ["lru", "lru+pinned", "learned", "learned-opt"])
 def test_the_replay_counts_what_the_serving_cache_did(tmp_path, shapes, name):
     """A model served with a cache writes its routing trace; replayed on a container of the
     same shape (other bytes), the replay hits and misses exactly as the serving cache did:

@@ -101,7 +101,27 @@ def test_kill_9_in_the_middle_of_a_write_leaves_the_previous_version(tmp_path, c
     assert [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")] == []
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "version", "other model", "bad counts"])
+def test_what_the_optimum_taught_survives_a_restart(tmp_path):
+    path = history_path(str(tmp_path), "sha256:abc")
+    h = hist(path)
+    h.learn_optimum(4, 1)
+    for s in range(60):  # expert 1 comes back every other visit, the rest are one-offs
+        h.step()
+        h.record(2, [1] if s % 2 else [2 + s % 4])
+    scores = h.keep_scores.copy()
+    assert scores[LAYERS.index(2), 1] == 7  # the optimum kept it every time
+    assert h.worth((2, 1)) == pytest.approx(8 * h.value((2, 1)))
+    assert h.save()
+    again = hist(path)
+    np.testing.assert_array_equal(again.keep_scores, scores)
+    assert again.worth((2, 1)) == pytest.approx(again.value((2, 1)))  # counts alone until learning again
+    again.learn_optimum(4, 1)
+    assert again.worth((2, 1)) == pytest.approx(8 * again.value((2, 1)))
+    again.learn_optimum(None, 1)
+    assert again.learner is None and again.keep_scores is not None
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "version", "other model", "bad counts", "bad scores"])
 def test_a_damaged_history_is_moved_aside_and_the_start_goes_on(tmp_path, caplog, damage):
     path = str(tmp_path / "h.json")
     h = hist(path)
@@ -111,7 +131,8 @@ def test_a_damaged_history_is_moved_aside_and_the_start_goes_on(tmp_path, caplog
     obj = json.loads(text)
     bad = {"garbage": "\x00\xff not json", "truncated": text[: len(text) // 2],
            "version": json.dumps(obj | {"version": 99}), "other model": json.dumps(obj | {"fingerprint": "x"}),
-           "bad counts": json.dumps(obj | {"counts": [[-1] * N] * len(LAYERS)})}[damage]
+           "bad counts": json.dumps(obj | {"counts": [[-1] * N] * len(LAYERS)}),
+           "bad scores": json.dumps(obj | {"keep_scores": [[9] * N] * len(LAYERS)})}[damage]
     with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.write(bad)
     with caplog.at_level(logging.WARNING, logger="colibri.storage"):
