@@ -15,15 +15,18 @@ ranks its main region by usage times 1 + the score (history.py, policy.py): of t
 experts used alike, the one the optimum keeps stays and the one it lets stream through
 goes first. Nothing here changes which experts compute: placement only.
 
-Cost: per use one slice of the occupancy window (numpy), a few microseconds.
+Cost: per use a pass over the occupancy window between its two uses (compiled), about a
+microsecond.
 """
 
 from collections import deque
 
+import numba as nb
 import numpy as np
 
 SCORE_MAX = 7  # a score's ceiling; 0 is its floor
 SCORE_NEW = 3  # an expert never trained: just below "the optimum keeps it"
+_NONE = np.zeros(0, np.int64)
 WINDOW_FACTOR = 8  # the window spans this many times the visits a full cache's worth of uses takes
 
 
@@ -52,32 +55,45 @@ class OptGen:
     def visit(self, row: int, ids) -> None:
         """Layer row uses experts `ids` (unique) at the next moment."""
         t, w = self.t, self.window
-        self.occ[t % w] = 0
-        if len(self.uses) == w:  # the oldest moment leaves the window: uses not reused since go down
-            old_row, old_ids = self.uses.popleft()
-            stale = old_ids[self.last[old_row, old_ids] == t - w]
-            s = self.scores[old_row]
-            s[stale] = np.maximum(np.minimum(s[stale], SCORE_NEW), 1) - 1
+        old_row, old_ids = self.uses.popleft() if len(self.uses) == w else (0, _NONE)
         ids = np.asarray(ids, np.int64)
         self.uses.append((row, ids))
-        prev = self.last[row, ids]
-        self.last[row, ids] = t
-        s = self.scores[row]
-        for ie, t0 in zip(ids.tolist(), prev.tolist()):
-            if t0 < 0 or t - t0 >= w:
-                continue
-            a, b = t0 % w, t % w  # the moments t0 .. t - 1, wrapped
-            span = (self.occ[a:b],) if a < b else (self.occ[a:], self.occ[:b])
-            self.trained += 1
-            if all(part.max(initial=0) < self.capacity for part in span):
-                for part in span:
-                    part += 1
-                self.kept += 1
-                s[ie] = min(SCORE_MAX, s[ie] + 1)
-            else:
-                s[ie] = max(0, s[ie] - 1)
-        self.t = t + 1
+        kept, trained = _visit(self.occ, self.last, self.scores, row, ids, t, self.capacity, old_row, old_ids)
+        self.kept, self.trained, self.t = self.kept + kept, self.trained + trained, t + 1
 
     def describe(self) -> dict:
         return {"capacity": self.capacity, "window_visits": self.window, "trained": self.trained,
                 "optimum_kept": round(self.kept / self.trained, 3) if self.trained else None}
+
+
+@nb.njit(cache=True, nogil=True)
+def _visit(occ, last, scores, row, ids, t, capacity, old_row, old_ids):
+    # moment t: the uses old_ids of layer row old_row at moment t - window leave the window
+    # (those not reused since go below the middle); then the uses `ids` of layer row `row`,
+    # each reuse within the window kept by the optimum (occupancy below capacity from its
+    # previous use on) or not -> (kept, trained)
+    w = occ.shape[0]
+    occ[t % w] = 0
+    for ie in old_ids:
+        if last[old_row, ie] == t - w:
+            scores[old_row, ie] = max(min(scores[old_row, ie], SCORE_NEW), 1) - 1
+    kept = trained = 0
+    for ie in ids:
+        t0 = last[row, ie]
+        last[row, ie] = t
+        if t0 < 0 or t - t0 >= w:
+            continue
+        trained += 1
+        fits = True
+        for m in range(t0, t):
+            if occ[m % w] >= capacity:
+                fits = False
+                break
+        if fits:
+            for m in range(t0, t):
+                occ[m % w] += 1
+            kept += 1
+            scores[row, ie] = min(SCORE_MAX, scores[row, ie] + 1)
+        else:
+            scores[row, ie] = max(0, scores[row, ie] - 1)
+    return kept, trained
