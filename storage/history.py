@@ -73,7 +73,7 @@ class UsageHistory:
         if self.learner is not None:
             self.learner.visit(self.row[il], ids)
 
-    def learn_optimum(self, capacity: int, top_k: int) -> None:
+    def learn_optimum(self, capacity: int | None, top_k: int) -> None:
         """Learn from Belady's optimum for a cache of `capacity` slots from now on (again
         with the new capacity when it changes); None: stop (what was learned stays)."""
         if capacity is None:
