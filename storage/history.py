@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .optgen import SCORE_MAX, SCORE_NEW, OptGen
+from .optgen import SCORE_MAX, OptGen
 from .statefile import read_json_state, write_atomic
 
 FORMAT = "colibri-usage-history"
@@ -79,9 +79,8 @@ class UsageHistory:
         if capacity is None:
             self.learner = None
         elif self.learner is None:
-            if self.keep_scores is None:
-                self.keep_scores = np.full(self.counts.shape, SCORE_NEW, np.int8)
             self.learner = OptGen(*self.counts.shape, capacity, top_k, self.keep_scores)
+            self.keep_scores = self.learner.scores  # the same array: trained in place, saved from here
         elif self.learner.capacity != capacity:
             self.learner.resize(capacity, top_k)
 
