@@ -11,11 +11,13 @@ float32 rounding, none for MXFP4's power of two) and takes them through the floa
 every token. Activations stay float32; nothing is dequantized but a few rows at a time.
 """
 
+import math
+
 import numba as nb
 import numpy as np
 
 from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_SCALE_LIMIT, FP8_VALUES  # noqa: F401 (for callers too)
-from .ir import F8_E4M3, F8_E5M2, f8_matmul, mx4_matmul
+from .ir import F8_E4M3, F8_E5M2, F8_REBIAS, f8_matmul, mx4_matmul
 from .jit import JIT
 from .kernels import ROW_BLOCK, tiles
 
@@ -44,9 +46,38 @@ def mx4_rows(q, scales, e8m0, values, n0, nr, wb):
             wb[r, 2 * j + 1] = values[b >> 4] * s
 
 
+F8_X_TOP = 60  # f8_prescale puts each token's largest |x| in [2 ** 60, 2 ** 61)
+
+
+@nb.njit(**JIT)
+def f8_prescale(x, rebias):
+    # x [T, K] -> (xs [T, K], xf [T]): xs[t] = x[t] * 2 ** k_t, xf[t] = 2 ** (rebias - k_t),
+    # both exact. The decode kernel multiplies x with the codes read as value * 2 ** -rebias
+    # and scales a block's sum once; k_t (0 .. 100, from the token's own largest |x|, so a
+    # token's bits do not depend on the tokens beside it) keeps every product of a code and an
+    # activation far inside float32's normal range, where it has its full 24 bits: the largest
+    # 448 * 2 ** 61 * 2 ** -120, the smallest that matters some 2 ** 70 below it
+    T, K = x.shape
+    xs = np.empty((T, K), np.float32)
+    xf = np.empty(T, np.float32)
+    for t in range(T):
+        m = np.float32(0.0)
+        for k in range(K):
+            m = max(m, abs(x[t, k]))
+        k_t = 0
+        if m > 0 and np.isfinite(m):
+            k_t = min(100, max(0, F8_X_TOP + 1 - math.frexp(m)[1]))
+        up = np.float32(2.0 ** k_t)
+        for k in range(K):
+            xs[t, k] = x[t, k] * up
+        xf[t] = np.float32(2.0 ** (rebias - k_t))
+    return xs, xf
+
+
 def _make_f8(fmt: int):
     # the FP8 kernels of one format (a constant, so the decoder is compiled in)
     limit = np.float32(FP8_SCALE_LIMIT["fp8_e4m3" if fmt == F8_E4M3 else "fp8_e5m2"])
+    rebias = F8_REBIAS[fmt]
 
     @nb.njit(**JIT)
     def linear_f8(x, q, scales, bn, bk, out):
@@ -60,7 +91,8 @@ def _make_f8(fmt: int):
         for v in scales.ravel():
             if not abs(v) < limit:
                 raise ValueError("fp8 kernel: a scale out of range")
-        f8_matmul(x, q, scales, bn, bk, out, fmt, 0, T, 0, N)
+        xs, xf = f8_prescale(x, rebias)
+        f8_matmul(xs, xf, q, scales, bn, bk, out, fmt, 0, T, 0, N)
 
     @nb.njit(**JIT)
     def linear_f8_tok(x, q, scales, bn, bk, values, out):

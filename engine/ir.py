@@ -31,6 +31,30 @@ def _hsum(builder, v):
     return total
 
 
+PREFETCH_AHEAD = 4096  # bytes of a weight row asked for ahead of the decode-path kernels' reads
+
+
+def _prefetch(builder, row, off):
+    # ask for the weight bytes PREFETCH_AHEAD past row[off] (into the next rows: a matrix is one
+    # block; past its end a prefetch is only a hint, never a fault). The hardware prefetcher
+    # alone keeps too few lines in flight for one core's stream: on the AMD EPYC, one thread,
+    # the FP8 decode kernel read 8.5-9.5 GB/s without it and 11-12.7 with it 4 KiB ahead
+    # (16 KiB: 7-9), a plain read of the same bytes 12-14; int4 and MXFP4, bound by their
+    # arithmetic, gained 5-15 %. It costs a load slot per 32 bytes, which the kernels have spare
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    at = builder.gep(builder.bitcast(row, i8p), [builder.add(off, ir.Constant(off.type, PREFETCH_AHEAD))])
+    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+
+
+def _splat8(builder, v):
+    # <8 x float> of the float v in every lane
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
+                                  ir.Constant(_V8, None), ir.Constant(_V8I32, [0] * 8))
+
+
 @intrinsic
 def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
     """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
@@ -95,7 +119,7 @@ def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
     # floats go through exactly the operations they would alone, so a token's result does not
     # depend on the tokens beside it
     xe_v, xd_v, xs_v, q_v, sc_v, lut_v, out_v = args[:7]
-    i64, i32 = ir.IntType(64), ir.IntType(32)
+    i64 = ir.IntType(64)
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
     erows, drows, srows = ([_row(context, builder, sig.args[k], args[k], t) for t in ts] for k in range(3))
     qrow, scrow = (_row(context, builder, sig.args[k], args[k], n) for k in (3, 4))
@@ -111,9 +135,9 @@ def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
     with cgutils.for_range(builder, n_groups) as loop:
         gi = loop.index
         s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
-                                       ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        splat = _splat8(builder, s)
         offs = [builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c)) for c in range(nblk)]
+        _prefetch(builder, qrow, offs[0])
         bs = [builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
               for off in offs]  # [8] bytes b of each block
         his = [builder.call(floor, [builder.fmul(b, sixteenth)]) for b in bs]  # [8] floor(b / 16)
@@ -223,8 +247,7 @@ def exp_shifted(typingctx, a, r, lo, hi, m):
         r_v, lo_v, hi_v = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[1:4], sig.args[1:4]))
         m_v = context.cast(builder, args[4], sig.args[4], types.float32)
         row = _row(context, builder, sig.args[0], args[0], r_v)
-        msplat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), m_v, ir.Constant(i32, 0)),
-                                        ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+        msplat = _splat8(builder, m_v)
         n = builder.sub(hi_v, lo_v)
         full = builder.sdiv(n, ir.Constant(i64, 8))
         with cgutils.for_range(builder, full) as loop:
@@ -260,7 +283,7 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
     sig = types.void(a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont)
 
     def codegen(context, builder, sig, args):
-        i64, i32 = ir.IntType(64), ir.IntType(32)
+        i64 = ir.IntType(64)
         a_v, v_v, out_v = args[:3]
         r0_v, h0_v, d0_v, lo_v, hi_v, voff_v = (context.cast(builder, x, ty, types.int64)
                                                 for x, ty in zip(args[3:9], sig.args[3:9]))
@@ -271,7 +294,6 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
                   for k in range(NV)] for i in range(NH)]
         accs = [[cgutils.alloca_once_value(builder, builder.load(optrs[i][k], align=4) if CONT
                                            else ir.Constant(_V8, [0.0] * 8)) for k in range(NV)] for i in range(NH)]
-        zeros = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
         with cgutils.for_range(builder, builder.sub(hi_v, lo_v)) as loop:
             j = builder.add(lo_v, loop.index)
             vrow = _row(context, builder, sig.args[1], v_v, builder.sub(j, voff_v))
@@ -279,8 +301,7 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
                                                _V8.as_pointer()), align=4) for k in range(NV)]
             for i in range(NH):
                 s = builder.load(builder.gep(arows[i], [j]))
-                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
-                                               ir.Constant(_V8, None), zeros)
+                splat = _splat8(builder, s)
                 for k in range(NV):
                     builder.store(builder.fadd(builder.load(accs[i][k]), builder.fmul(splat, vs[k])), accs[i][k])
         for i in range(NH):
@@ -361,10 +382,12 @@ i8_at, u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.int8, t
 
 # ---- float-format weights: FP8 (e4m3, e5m2) and MXFP4 (e2m1), decoded in registers ----------
 # A decoder takes the raw codes and gives float32 lanes holding exactly the value each code stands
-# for, with a few integer operations and one multiply (no table gather, which runs at ~1 GB/s here,
-# and no half-precision conversion, which not every target has).
+# for times a fixed power of two, with a few integer operations (no table gather, which runs at
+# ~1 GB/s here, and no half-precision conversion, which not every target has); the power of two
+# and the block's scale multiply a block's sum once.
 F8_E4M3, F8_E5M2 = 0, 1  # fmt of f8_matmul
 _FP_FORMATS = {F8_E4M3: (3, 120), F8_E5M2: (2, 112)}  # fmt -> (mantissa bits, float32 exponent bias - the code's)
+F8_REBIAS = {f: rebias for f, (_, rebias) in _FP_FORMATS.items()}
 
 
 def _splat_i32(ty, v):
@@ -375,22 +398,19 @@ def _float_ty(ty):
     return ir.VectorType(_F32, ty.count) if isinstance(ty, ir.VectorType) else _F32
 
 
-def _decode_fp8(builder, b, fmt, scale):
-    # b: i8 lanes, one FP8 code each; scale: float32 lanes (or a float) of the block's scale
-    # times 2 ** rebias -> float32 lanes of value(code) * block scale, rounded once: the very
-    # weight transformers dequantizes. The code's sign, exponent and mantissa are shifted into
-    # a float32's places as they are (sign-extending the byte puts its sign in bit 31), which
-    # reads value(code) * 2 ** -rebias exactly: a normal float32 for a normal code, a subnormal
-    # one for a subnormal code; one multiply by the scale times 2 ** rebias (exact itself: the
-    # reader keeps scales below 2 ** (127 - rebias)) gives the weight. Five instructions per 8
-    # weights; a subnormal code makes its multiply slow on some CPUs, but real checkpoints
-    # hold ~1 in 10^4 (a block's largest weight is 448, a subnormal below 2 ** -6). NaN and infinity codes would read as finite values: the reader refuses weights
-    # holding them (storage/fpformats.py), so none reaches a kernel.
+def _decode_fp8(builder, b, fmt):
+    # b: i8 lanes, one FP8 code each -> float32 lanes of value(code) * 2 ** -rebias, exactly:
+    # the code's sign, exponent and mantissa shifted into a float32's places as they are
+    # (sign-extending the byte puts its sign in bit 31): a normal float32 for a normal code,
+    # a subnormal one for a subnormal code. Four instructions per 8 weights with the multiply
+    # by x; the block's scale and 2 ** rebias multiply the block's sum once (f8_rows_dot).
+    # NaN and infinity codes would read as finite values: the reader refuses weights holding
+    # them (storage/fpformats.py), so none reaches a kernel.
     mb, _ = _FP_FORMATS[fmt]
     ity = ir.VectorType(ir.IntType(32), b.type.count) if isinstance(b.type, ir.VectorType) else ir.IntType(32)
     c = lambda v: _splat_i32(ity, v)  # noqa: E731
     bits = builder.and_(builder.shl(builder.sext(b, ity), c(23 - mb)), c(0x80000000 | (0x7F << (23 - mb))))
-    return builder.fmul(builder.bitcast(bits, _float_ty(ity)), scale)
+    return builder.bitcast(bits, _float_ty(ity))
 
 
 def _decode_e2m1(builder, n):
@@ -438,46 +458,50 @@ _CHAINS = 4  # independent 8-lane sums per token inside a scale block (a depende
 
 
 def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
-    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt: per block of bk columns, the
-    # scale times 2 ** rebias once; 8-byte chunks decoded into weights (value times scale,
-    # _decode_fp8) once for the nt tokens and multiplied into _CHAINS sums per token (chunk c
-    # of a block's groups of _CHAINS chunks into sum c; a block's last chunks into sums 0, 1,
-    # ..), its last bk % 8 columns one by one into a scalar sum; at the end the sums added
-    # pairwise. A token's floats go through the same operations whatever tokens are beside it.
-    x_v, q_v, s_v, bn_v, bk_v, out_v = args[:6]
-    i64, i32 = ir.IntType(64), ir.IntType(32)
-    _, rebias = _FP_FORMATS[fmt]
+    # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, x prescaled (fpkernels.
+    # f8_prescale: x times 2 ** k_t, xf[t] = 2 ** (rebias - k_t)). Per block of bk columns:
+    # 8-byte chunks decoded (_decode_fp8, value * 2 ** -rebias) once for the nt tokens and
+    # multiplied with x into _CHAINS sums per token (chunk c of a block's groups of _CHAINS
+    # chunks into sum c; a block's last chunks into sums 0, 1, ..), its last bk % 8 columns one
+    # by one into a scalar sum; the sums added pairwise and times the block's scale times xf[t]
+    # into the token's total. A token's floats go through the same operations whatever tokens
+    # are beside it.
+    x_v, xf_v, q_v, s_v, bn_v, bk_v, out_v = args[:7]
+    i64 = ir.IntType(64)
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
     xrows = [_row(context, builder, sig.args[0], x_v, t) for t in ts]
-    qrow = _row(context, builder, sig.args[1], q_v, n)
-    srow = _row(context, builder, sig.args[2], s_v, builder.sdiv(n, bn_v))
-    K = builder.extract_value(context.make_array(sig.args[1])(context, builder, q_v).shape, 1)
+    xfs = [builder.load(builder.gep(context.make_array(sig.args[1])(context, builder, xf_v).data, [t])) for t in ts]
+    qrow = _row(context, builder, sig.args[2], q_v, n)
+    srow = _row(context, builder, sig.args[3], s_v, builder.sdiv(n, bn_v))
+    K = builder.extract_value(context.make_array(sig.args[2])(context, builder, q_v).shape, 1)
     n_blocks = builder.sdiv(builder.add(K, builder.sub(bk_v, ir.Constant(i64, 1))), bk_v)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
     fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
-    chains = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(_CHAINS)] for _ in range(nt)]
-    tails = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]
-    splat_p = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
-    scale_p = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+    zero8, zero1 = ir.Constant(_V8, [0.0] * 8), ir.Constant(_F32, 0.0)
+    chains = [[cgutils.alloca_once_value(builder, zero8) for _ in range(_CHAINS)] for _ in range(nt)]
+    tails = [cgutils.alloca_once_value(builder, zero1) for _ in range(nt)]
+    totals = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
+    tail_totals = [cgutils.alloca_once_value(builder, zero1) for _ in range(nt)]
 
     def chunk(off, which):  # 8 columns from `off` into sum `which` of every token
-        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt, builder.load(splat_p))
+        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt)
         for i in range(nt):
             xv = _vload(builder, xrows[i], off, _V8, 4)
             builder.store(builder.call(fma, [xv, w, builder.load(chains[i][which])]), chains[i][which])
 
     with cgutils.for_range(builder, n_blocks) as blk:
+        for i in range(nt):
+            for p in chains[i]:
+                builder.store(zero8, p)
+            builder.store(zero1, tails[i])
         k0 = builder.mul(blk.index, bk_v)
         k1 = builder.select(builder.icmp_signed("<", builder.add(k0, bk_v), K), builder.add(k0, bk_v), K)
         width = builder.sub(k1, k0)
-        s = builder.fmul(builder.load(builder.gep(srow, [blk.index])), ir.Constant(_F32, float(2.0 ** rebias)))
-        builder.store(s, scale_p)
-        builder.store(builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), s, ir.Constant(i32, 0)),
-                                             ir.Constant(_V8, None), ir.Constant(ir.VectorType(i32, 8), [0] * 8)), splat_p)
         step = 8 * _CHAINS
         groups = builder.sdiv(width, ir.Constant(i64, step))
         with cgutils.for_range(builder, groups) as grp:
             base = builder.add(k0, builder.mul(grp.index, ir.Constant(i64, step)))
+            _prefetch(builder, qrow, base)
             for c in range(_CHAINS):
                 chunk(builder.add(base, ir.Constant(i64, 8 * c)), c)
         done = builder.mul(groups, ir.Constant(i64, step))
@@ -488,37 +512,45 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
         k_tail = builder.add(k0, builder.add(done, builder.mul(left, ir.Constant(i64, 8))))
         with cgutils.for_range(builder, builder.sub(k1, k_tail)) as tl:
             k = builder.add(k_tail, tl.index)
-            w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt, builder.load(scale_p))
+            w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt)
             for i in range(nt):
                 builder.store(builder.call(fma1, [builder.load(builder.gep(xrows[i], [k])), w, builder.load(tails[i])]),
                               tails[i])
+        s = builder.load(builder.gep(srow, [blk.index]))
+        for i in range(nt):
+            f = builder.fmul(s, xfs[i])  # exact: a power of two times the scale, in range (f8_prescale)
+            cs = [builder.load(p) for p in chains[i]]
+            block = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
+            builder.store(builder.call(fma, [block, _splat8(builder, f), builder.load(totals[i])]), totals[i])
+            builder.store(builder.call(fma1, [builder.load(tails[i]), f, builder.load(tail_totals[i])]), tail_totals[i])
     for i in range(nt):
-        cs = [builder.load(chains[i][c]) for c in range(_CHAINS)]
-        total = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
-        orow = _row(context, builder, sig.args[5], out_v, ts[i])
-        builder.store(builder.fadd(_hsum(builder, total), builder.load(tails[i])), builder.gep(orow, [n]))
+        orow = _row(context, builder, sig.args[6], out_v, ts[i])
+        builder.store(builder.fadd(_hsum(builder, builder.load(totals[i])), builder.load(tail_totals[i])),
+                      builder.gep(orow, [n]))
 
 
 @intrinsic
-def f8_matmul(typingctx, x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi):
-    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]): x [T, K] f32, q
-    [N, K] uint8 FP8 codes of format `fmt` (F8_E4M3 or F8_E5M2, a compile-time constant),
-    scales [ceil(N / bn), ceil(K / bk)] f32, one per bn x bk block (the last ones may be
-    partial), out [T, N] f32; every array 2-D C-contiguous; the caller checks shapes and ranges.
-    The codes are decoded in registers into the weights transformers dequantizes (_decode_fp8,
-    f8_rows_dot); a (token, row) result is the same alone or batched, in every process."""
+def f8_matmul(typingctx, x, xf, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi):
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) / (2 ** rebias
+    xf[t]): x [T, K] f32 and xf [T] f32 from fpkernels.f8_prescale, q [N, K] uint8 FP8 codes
+    of format `fmt` (F8_E4M3 or F8_E5M2, a compile-time constant), scales [ceil(N / bn),
+    ceil(K / bk)] f32, one per bn x bk block (the last ones may be partial), out [T, N] f32;
+    every array C-contiguous; the caller checks shapes and ranges. The codes are decoded in
+    registers (_decode_fp8, f8_rows_dot); a (token, row) result is the same alone or batched,
+    in every process."""
     arrays = (x, q, scales, out)
     if not (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in _FP_FORMATS
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and isinstance(xf, types.Array) and xf.ndim == 1 and xf.dtype == types.float32
             and all(isinstance(v, types.Integer) for v in (bn, bk, t_lo, t_hi, n_lo, n_hi))):
         return None
     f = fmt.literal_value
-    sig = types.void(x, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
+    sig = types.void(x, xf, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi)
 
     def codegen(context, builder, sig, args):
         v = [context.cast(builder, a, ty, types.int64) for a, ty in zip(args, sig.args)]
-        args = list(args[:3]) + [v[3], v[4]] + [args[5]]
-        _token_blocks(builder, v[7], v[8], v[9], v[10],
+        args = list(args[:4]) + [v[4], v[5]] + [args[6]]
+        _token_blocks(builder, v[8], v[9], v[10], v[11],
                       lambda t, n, nt: f8_rows_dot(context, builder, sig, args, t, n, nt, f), F8_TOKENS)
         return context.get_dummy_value()
 
@@ -618,6 +650,7 @@ def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
                                      scale(builder.add(first, ir.Constant(i64, 1))), ir.Constant(i32, 1))
         svec = builder.shuffle_vector(two, ir.Constant(_V8, None), ir.Constant(_V8I32, [0] * 4 + [1] * 4))
         col = builder.mul(pair.index, ir.Constant(i64, 64))
+        _prefetch(builder, qrow, builder.mul(pair.index, ir.Constant(i64, 32)))
         ws = _e2m1_pair(context, builder, _vload(builder, qrow, builder.mul(pair.index, ir.Constant(i64, 32)), _V8I32, 1))
         for i in range(nt):
             for h in range(2):

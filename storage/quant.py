@@ -29,7 +29,8 @@ PUBLISHED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "mxfp4")  # a checkpoint's own forma
 FP8_KINDS = ("fp8_e4m3", "fp8_e5m2")
 MX_GROUP = 32  # MXFP4: weights per e8m0 scale
 # FP8 scales colibri computes with: below 2 ** (128 - the format's float32 rebias), so the
-# kernels' scale times 2 ** rebias is exact (engine/ir.py _decode_fp8); real ones are ~1e-4
+# decode kernel's scale times up to 2 ** rebias is a finite float32, exact (engine/fpkernels.py
+# f8_prescale); real ones are ~1e-4
 FP8_SCALE_LIMIT = {"fp8_e4m3": 2.0 ** 8, "fp8_e5m2": 2.0 ** 16}
 
 

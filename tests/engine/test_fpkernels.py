@@ -98,3 +98,27 @@ def test_shapes_that_do_not_match_are_refused():
     with pytest.raises(ValueError, match="mxfp4 kernel"):
         fpkernels.linear_mx4(np.zeros((1, 60), np.float32), np.zeros((4, 30), np.uint8), np.zeros((4, 2), np.uint8),
                              E8M0_VALUES, out)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_decode_path_holds_for_activations_of_any_size(kind):
+    # the decode kernel scales each token's x by a power of two of its own (f8_prescale): a
+    # token of huge, tiny or zero activations beside ordinary ones keeps full precision and
+    # the same bits alone as batched
+    rng = np.random.default_rng(7)
+    N, K = 40, 300
+    q = finite_codes(rng, kind, (N, K))
+    s = (rng.random((1, -(-K // 128))) * 0.01 + 1e-3).astype(np.float32)
+    W = dequantize(QuantWeight(kind, q, s, 128, N)).astype(np.float64)
+    fmt = fpkernels.FP8_FORMATS[kind]
+    x = rng.standard_normal((5, K)).astype(np.float32) * np.array([[1.0], [2.0**70], [2.0**-90], [0.0], [1e-3]], np.float32)
+    x[4, 7] = 2.0**40  # one large activation among small ones
+    out = np.empty((5, N), np.float32)
+    fpkernels.LINEAR_F8[fmt](x, q, s, N, 128, out)
+    ref = x.astype(np.float64) @ W.T
+    for t in range(5):
+        assert np.abs(out[t] - ref[t]).max() <= RTOL * np.abs(ref[t]).max(), t
+        alone = np.empty((1, N), np.float32)
+        fpkernels.LINEAR_F8[fmt](x[t : t + 1], q, s, N, 128, alone)
+        assert np.array_equal(alone[0], out[t]), t
+    assert not out[3].any()
