@@ -531,8 +531,9 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
 
 @intrinsic
 def f8_matmul(typingctx, x, xf, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n_hi):
-    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) / (2 ** rebias
-    xf[t]): x [T, K] f32 and xf [T] f32 from fpkernels.f8_prescale, q [N, K] uint8 FP8 codes
+    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) * xf[t] * 2 **
+    -rebias, which with fpkernels.f8_prescale's x [T, K] f32 and xf [T] f32 is the original
+    activations' product with the weights; q [N, K] uint8 FP8 codes
     of format `fmt` (F8_E4M3 or F8_E5M2, a compile-time constant), scales [ceil(N / bn),
     ceil(K / bk)] f32, one per bn x bk block (the last ones may be partial), out [T, N] f32;
     every array C-contiguous; the caller checks shapes and ranges. The codes are decoded in
