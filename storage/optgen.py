@@ -5,8 +5,9 @@ past, for every reuse of an expert, would the optimal cache of the same number o
 still have held it since its previous use? The optimal (bypassing) cache keeps an expert
 from one use to the next exactly when, at every moment in between, fewer than `capacity`
 other kept intervals overlap; an occupancy count per moment of the window answers that
-in one pass over the moments between the two uses. Time here is a layer visit: each `visit(row, ids)` (a MoE layer routing a
-step's experts) is one moment, and its experts are used at it.
+in one pass over the moments between the two uses. Time here is a layer visit: each
+`visit(row, ids)` (a MoE layer routing a step's experts) is one moment, and its experts
+are used at it.
 
 Each (layer, expert) keeps a saturating score (0 .. SCORE_MAX): up when the optimum kept
 it from its previous use to this one, down when it did not, and below the middle when a
