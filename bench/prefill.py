@@ -17,8 +17,9 @@ multiply-adds it does; and the ratios the targets are stated in:
   being the bytes read / the O_DIRECT bandwidth.
 Warm runs go at each thread count of --threads (default 1 and every CPU: the scaling), the
 cold ones at the largest. The peaks are measured at each thread count: memory by a parallel sum over 256 MiB,
-FMA by independent 8-lane multiply-add chains on every thread (a numba kernel in LLVM IR,
-so that what it measures is the CPU, not a compiler's choice), disk by decode.py's random
+FMA by independent multiply-add chains in the CPU's widest float32 vectors (16 lanes with
+AVX-512, else 8, as the kernels use) on every thread (a numba kernel in LLVM IR, so that
+what it measures is the CPU, not a compiler's choice), disk by decode.py's random
 O_DIRECT record reads.
 """
 
@@ -44,23 +45,25 @@ from decode import disk_gbs, drop_caches  # noqa: E402
 from synthetic import SHAPE, build, load_model, prompt  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
+from colibri.engine.ir import host_features  # noqa: E402
 
-CHAINS = 12  # independent 8-lane FMA chains: enough to cover the FMA latency of every x86 and ARM core
+CHAINS = 12  # independent vector FMA chains: enough to cover the FMA latency of every x86 and ARM core
+LANES = 16 if "+avx512f" in host_features() else 8  # the kernels' widest vectors (engine/ir.py)
 
 
 @intrinsic
 def _fma_chains(typingctx, n):
-    # n rounds of CHAINS independent 8-lane multiply-adds, kept in registers; returns their sum
+    # n rounds of CHAINS independent LANES-lane multiply-adds, kept in registers; returns their sum
     # (so nothing is optimised away)
     if not isinstance(n, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
         f32 = ir.FloatType()
-        v8 = ir.VectorType(f32, 8)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8] * 3), "llvm.fma.v8f32")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8, [0.001 * (k + 1)] * 8)) for k in range(CHAINS)]
-        a, b = ir.Constant(v8, [0.999999] * 8), ir.Constant(v8, [1e-7] * 8)
+        vf = ir.VectorType(f32, LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{LANES}f32")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.001 * (k + 1)] * LANES)) for k in range(CHAINS)]
+        a, b = ir.Constant(vf, [0.999999] * LANES), ir.Constant(vf, [1e-7] * LANES)
         with cgutils.for_range(builder, context.cast(builder, args[0], sig.args[0], types.int64)):
             for acc in accs:
                 builder.store(builder.call(fma, [builder.load(acc), a, b]), acc)
@@ -78,7 +81,7 @@ def fma_rounds(n):
 
 
 def fma_peak_gflops(threads: int, seconds: float = 1.0) -> float:
-    """float32 multiply-adds per second (x 2: flops), CHAINS x 8 lanes per round, on `threads`
+    """float32 multiply-adds per second (x 2: flops), CHAINS x LANES lanes per round, on `threads`
     threads at once (the kernel releases the GIL)."""
     fma_rounds(10)
     n = 1 << 22
@@ -90,7 +93,7 @@ def fma_peak_gflops(threads: int, seconds: float = 1.0) -> float:
         t0 = time.perf_counter()
         list(pool.map(fma_rounds, [n] * threads))
         dt = time.perf_counter() - t0
-    return 2 * CHAINS * 8 * n * threads / dt / 1e9
+    return 2 * CHAINS * LANES * n * threads / dt / 1e9
 
 
 def memory_gbs(threads: int) -> float:

@@ -17,7 +17,7 @@ import numba as nb
 import numpy as np
 
 from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_SCALE_LIMIT, FP8_VALUES  # noqa: F401 (for callers too)
-from .ir import F8_E4M3, F8_E5M2, F8_REBIAS, f8_matmul, mx4_matmul
+from .ir import F8_E4M3, F8_E5M2, F8_REBIAS, MX4_GROUP, f8_matmul, mx4_matmul
 from .jit import JIT
 from .kernels import ROW_BLOCK, tiles
 
@@ -117,21 +117,31 @@ for _f in (F8_E4M3, F8_E5M2):
 
 
 @nb.njit(**JIT)
+def _mx4_place(x, xp, t, c0, lanes):
+    # the 8 * lanes columns from c0 of token t, one group of lanes / 4 blocks: the column of
+    # nibble h of byte j of lane k at lanes (4h + j) + k
+    for h in range(2):
+        for j in range(4):
+            for k in range(lanes):
+                xp[t, c0 + lanes * (4 * h + j) + k] = x[t, c0 + 2 * (4 * k + j) + h]
+
+
+@nb.njit(**JIT)
 def mx4_layout(x):
-    # x [T, K] in the order mx4_matmul reads it: in each pair of 32-column blocks (64 columns,
-    # 32 bytes of codes read as 8 lanes of 4 bytes), the column of nibble h of byte j of lane
-    # k at 8 (4h + j) + k; an odd last block's even columns, then its odd ones
+    # x [T, K] in the order mx4_matmul reads it: groups of MX4_GROUP 32-column blocks (each
+    # read as 4 MX4_GROUP lanes of 4 bytes of codes), a pair of blocks left over as a group of
+    # 8 lanes, an odd last block's even columns, then its odd ones
     T, K = x.shape
     xp = np.empty((T, K), np.float32)
-    pairs = K // 64
+    blocks = K // 32
     for t in range(T):
-        for p in range(pairs):
-            c0 = 64 * p
-            for h in range(2):
-                for j in range(4):
-                    for k in range(8):
-                        xp[t, c0 + 8 * (4 * h + j) + k] = x[t, c0 + 2 * (4 * k + j) + h]
-        if K % 64:
+        c0 = 0
+        for _ in range(blocks // MX4_GROUP):
+            _mx4_place(x, xp, t, c0, 4 * MX4_GROUP)
+            c0 += 32 * MX4_GROUP
+        if blocks % MX4_GROUP >= 2:
+            _mx4_place(x, xp, t, c0, 8)
+        if blocks % 2:
             c0 = K - 32
             for i in range(16):
                 xp[t, c0 + i] = x[t, c0 + 2 * i]

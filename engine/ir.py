@@ -49,10 +49,30 @@ def _prefetch(builder, row, off):
     builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
 
 
+def _lanes(context, nbytes: int) -> int:
+    # float32 lanes of the decode kernels' vectors: 16 where the CPU has 512-bit registers
+    # (AVX-512F) and the unit divides by 16, else 8. On the AMD EPYC of family 26 (Zen 5) the
+    # 8-lane loops were bound by their instruction count at a third to a half of one thread's
+    # memory read; 16 lanes do the same work in half the instructions
+    return 16 if _has_feature(context, "avx512f") and nbytes % 16 == 0 else 8
+
+
+def _splat_lanes(builder, v, lanes: int):
+    # <lanes x float> of the float v in every lane
+    vf = ir.VectorType(_F32, lanes)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), v, ir.Constant(ir.IntType(32), 0)),
+                                  ir.Constant(vf, None), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
+def _to8(builder, v):
+    # <8 x float>: a 16-lane vector's halves added (an 8-lane one as it is)
+    if v.type.count == 8:
+        return v
+    return builder.fadd(*(builder.shuffle_vector(v, v, ir.Constant(_V8I32, list(range(h, h + 8)))) for h in (0, 8)))
+
+
 def _splat8(builder, v):
-    # <8 x float> of the float v in every lane
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
-                                  ir.Constant(_V8, None), ir.Constant(_V8I32, [0] * 8))
+    return _splat_lanes(builder, v, 8)
 
 
 @intrinsic
@@ -60,8 +80,9 @@ def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
     """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
     constants); x [T, D] float32, w [R, D] float32 or bf16 bits (uint16, widened in registers:
     exact, so the same bits as from a widened copy); every array 2-D C-contiguous; the caller
-    checks shapes. Each pair is one 8-lane chain of multiply-adds over D's multiple of 8, a horizontal
-    sum in a fixed order, then the last D % 8 products one by one: the same operations whatever
+    checks shapes. Each pair is one chain of multiply-adds in L lanes (16 where the CPU has
+    AVX-512F, else 8) over D's multiple of L, a horizontal sum in a fixed order, then the last
+    D % L products one by one: the same operations whatever
     tile it is computed in, so a (token, row) result does not depend on the tokens or rows
     beside it, nor on the process (no fast-math)."""
     if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
@@ -78,25 +99,26 @@ def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
         xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
         wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
         D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(NR)] for _ in range(NT)]
-        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, 8))) as loop:
-            off = builder.mul(loop.index, ir.Constant(i64, 8))
-            xs = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in xrows]
-            if bf16:  # [8] bf16 bits -> float32: the bits shifted into the high half
-                ws = [builder.bitcast(builder.shl(builder.zext(builder.load(builder.bitcast(
-                      builder.gep(r, [off]), _V8I16.as_pointer()), align=2), _V8I32), ir.Constant(_V8I32, [16] * 8)), _V8)
-                      for r in wrows]
+        L = _lanes(context, 16)
+        vf, vi16, vi32 = (ir.VectorType(t, L) for t in (_F32, ir.IntType(16), ir.IntType(32)))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{L}f32")
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * L)) for _ in range(NR)] for _ in range(NT)]
+        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, L))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, L))
+            xs = [_vload(builder, r, off, vf, 4) for r in xrows]
+            if bf16:  # [L] bf16 bits -> float32: the bits shifted into the high half
+                ws = [builder.bitcast(builder.shl(builder.zext(_vload(builder, r, off, vi16, 2), vi32),
+                                                  ir.Constant(vi32, [16] * L)), vf) for r in wrows]
             else:
-                ws = [builder.load(builder.bitcast(builder.gep(r, [off]), _V8.as_pointer()), align=4) for r in wrows]
+                ws = [_vload(builder, r, off, vf, 4) for r in wrows]
             for i in range(NT):
                 for j in range(NR):
                     builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
-        sums = [[cgutils.alloca_once_value(builder, _hsum(builder, builder.load(accs[i][j]))) for j in range(NR)]
-                 for i in range(NT)]
+        sums = [[cgutils.alloca_once_value(builder, _hsum(builder, _to8(builder, builder.load(accs[i][j]))))
+                 for j in range(NR)] for i in range(NT)]
         fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
-        with cgutils.for_range(builder, builder.srem(D, ir.Constant(i64, 8))) as tail:  # D % 8 products
-            d = builder.add(builder.sub(D, builder.srem(D, ir.Constant(i64, 8))), tail.index)
+        with cgutils.for_range(builder, builder.srem(D, ir.Constant(i64, L))) as tail:  # D % L products
+            d = builder.add(builder.sub(D, builder.srem(D, ir.Constant(i64, L))), tail.index)
             for i in range(NT):
                 for j in range(NR):
                     xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
@@ -120,6 +142,9 @@ def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
     # depend on the tokens beside it
     xe_v, xd_v, xs_v, q_v, sc_v, lut_v, out_v = args[:7]
     i64 = ir.IntType(64)
+    L = _lanes(context, 8 * nblk)  # bytes a vector; a group is nblk * 8
+    nvec = 8 * nblk // L
+    vf, vi8 = ir.VectorType(_F32, L), ir.VectorType(ir.IntType(8), L)
     ts = [builder.add(t0, ir.Constant(i64, i)) for i in range(nt)]
     erows, drows, srows = ([_row(context, builder, sig.args[k], args[k], t) for t in ts] for k in range(3))
     qrow, scrow = (_row(context, builder, sig.args[k], args[k], n) for k in (3, 4))
@@ -127,26 +152,26 @@ def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
     n_groups = builder.sdiv(builder.extract_value(context.make_array(sig.args[0])(context, builder, xe_v).shape, 1),
                             ir.Constant(i64, nblk * 8))
     # multiply-add, fused where the CPU has FMA
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8]), "llvm.floor.v8f32")
-    sixteenth = ir.Constant(_V8, [0.0625] * 8)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(nt)]  # sum of scale * part
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{L}f32")
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]), f"llvm.floor.v{L}f32")
+    sixteenth = ir.Constant(vf, [0.0625] * L)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * L)) for _ in range(nt)]  # sum of scale * part
     corrs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(nt)]  # sum of scale * xsum8
     with cgutils.for_range(builder, n_groups) as loop:
         gi = loop.index
         s = builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(scrow, [gi])), i64)]))
-        splat = _splat8(builder, s)
-        offs = [builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, 8 * c)) for c in range(nblk)]
+        splat = _splat_lanes(builder, s, L)
+        offs = [builder.add(builder.mul(gi, ir.Constant(i64, nblk * 8)), ir.Constant(i64, L * c)) for c in range(nvec)]
         _prefetch(builder, qrow, offs[0])
-        bs = [builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), _V8I8.as_pointer()), align=1), _V8)
-              for off in offs]  # [8] bytes b of each block
-        his = [builder.call(floor, [builder.fmul(b, sixteenth)]) for b in bs]  # [8] floor(b / 16)
+        bs = [builder.uitofp(builder.load(builder.bitcast(builder.gep(qrow, [off]), vi8.as_pointer()), align=1), vf)
+              for off in offs]  # [L] bytes b of each vector
+        his = [builder.call(floor, [builder.fmul(b, sixteenth)]) for b in bs]  # [L] floor(b / 16)
         for i in range(nt):
             builder.store(builder.fadd(builder.load(corrs[i]), builder.fmul(builder.load(builder.gep(srows[i], [gi])), s)),
                           corrs[i])
             parts = []
-            for off, b, hi in zip(offs, bs, his):  # [8] e * b + d * floor(b / 16) for each block of 8 bytes
-                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), _V8.as_pointer()), align=4)
+            for off, b, hi in zip(offs, bs, his):  # [L] e * b + d * floor(b / 16) for each vector of L bytes
+                e, d = (builder.load(builder.bitcast(builder.gep(row, [off]), vf.as_pointer()), align=4)
                         for row in (erows[i], drows[i]))
                 parts.append(builder.call(fma, [e, b, builder.fmul(d, hi)]))
             while len(parts) > 1:  # pairwise: independent adds, not a chain
@@ -154,7 +179,8 @@ def q4_rows_dot(context, builder, sig, args, t0, n, nt: int, nblk: int):
             builder.store(builder.call(fma, [parts[0], splat, builder.load(accs[i])]), accs[i])
     for i in range(nt):
         orow = _row(context, builder, sig.args[6], out_v, ts[i])
-        builder.store(builder.fsub(_hsum(builder, builder.load(accs[i])), builder.load(corrs[i])), builder.gep(orow, [n]))
+        total = _hsum(builder, _to8(builder, builder.load(accs[i])))
+        builder.store(builder.fsub(total, builder.load(corrs[i])), builder.gep(orow, [n]))
 
 
 Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
@@ -460,9 +486,10 @@ _CHAINS = 4  # independent 8-lane sums per token inside a scale block (a depende
 def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
     # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, x prescaled (fpkernels.
     # f8_prescale: x times 2 ** k_t, xf[t] = 2 ** (rebias - k_t)). Per block of bk columns:
-    # 8-byte chunks decoded (_decode_fp8, value * 2 ** -rebias) once for the nt tokens and
-    # multiplied with x into _CHAINS sums per token (chunk c of a block's groups of _CHAINS
-    # chunks into sum c; a block's last chunks into sums 0, 1, ..), its last bk % 8 columns one
+    # L-byte chunks (L: 16 lanes with AVX-512F, else 8) decoded (_decode_fp8, value * 2 **
+    # -rebias) once for the nt tokens and multiplied with x into _CHAINS sums per token (chunk c
+    # of a block's groups of _CHAINS chunks into sum c; a block's last chunks into sums 0, 1,
+    # ..), its last bk % L columns one
     # by one into a scalar sum; the sums added pairwise and times the block's scale times xf[t]
     # into the token's total. A token's floats go through the same operations whatever tokens
     # are beside it.
@@ -475,41 +502,43 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
     srow = _row(context, builder, sig.args[3], s_v, builder.sdiv(n, bn_v))
     K = builder.extract_value(context.make_array(sig.args[2])(context, builder, q_v).shape, 1)
     n_blocks = builder.sdiv(builder.add(K, builder.sub(bk_v, ir.Constant(i64, 1))), bk_v)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+    L = 16 if _has_feature(context, "avx512f") else 8  # lanes (_lanes)
+    vf, vi8 = ir.VectorType(_F32, L), ir.VectorType(ir.IntType(8), L)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{L}f32")
     fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
-    zero8, zero1 = ir.Constant(_V8, [0.0] * 8), ir.Constant(_F32, 0.0)
-    chains = [[cgutils.alloca_once_value(builder, zero8) for _ in range(_CHAINS)] for _ in range(nt)]
+    zerov, zero1 = ir.Constant(vf, [0.0] * L), ir.Constant(_F32, 0.0)
+    chains = [[cgutils.alloca_once_value(builder, zerov) for _ in range(_CHAINS)] for _ in range(nt)]
     tails = [cgutils.alloca_once_value(builder, zero1) for _ in range(nt)]
-    totals = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
+    totals = [cgutils.alloca_once_value(builder, zerov) for _ in range(nt)]
     tail_totals = [cgutils.alloca_once_value(builder, zero1) for _ in range(nt)]
 
-    def chunk(off, which):  # 8 columns from `off` into sum `which` of every token
-        w = _decode_fp8(builder, _vload(builder, qrow, off, _V8I8, 1), fmt)
+    def chunk(off, which):  # L columns from `off` into sum `which` of every token
+        w = _decode_fp8(builder, _vload(builder, qrow, off, vi8, 1), fmt)
         for i in range(nt):
-            xv = _vload(builder, xrows[i], off, _V8, 4)
+            xv = _vload(builder, xrows[i], off, vf, 4)
             builder.store(builder.call(fma, [xv, w, builder.load(chains[i][which])]), chains[i][which])
 
     with cgutils.for_range(builder, n_blocks) as blk:
         for i in range(nt):
             for p in chains[i]:
-                builder.store(zero8, p)
+                builder.store(zerov, p)
             builder.store(zero1, tails[i])
         k0 = builder.mul(blk.index, bk_v)
         k1 = builder.select(builder.icmp_signed("<", builder.add(k0, bk_v), K), builder.add(k0, bk_v), K)
         width = builder.sub(k1, k0)
-        step = 8 * _CHAINS
+        step = L * _CHAINS
         groups = builder.sdiv(width, ir.Constant(i64, step))
         with cgutils.for_range(builder, groups) as grp:
             base = builder.add(k0, builder.mul(grp.index, ir.Constant(i64, step)))
             _prefetch(builder, qrow, base)
             for c in range(_CHAINS):
-                chunk(builder.add(base, ir.Constant(i64, 8 * c)), c)
+                chunk(builder.add(base, ir.Constant(i64, L * c)), c)
         done = builder.mul(groups, ir.Constant(i64, step))
-        left = builder.sdiv(builder.sub(width, done), ir.Constant(i64, 8))  # 0 .. _CHAINS - 1 chunks
+        left = builder.sdiv(builder.sub(width, done), ir.Constant(i64, L))  # 0 .. _CHAINS - 1 chunks
         for c in range(_CHAINS - 1):
             with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, c))):
-                chunk(builder.add(builder.add(k0, done), ir.Constant(i64, 8 * c)), c)
-        k_tail = builder.add(k0, builder.add(done, builder.mul(left, ir.Constant(i64, 8))))
+                chunk(builder.add(builder.add(k0, done), ir.Constant(i64, L * c)), c)
+        k_tail = builder.add(k0, builder.add(done, builder.mul(left, ir.Constant(i64, L))))
         with cgutils.for_range(builder, builder.sub(k1, k_tail)) as tl:
             k = builder.add(k_tail, tl.index)
             w = _decode_fp8(builder, builder.load(builder.gep(qrow, [k])), fmt)
@@ -521,11 +550,11 @@ def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
             f = builder.fmul(s, xfs[i])  # exact: a power of two times the scale, in range (f8_prescale)
             cs = [builder.load(p) for p in chains[i]]
             block = builder.fadd(builder.fadd(cs[0], cs[1]), builder.fadd(cs[2], cs[3]))
-            builder.store(builder.call(fma, [block, _splat8(builder, f), builder.load(totals[i])]), totals[i])
+            builder.store(builder.call(fma, [block, _splat_lanes(builder, f, L), builder.load(totals[i])]), totals[i])
             builder.store(builder.call(fma1, [builder.load(tails[i]), f, builder.load(tail_totals[i])]), tail_totals[i])
     for i in range(nt):
         orow = _row(context, builder, sig.args[6], out_v, ts[i])
-        builder.store(builder.fadd(_hsum(builder, builder.load(totals[i])), builder.load(tail_totals[i])),
+        builder.store(builder.fadd(_hsum(builder, _to8(builder, builder.load(totals[i]))), builder.load(tail_totals[i])),
                       builder.gep(orow, [n]))
 
 
@@ -562,9 +591,22 @@ def f8_matmul(typingctx, x, xf, q, scales, bn, bk, out, fmt, t_lo, t_hi, n_lo, n
 _E2M1_TWICE = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 
 
+def host_features() -> str:
+    # the features numba compiles for (the host's); its cache keys code on them
+    from numba.core.registry import cpu_target
+    return getattr(cpu_target.target_context.codegen(), "_tm_features", "")
+
+
 def _has_feature(context, feature: str) -> bool:
-    # numba compiles for the host, and its cache keys code on the host's features
     return f"+{feature}" in getattr(context.codegen(), "_tm_features", "")
+
+
+# MXFP4 blocks of 32 codes the decode path decodes at once: four (64 bytes, 16 lanes) where the
+# CPU has 512-bit byte shuffles (AVX-512BW), else two (32 bytes, 8 lanes). On the AMD EPYC of
+# family 26 (Zen 5) one thread decoded 8-lane pairs at 11-12 GB/s of MXFP4, a third of its
+# 36 GB/s memory read: the loop is bound by its instructions, and a 16-lane one does the same
+# work in half of them. fpkernels.mx4_layout lays x out for the same grouping.
+MX4_GROUP = 4 if "+avx512bw" in host_features() else 2
 
 
 def _e2m1_block(context, builder, b, scale):
@@ -586,7 +628,8 @@ def _e2m1_block(context, builder, b, scale):
     return tuple(builder.fmul(_decode_e2m1(builder, builder.zext(c, v16i32)), scale) for c in (lo, hi))
 
 
-MX4_PAIR_SHIFT = 25  # a pair's codes decode to value * 2 ** 25 (below); the row's sum is scaled back once
+MX4_PAIR_SHIFT = 25  # a group's codes decode to value * 2 ** 25 (below); the row's sum is scaled back once
+_PSHUFB = {8: ("avx2", "llvm.x86.avx2.pshuf.b"), 16: ("avx512bw", "llvm.x86.avx512.pshuf.b.512")}  # lanes ->
 
 
 def _top_byte(builder, w, j: int):
@@ -594,27 +637,29 @@ def _top_byte(builder, w, j: int):
     return w if j == 3 else builder.shl(w, _splat_i32(w.type, 24 - 8 * j))
 
 
-def _e2m1_pair(context, builder, w):
-    # w: <8 x i32>, the 32 bytes of two MXFP4 blocks (lanes 0-3 the first, 4-7 the second) ->
-    # [(h, j) -> <8 x float>] for h = 0 (low nibbles), 1 (high) and byte j of every lane, in
-    # the order 4h + j: value(code) * 2 ** 25, exact. Where the CPU has AVX2, one 32-byte
-    # table lookup per nibble gives twice each value as a byte, and a byte moved to the top
-    # of its lane (shifts and a mask, no widening shuffle: the widening is what bound the
-    # kernel) converts to 2 * value * 2 ** 24; elsewhere the nibble is decoded in registers.
-    v32i8 = ir.VectorType(ir.IntType(8), 32)
-    c = lambda v: _splat_i32(_V8I32, v)  # noqa: E731
-    if _has_feature(context, "avx2"):
-        b = builder.bitcast(w, v32i8)
-        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]),
-                                              "llvm.x86.avx2.pshuf.b")
-        table = ir.Constant(v32i8, [v & 0xFF for v in _E2M1_TWICE] * 2)
-        nibbles = (builder.and_(b, ir.Constant(v32i8, [15] * 32)), builder.lshr(b, ir.Constant(v32i8, [4] * 32)))
+def _e2m1_group(context, builder, w):
+    # w: <L x i32>, the 4L bytes of L / 4 MXFP4 blocks (lanes 4b .. 4b + 3 block b) ->
+    # [(h, j) -> <L x float>] for h = 0 (low nibbles), 1 (high) and byte j of every lane, in
+    # the order 4h + j: value(code) * 2 ** 25, exact. Where the CPU has the byte shuffle of
+    # that width (AVX2 for 8 lanes, AVX-512BW for 16), one table lookup per nibble gives twice
+    # each value as a byte, and a byte moved to the top of its lane (shifts and a mask, no
+    # widening shuffle: the widening is what bound the kernel) converts to 2 * value * 2 ** 24;
+    # elsewhere the nibble is decoded in registers.
+    lanes = w.type.count
+    vi8, vf = ir.VectorType(ir.IntType(8), 4 * lanes), ir.VectorType(_F32, lanes)
+    c = lambda v: _splat_i32(w.type, v)  # noqa: E731
+    feature, name = _PSHUFB.get(lanes, ("", ""))
+    if feature and _has_feature(context, feature):
+        b = builder.bitcast(w, vi8)
+        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi8, [vi8, vi8]), name)
+        table = ir.Constant(vi8, [v & 0xFF for v in _E2M1_TWICE] * (lanes // 4))
+        nibbles = (builder.and_(b, ir.Constant(vi8, [15] * 4 * lanes)), builder.lshr(b, ir.Constant(vi8, [4] * 4 * lanes)))
         out = []
         for nib in nibbles:
-            twice = builder.bitcast(builder.call(shuf, [table, nib]), _V8I32)
-            out += [builder.sitofp(builder.and_(_top_byte(builder, twice, j), c(-0x1000000)), _V8) for j in range(4)]
+            twice = builder.bitcast(builder.call(shuf, [table, nib]), w.type)
+            out += [builder.sitofp(builder.and_(_top_byte(builder, twice, j), c(-0x1000000)), vf) for j in range(4)]
         return out
-    k = ir.Constant(_V8, [float(2 ** MX4_PAIR_SHIFT)] * 8)
+    k = ir.Constant(vf, [float(2 ** MX4_PAIR_SHIFT)] * lanes)
     return [builder.fmul(_decode_e2m1(builder, builder.and_(builder.lshr(w, c(8 * j + 4 * h)), c(15))), k)
             for h in range(2) for j in range(4)]
 
@@ -622,12 +667,13 @@ def _e2m1_pair(context, builder, w):
 def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     # emits out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, MXFP4 (a byte holds the even
     # column's code in its low nibble, the odd one's in the high), x in fpkernels.mx4_layout's
-    # order. Blocks in pairs (32 bytes, decoded once for the nt tokens, _e2m1_pair): per token
-    # and nibble the four products with x summed, then times the pair's scales (lanes 0-3 the
-    # first block's, 4-7 the second's) into that nibble's sum; the sums times 2 ** -25 at the
-    # end. An odd last block decoded alone (_e2m1_block, its scale in the weights) into 16-lane
-    # sums of its own. A token's floats go through the same operations whatever tokens are
-    # beside it.
+    # order. Blocks in groups of MX4_GROUP (4 L bytes as L lanes, decoded once for the nt
+    # tokens, _e2m1_group): per token and nibble the four products with x summed, then times
+    # the group's scales (lanes 4b .. 4b + 3 block b's) into that nibble's sum; with groups of
+    # four, a pair of blocks left over is one 8-lane group into sums of its own; the sums
+    # times 2 ** -25 at the end. An odd last block decoded alone (_e2m1_block, its scale in the
+    # weights) into 16-lane sums of its own. A token's floats go through the same operations
+    # whatever tokens are beside it.
     x_v, q_v, s_v, lut_v, out_v = args[:5]
     i64, i32 = ir.IntType(64), ir.IntType(32)
     v16, v16i8 = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
@@ -637,33 +683,49 @@ def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
     srow = _row(context, builder, sig.args[2], s_v, n)
     lut = context.make_array(sig.args[3])(context, builder, lut_v).data
     n_blocks = builder.extract_value(context.make_array(sig.args[2])(context, builder, s_v).shape, 1)
-    fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
     fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fmuladd.v16f32")
-    sums = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8)) for _ in range(2)] for _ in range(nt)]
     tails = [[cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(2)] for _ in range(nt)]
 
     def scale(bi):
         return builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [bi])), i64)]))
 
-    with cgutils.for_range(builder, builder.sdiv(n_blocks, ir.Constant(i64, 2))) as pair:
-        first = builder.mul(pair.index, ir.Constant(i64, 2))
-        two = builder.insert_element(builder.insert_element(ir.Constant(_V8, None), scale(first), ir.Constant(i32, 0)),
-                                     scale(builder.add(first, ir.Constant(i64, 1))), ir.Constant(i32, 1))
-        svec = builder.shuffle_vector(two, ir.Constant(_V8, None), ir.Constant(_V8I32, [0] * 4 + [1] * 4))
-        col = builder.mul(pair.index, ir.Constant(i64, 64))
-        _prefetch(builder, qrow, builder.mul(pair.index, ir.Constant(i64, 32)))
-        ws = _e2m1_pair(context, builder, _vload(builder, qrow, builder.mul(pair.index, ir.Constant(i64, 32)), _V8I32, 1))
+    def group(first, blocks: int, sums):  # blocks first .. first + blocks - 1 into sums[token][nibble]
+        lanes = 4 * blocks
+        vf = ir.VectorType(_F32, lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
+        some = ir.Constant(vf, None)
+        for b in range(blocks):
+            some = builder.insert_element(some, scale(builder.add(first, ir.Constant(i64, b))), ir.Constant(i32, b))
+        svec = builder.shuffle_vector(some, ir.Constant(vf, None), ir.Constant(ir.VectorType(i32, lanes),
+                                                                               [lane // 4 for lane in range(lanes)]))
+        col, byte = builder.mul(first, ir.Constant(i64, 32)), builder.mul(first, ir.Constant(i64, 16))
+        _prefetch(builder, qrow, byte)
+        ws = _e2m1_group(context, builder, _vload(builder, qrow, byte, ir.VectorType(i32, lanes), 1))
         for i in range(nt):
             for h in range(2):
                 part = None
                 for j in range(4):
-                    xv = _vload(builder, xrows[i], builder.add(col, ir.Constant(i64, 8 * (4 * h + j))), _V8, 4)
-                    part = builder.fmul(xv, ws[4 * h + j]) if part is None else builder.call(fma8, [xv, ws[4 * h + j], part])
-                builder.store(builder.call(fma8, [part, svec, builder.load(sums[i][h])]), sums[i][h])
+                    xv = _vload(builder, xrows[i], builder.add(col, ir.Constant(i64, lanes * (4 * h + j))), vf, 4)
+                    part = builder.fmul(xv, ws[4 * h + j]) if part is None else builder.call(fma, [xv, ws[4 * h + j], part])
+                builder.store(builder.call(fma, [part, svec, builder.load(sums[i][h])]), sums[i][h])
+
+    def zeros(lanes):
+        return [[cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_F32, lanes), [0.0] * lanes))
+                 for _ in range(2)] for _ in range(nt)]
+
+    G = MX4_GROUP
+    sums = zeros(4 * G)
+    with cgutils.for_range(builder, builder.sdiv(n_blocks, ir.Constant(i64, G))) as g:
+        group(builder.mul(g.index, ir.Constant(i64, G)), G, sums)
+    pairs = None
+    if G > 2:
+        pairs = zeros(8)
+        left = builder.srem(n_blocks, ir.Constant(i64, G))
+        with builder.if_then(builder.icmp_signed(">=", left, ir.Constant(i64, 2))):
+            group(builder.sub(n_blocks, left), 2, pairs)
     with builder.if_then(builder.icmp_signed("!=", builder.srem(n_blocks, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
         last = builder.sub(n_blocks, ir.Constant(i64, 1))
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), scale(last), ir.Constant(i32, 0)),
-                                       ir.Constant(v16, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+        splat = _splat_lanes(builder, scale(last), 16)
         col = builder.mul(last, ir.Constant(i64, 32))
         lo, hi = _e2m1_block(context, builder, _vload(builder, qrow, builder.mul(last, ir.Constant(i64, 16)), v16i8, 1),
                              splat)
@@ -671,12 +733,14 @@ def mx4_rows_dot(context, builder, sig, args, t0, n, nt: int):
             for h, w in enumerate((lo, hi)):
                 xv = _vload(builder, xrows[i], builder.add(col, ir.Constant(i64, 16 * h)), v16, 4)
                 builder.store(builder.call(fma16, [xv, w, builder.load(tails[i][h])]), tails[i][h])
+
     for i in range(nt):
-        paired = builder.fadd(builder.load(sums[i][0]), builder.load(sums[i][1]))
-        tail = builder.fadd(builder.load(tails[i][0]), builder.load(tails[i][1]))
-        halves = [builder.shuffle_vector(tail, tail, ir.Constant(_V8I32, list(range(h, h + 8)))) for h in (0, 8)]
-        total = builder.fadd(builder.fmul(_hsum(builder, paired), ir.Constant(_F32, 2.0 ** -MX4_PAIR_SHIFT)),
-                             _hsum(builder, builder.fadd(halves[0], halves[1])))
+        grouped = _to8(builder, builder.fadd(builder.load(sums[i][0]), builder.load(sums[i][1])))
+        if pairs is not None:
+            grouped = builder.fadd(grouped, builder.fadd(builder.load(pairs[i][0]), builder.load(pairs[i][1])))
+        tail = _to8(builder, builder.fadd(builder.load(tails[i][0]), builder.load(tails[i][1])))
+        total = builder.fadd(builder.fmul(_hsum(builder, grouped), ir.Constant(_F32, 2.0 ** -MX4_PAIR_SHIFT)),
+                             _hsum(builder, tail))
         orow = _row(context, builder, sig.args[4], out_v, ts[i])
         builder.store(total, builder.gep(orow, [n]))
 

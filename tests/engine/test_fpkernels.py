@@ -72,7 +72,9 @@ def test_fp8_matches_dequantized(kind, N, K, bn, bk):
     check_against_reference(run, W, K, rng)
 
 
-@pytest.mark.parametrize("N,K", [(1, 32), (ROW_BLOCK - 1, 64), (ROW_BLOCK, 96), (ROW_BLOCK + 1, 2880 // 10), (33, 32)])
+@pytest.mark.parametrize("N,K", [  # 1 .. 9 blocks a row: groups of two or four blocks, a pair and an odd block left
+    (1, 32), (ROW_BLOCK - 1, 64), (ROW_BLOCK, 96), (2, 128), (ROW_BLOCK + 1, 2880 // 10), (33, 32), (5, 192), (3, 224),
+])
 def test_mxfp4_matches_dequantized(N, K):
     rng = np.random.default_rng(N * 1000 + K)
     q = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
