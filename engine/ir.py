@@ -76,35 +76,51 @@ def _splat8(builder, v):
 
 
 @intrinsic
-def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
+def f32_tile(typingctx, x, w, out, acc, a0, t0, r0, n0, k0, k1, nt, nr):
     """out[t0 + i, n0 + r0 + j] = x[t0 + i] . w[r0 + j] for i < nt, j < nr (compile-time
     constants); x [T, D] float32, w [R, D] float32 or bf16 bits (uint16, widened in registers:
-    exact, so the same bits as from a widened copy); every array 2-D C-contiguous; the caller
-    checks shapes. Each pair is one chain of multiply-adds in L lanes (16 where the CPU has
-    AVX-512F, else 8) over D's multiple of L, a horizontal sum in a fixed order, then the last
-    D % L products one by one: the same operations whatever
-    tile it is computed in, so a (token, row) result does not depend on the tokens or rows
-    beside it, nor on the process (no fast-math)."""
+    exact, so the same bits as from a widened copy); every 2-D array C-contiguous; the caller
+    checks shapes. Each pair is one chain of multiply-adds in L lanes (TILE_LANES: 16 where
+    the CPU has AVX-512F, else 8) over D's multiple of L, a horizontal sum in a fixed order,
+    then the last D % L products one by one: the same operations whatever tile it is computed
+    in, so a (token, row) result does not depend on the tokens or rows beside it, nor on the
+    process (no fast-math).
+
+    A call takes the chains through columns k0 .. k1 (multiples of L) only: from zero when k0
+    is 0, else from the L-lane sums it left in acc [a0 + (i nr + j) L ...] (1-D float32); to
+    the result when k1 reaches D's multiple of L, else back into acc. Storing a chain's sum
+    and going on with it later changes no bit, and the caller (kernels.tiles) can take a tile
+    through the columns a block at a time while that block of its rows sits in L1."""
     if not (isinstance(nt, types.IntegerLiteral) and isinstance(nr, types.IntegerLiteral)
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w, out))
+            and isinstance(acc, types.Array) and acc.ndim == 1 and acc.dtype == types.float32
             and w.dtype in (types.float32, types.uint16)):
         return None
     NT, NR = nt.literal_value, nr.literal_value
     bf16 = w.dtype == types.uint16
-    sig = types.void(x, w, out, t0, r0, n0, nt, nr)
+    sig = types.void(x, w, out, acc, a0, t0, r0, n0, k0, k1, nt, nr)
 
     def codegen(context, builder, sig, args):
-        x_v, w_v, out_v, t0_v, r0_v, n0_v = args[:6]
+        x_v, w_v, out_v, acc_v = args[:4]
         i64 = ir.IntType(64)
+        a0_v, t0_v, r0_v, n0_v, k0_v, k1_v = (context.cast(builder, v, ty, types.int64)
+                                              for v, ty in zip(args[4:10], sig.args[4:10]))
         xrows = [_row(context, builder, sig.args[0], x_v, builder.add(t0_v, ir.Constant(i64, i))) for i in range(NT)]
         wrows = [_row(context, builder, sig.args[1], w_v, builder.add(r0_v, ir.Constant(i64, j))) for j in range(NR)]
         D = builder.extract_value(context.make_array(sig.args[0])(context, builder, x_v).shape, 1)
         L = _lanes(context, 16)
+        Dv = builder.sub(D, builder.srem(D, ir.Constant(i64, L)))
         vf, vi16, vi32 = (ir.VectorType(t, L) for t in (_F32, ir.IntType(16), ir.IntType(32)))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{L}f32")
+        parked = context.make_array(sig.args[3])(context, builder, acc_v).data
+        slots = [[builder.add(a0_v, ir.Constant(i64, (i * NR + j) * L)) for j in range(NR)] for i in range(NT)]
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * L)) for _ in range(NR)] for _ in range(NT)]
-        with cgutils.for_range(builder, builder.sdiv(D, ir.Constant(i64, L))) as loop:
-            off = builder.mul(loop.index, ir.Constant(i64, L))
+        with builder.if_then(builder.icmp_signed("!=", k0_v, ir.Constant(i64, 0))):
+            for i in range(NT):
+                for j in range(NR):
+                    builder.store(_vload(builder, parked, slots[i][j], vf, 4), accs[i][j])
+        with cgutils.for_range(builder, builder.sdiv(builder.sub(k1_v, k0_v), ir.Constant(i64, L))) as loop:
+            off = builder.add(k0_v, builder.mul(loop.index, ir.Constant(i64, L)))
             xs = [_vload(builder, r, off, vf, 4) for r in xrows]
             if bf16:  # [L] bf16 bits -> float32: the bits shifted into the high half
                 ws = [builder.bitcast(builder.shl(builder.zext(_vload(builder, r, off, vi16, 2), vi32),
@@ -114,22 +130,31 @@ def f32_tile(typingctx, x, w, out, t0, r0, n0, nt, nr):
             for i in range(NT):
                 for j in range(NR):
                     builder.store(builder.call(fma, [xs[i], ws[j], builder.load(accs[i][j])]), accs[i][j])
-        sums = [[cgutils.alloca_once_value(builder, _hsum(builder, _to8(builder, builder.load(accs[i][j]))))
-                 for j in range(NR)] for i in range(NT)]
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
-        with cgutils.for_range(builder, builder.srem(D, ir.Constant(i64, L))) as tail:  # D % L products
-            d = builder.add(builder.sub(D, builder.srem(D, ir.Constant(i64, L))), tail.index)
-            for i in range(NT):
-                for j in range(NR):
-                    xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
-                    if bf16:
-                        wd = builder.bitcast(builder.shl(builder.zext(wd, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), _F32)
-                    builder.store(builder.call(fma1, [xd, wd, builder.load(sums[i][j])]), sums[i][j])
-        for i in range(NT):
-            orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
-            for j in range(NR):
-                n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
-                builder.store(builder.load(sums[i][j]), builder.gep(orow, [n]))
+        with builder.if_else(builder.icmp_signed("<", k1_v, Dv)) as (park, finish):
+            with park:
+                for i in range(NT):
+                    for j in range(NR):
+                        at = builder.bitcast(builder.gep(parked, [slots[i][j]]), vf.as_pointer())
+                        builder.store(builder.load(accs[i][j]), at, align=4)
+            with finish:
+                sums = [[cgutils.alloca_once_value(builder, _hsum(builder, _to8(builder, builder.load(accs[i][j]))))
+                         for j in range(NR)] for i in range(NT)]
+                fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
+                                                      "llvm.fmuladd.f32")
+                with cgutils.for_range(builder, builder.sub(D, Dv)) as tail:  # D % L products
+                    d = builder.add(Dv, tail.index)
+                    for i in range(NT):
+                        for j in range(NR):
+                            xd, wd = (builder.load(builder.gep(r, [d])) for r in (xrows[i], wrows[j]))
+                            if bf16:
+                                wd = builder.bitcast(builder.shl(builder.zext(wd, ir.IntType(32)),
+                                                                 ir.Constant(ir.IntType(32), 16)), _F32)
+                            builder.store(builder.call(fma1, [xd, wd, builder.load(sums[i][j])]), sums[i][j])
+                for i in range(NT):
+                    orow = _row(context, builder, sig.args[2], out_v, builder.add(t0_v, ir.Constant(i64, i)))
+                    for j in range(NR):
+                        n = builder.add(n0_v, builder.add(r0_v, ir.Constant(i64, j)))
+                        builder.store(builder.load(sums[i][j]), builder.gep(orow, [n]))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -607,6 +632,7 @@ def _has_feature(context, feature: str) -> bool:
 # 36 GB/s memory read: the loop is bound by its instructions, and a 16-lane one does the same
 # work in half of them. fpkernels.mx4_layout lays x out for the same grouping.
 MX4_GROUP = 4 if "+avx512bw" in host_features() else 2
+TILE_LANES = 16 if "+avx512f" in host_features() else 8  # f32_tile's lanes (_lanes)
 
 
 def _e2m1_block(context, builder, b, scale):
