@@ -17,7 +17,9 @@ socket and reconnects as a new client). It prints one JSON object:
   requests a client sent right before closing its socket that never left it (at most
   the disconnects);
 - latency to the final reply, p50 and p99, of completed requests; RSS of the daemon at
-  start and end.
+  start and end, and the bytes its prefix cache holds at the end (`kv_cache_mib`, at most
+  its budget): the random prompts fill that cache, which is growth the budget bounds, not a
+  leak.
 """
 
 import argparse
@@ -136,6 +138,7 @@ def main(argv=None) -> dict:
             if ended >= accepted or time.time() > end:
                 break
             time.sleep(0.2)
+        kv = Client(sock).connect().call("stats").get("kv") or {}
         lat = sorted(tally.pop("latencies", []))
         out = {"benchmark": "soak", "clients": a.clients, "minutes": round(wall / 60, 2), **tally,
                "daemon_accepted": accepted, "daemon_ended": ended, "daemon_alive": proc.poll() is None,
@@ -143,7 +146,10 @@ def main(argv=None) -> dict:
                "never_arrived": tally["sent"] - tally["busy"] - accepted,
                "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
                "latency_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else None,
-               "rss_start_mib": round(rss0 / 2**20, 1), "rss_end_mib": round(rss(proc.pid) / 2**20, 1)}
+               "rss_start_mib": round(rss0 / 2**20, 1), "rss_end_mib": round(rss(proc.pid) / 2**20, 1),
+               # the prefix cache keeps the prompts' KV blocks up to its budget (kv_cache): growth, not a leak
+               "kv_cache_mib": round(max(kv.get("bytes") or 0, kv.get("pool_bytes") or 0) / 2**20, 1),
+               "kv_budget_mib": round((kv.get("budget_bytes") or 0) / 2**20, 1)}
         Client(sock, operator=True).connect().call("shutdown")
         proc.wait(60)
     finally:
