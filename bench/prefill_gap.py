@@ -41,6 +41,8 @@ def one_run(sock: str, prompt_tokens: int, rng) -> dict:
         msg = a.recv(600000)
         if msg["type"] == "generate_stream":
             times.append(time.perf_counter())
+        elif msg["type"].endswith("_reply"):
+            raise SystemExit(f"request A ended before its 20th token: {msg.get('error') or msg.get('finish_reason')}")
     got, steps0 = {}, b.call("stats")["experts"]["steps"]
     long_prompt = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), prompt_tokens))
 
@@ -102,7 +104,8 @@ def main():
     for chunk in a.chunks.split(","):
         cfg = os.path.join(tmp, f"chunk-{chunk}.yaml")
         with open(cfg, "w") as f:
-            f.write(f"prefill_chunk: {chunk}\n")
+            # A asks for more tokens than the daemon's default limit allows (see one_run)
+            f.write(f"prefill_chunk: {chunk}\nmax_tokens_limit: {2 * a.prompt_tokens + 100}\n")
         sock, proc = start_daemon(path, a.budget, tmp, "--config", cfg, name=f"chunk-{chunk}")
         try:
             run = one_run(sock, a.prompt_tokens, np.random.default_rng(5))
