@@ -214,15 +214,16 @@ Q4_TOKENS = 4  # tokens the int4 decode path takes through a row at a time
 @intrinsic
 def q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi):
     """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = the int4 decode path's x[t] . dequant(q[n]),
-    from q4_split's xe, xd, xsum8 (see linear_q4_g for the algebra), in explicit 8-lane vectors.
+    from q4_split's xe, xd, xsum8 (see linear_q4_g for the algebra), in explicit vectors of L
+    lanes (16 with AVX-512F where the group divides, else 8; _lanes).
     `half` (bytes per group) must be a compile-time constant; every 2-D array C-contiguous; the
     caller checks shapes and ranges.
 
     Written in LLVM IR because numba's loops give LLVM a single chain of dependent FMAs through
     each group and a horizontal sum per group: the kernel then waits on latency at ~5 GB/s of
-    weights. Here each 8-byte block of a group is independent, the blocks are summed pairwise,
-    and the group's scale multiplies that vector into an 8-lane accumulator: one horizontal sum
-    per row, ~7.5-8.7 GB/s on one core (bench/kernels.py). Tokens go through in blocks of
+    weights. Here each L-byte block of a group is independent, the blocks are summed pairwise,
+    and the group's scale multiplies that vector into an L-lane accumulator: one horizontal sum
+    per row, ~7.5-8.7 GB/s on one AVX2 core, 18-21 on a Zen 5 core in 16 lanes (bench/kernels.py). Tokens go through in blocks of
     Q4_TOKENS, the blocks the outer loop (a block's activations stay in L1 while the weights
     stream past), and a block widens each weight byte once for all its tokens: 1.5x for 4-12
     tokens. The order of the float operations is fixed by this code (no fast-math on it), and
@@ -505,7 +506,7 @@ def _vload(builder, row, off, ty, align):
 
 
 F8_TOKENS = 2  # tokens the FP8 and MXFP4 decode paths take through a row at a time
-_CHAINS = 4  # independent 8-lane sums per token inside a scale block (a dependent chain waits on FMA latency)
+_CHAINS = 4  # independent vector sums per token inside a scale block (a dependent chain waits on FMA latency)
 
 
 def f8_rows_dot(context, builder, sig, args, t0, n, nt: int, fmt: int):
