@@ -29,7 +29,9 @@ BOARD_HEAD, JOB_LEN = 4, 21
 JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK = 1, 2, 3, 4  # a job's kind
 SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leaves (~10-40 ms)
 YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
-MOE_IN_ROWS, MOE_OUT_ROWS = 64, 256  # gate/up rows, down rows a unit of crew_g takes (~128 KiB, ~96 KiB of int4 at 2048 x 768)
+# gate/up rows, down rows a unit of crew_g takes (~144 KiB, ~100 KiB of int4 at 2048 x 768):
+# whole ROW_BLOCKs, so that the prompt path's tiles are whole
+MOE_IN_ROWS, MOE_OUT_ROWS = 72, 264
 CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wake: worth it from 256 Ki weights
 
 

@@ -33,50 +33,77 @@ def f16_lut() -> np.ndarray:
     return f16_table()
 
 
-ROWS_PER_TASK = 64  # rows a parallel kernel's thread takes at a time
-ROW_BLOCK = 16  # rows a kernel widens or dequantizes at a time for tiles (16 x 2048 f32: 128 KiB, in L2)
+ROWS_PER_TASK = 72  # rows a parallel kernel's thread takes at a time: three ROW_BLOCKs
+ROW_BLOCK = 24  # rows a kernel widens or dequantizes at a time for tiles: four tile rows (24 x 2048 f32: 192 KiB, in L2)
 
 
-_TILE_TOKENS, _TILE_ROWS = 2, 4  # the float32 tile: 8 independent sums, 6 loads per 8 FMAs
+_TILE_TOKENS, _TILE_ROWS = 4, 6  # the float32 tile: 24 independent sums, 10 loads per 24 FMAs
 
 
 _X_BLOCK_BYTES = 192 * 1024  # activations tiles keeps in L2 while it goes through the rows
-_K_BLOCK = 512  # columns a tile goes through at a time: its 6 rows' 2 KiB each stay in L1
+_K_BLOCK = 512  # columns a tile goes through at a time: its rows' 2 KiB each stay in L1
+
+
+def _make_row_tiles(nr: int):
+    @nb.njit(**JIT)
+    def row_tiles(x, w, out, acc, t0, t1, r, n0, k0, k1):
+        # tokens t0 .. t1 (a block of tiles) through rows r .. r + nr, columns k0 .. k1 (see
+        # f32_tile): _TILE_TOKENS at a time, the last ones two then one at a time. A token's
+        # parked sums sit at its place in the block, _TILE_ROWS lanes-vectors apart
+        a = _TILE_ROWS * TILE_LANES
+        t = t0
+        while t + _TILE_TOKENS <= t1:
+            f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, _TILE_TOKENS, nr)
+            t += _TILE_TOKENS
+        if t + 2 <= t1:
+            f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, 2, nr)
+            t += 2
+        if t < t1:
+            f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, 1, nr)
+
+    return row_tiles
+
+
+_rows6, _rows4, _rows2, _rows1 = (_make_row_tiles(nr) for nr in (_TILE_ROWS, 4, 2, 1))
 
 
 @nb.njit(**JIT)
 def tiles(x, w, r_lo, r_hi, out, n0):
     # out[:, n0 + r] = x @ w[r] for r_lo <= r < r_hi: x [T, D], w [R, D] float32 or bf16 bits, C-contiguous;
-    # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows and tokens left over in smaller ones.
-    # Tokens a block at a time (as many as fit _X_BLOCK_BYTES), each block through all the
-    # rows: a long prompt's activations (16 MiB at 2048 x 2048) streamed from memory once per
-    # call, not once per _TILE_ROWS rows. A block's tiles of the same rows go through the
-    # columns _K_BLOCK at a time (f32_tile parks their sums in acc between): whole rows of
-    # 2048 floats, 6 of them 48 KiB, did not stay in L1 through a tile, which then waited on
-    # L2 (0.59 of the FMA peak on the Zen 5)
+    # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows left over four, two, one at a time (a
+    # tile's result does not depend on its shape: f32_tile). On the Zen 5, one thread, 64
+    # tokens by 16 rows of 2048: 4 x 6 tiles 150-180 GFLOPS, 2 x 4 tiles (the shape before)
+    # 120-140, 6 x 4 135-155, 3 x 8 75-85 (it spills). Tokens a block at a time (as many as
+    # fit _X_BLOCK_BYTES), each block through all the rows: a long prompt's activations (16
+    # MiB at 2048 x 2048) streamed from memory once per call, not once per row group. A
+    # block's tiles of the same rows go through the columns _K_BLOCK at a time (f32_tile
+    # parks their sums in acc between): whole rows of 2048 floats did not stay in L1 through
+    # a tile, which then waited on L2 (0.59 of the FMA peak on the Zen 5)
     T, D = x.shape
     tb = max(_TILE_TOKENS, _X_BLOCK_BYTES // (4 * max(D, 1)))
     Dv = D - D % TILE_LANES
     acc = np.empty(tb * _TILE_ROWS * TILE_LANES, np.float32)
-    r_end = r_hi - (r_hi - r_lo) % _TILE_ROWS
     for t0 in range(0, T, tb):
         t1 = min(T, t0 + tb)
-        t_end = t1 - (t1 - t0) % _TILE_TOKENS
-        for r in range(r_lo, r_end, _TILE_ROWS):
+        r = r_lo
+        while r < r_hi:
+            nr = r_hi - r
+            nr = _TILE_ROWS if nr >= _TILE_ROWS else 4 if nr >= 4 else 2 if nr >= 2 else 1
             k0 = 0
             while True:
                 k1 = min(Dv, k0 + _K_BLOCK)
-                for t in range(t0, t_end, _TILE_TOKENS):
-                    f32_tile(x, w, out, acc, (t - t0) * _TILE_ROWS * TILE_LANES, t, r, n0, k0, k1,
-                             _TILE_TOKENS, _TILE_ROWS)
-                for t in range(t_end, t1):
-                    f32_tile(x, w, out, acc, (t - t0) * _TILE_ROWS * TILE_LANES, t, r, n0, k0, k1, 1, _TILE_ROWS)
+                if nr == _TILE_ROWS:
+                    _rows6(x, w, out, acc, t0, t1, r, n0, k0, k1)
+                elif nr == 4:
+                    _rows4(x, w, out, acc, t0, t1, r, n0, k0, k1)
+                elif nr == 2:
+                    _rows2(x, w, out, acc, t0, t1, r, n0, k0, k1)
+                else:
+                    _rows1(x, w, out, acc, t0, t1, r, n0, k0, k1)
                 if k1 >= Dv:
                     break
                 k0 = k1
-        for r in range(r_end, r_hi):
-            for t in range(t0, t1):
-                f32_tile(x, w, out, acc, 0, t, r, n0, 0, Dv, 1, 1)
+            r += nr
 
 
 @nb.njit(**JIT)

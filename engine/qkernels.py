@@ -120,7 +120,7 @@ def _make_q4(g: int):
         # the prompt-token path: x [T, D] f32, q [N, D/2] uint8, scales [N, D/g] f16 bits,
         # out [T, N] = x @ dequant(q).T. It dequantizes a block of ROW_BLOCK rows once
         # ((v - 8) * scale is exact in float32) and dots it with every token in tiles of
-        # _TILE_TOKENS x _TILE_ROWS (tiles) while it sits in L2; the decode path unpacks every
+        # kernels.tiles while it sits in L2; the decode path unpacks every
         # weight again for every few tokens. A (token, row) result is the same whatever tile
         # computes it, so it does not depend on the tokens beside it; it differs from the
         # decode path's in rounding only.

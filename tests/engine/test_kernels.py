@@ -76,6 +76,31 @@ def test_dense_rows_are_the_same_alone_or_batched(D):
         np.testing.assert_array_equal(layers.linear(x[:3], w), many[:3])
 
 
+@pytest.mark.parametrize("D", [7, 37, 1030])
+@pytest.mark.parametrize("wtype", ["f32", "bf16"])
+def test_tiles_around_every_tile_size(D, wtype):
+    """kernels.tiles takes tokens 4, 2, 1 and rows 6, 4, 2, 1 at a time and the columns 512 at
+    a time (1030: two parked blocks and a tail): for every token and row count around those
+    sizes each (token, row) matches numpy and has the bits it has computed alone."""
+    T_max, R_max = 10, 14
+    x, w32 = rand(T_max, D), rand(R_max, D)
+    w = f32_to_bf16(w32) if wtype == "bf16" else w32
+    wf = bf16_to_f32(w) if wtype == "bf16" else w32
+    alone = np.empty((T_max, R_max), np.float32)
+    for t in range(T_max):
+        for r in range(R_max):
+            one = np.zeros((1, 1), np.float32)
+            kernels.tiles(x[t : t + 1], w, r, r + 1, one, -r)
+            alone[t, r] = one[0, 0]
+    np.testing.assert_allclose(alone, x.astype(np.float64) @ wf.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+    for T in range(1, T_max + 1):
+        for r_lo, r_hi in [(0, R) for R in range(1, R_max + 1)] + [(3, 14), (5, 12)]:
+            out = np.full((T, R_max + 2), np.nan, np.float32)
+            kernels.tiles(x[:T], w, r_lo, r_hi, out, 2)
+            np.testing.assert_array_equal(out[:, 2 + r_lo : 2 + r_hi], alone[:T, r_lo:r_hi])
+            assert np.isnan(out[:, : 2 + r_lo]).all() and np.isnan(out[:, 2 + r_hi :]).all()  # nothing else written
+
+
 def test_f16_table_is_exact():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     table = kernels.f16_table()
