@@ -18,9 +18,20 @@ import numpy as np
 
 from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32
 from .fpkernels import f8_rows, mx4_rows
-from .ir import atomic_add, atomic_load, f32_at, i8_at, i64_at, q4_matmul, u8_at, u16_at, yield_cpu
+from .ir import (
+    atomic_add,
+    atomic_load,
+    f32_at,
+    i8_at,
+    i64_at,
+    q4_matmul,
+    silu_mul_rows,
+    u8_at,
+    u16_at,
+    yield_cpu,
+)
 from .jit import JIT
-from .kernels import ROW_BLOCK, ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, silu, tiles, u16_rows
+from .kernels import ROW_BLOCK, ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, tiles, u16_rows
 from .qkernels import q4_rows_32, q4_rows_64, q4_rows_128, q4_split_row, q8_rows
 
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
@@ -161,9 +172,7 @@ def activate(act, h, u, params, gb, ub, I, i_lo, i_hi, n_lo, n_hi):
     # an expert unit's activation on rows i_lo .. i_hi, columns n_lo .. n_hi of h (gate x), u
     # (up x), into h: silu(h) * u (ACT_SILU), or gpt-oss's (ACT_CLAMPED: biases at gb, ub)
     if act == ACT_SILU:
-        for i in range(i_lo, i_hi):
-            for n in range(n_lo, n_hi):
-                h[i, n] = silu(h[i, n]) * u[i, n]
+        silu_mul_rows(h, u, h, i_lo, i_hi, n_lo, n_hi)
     else:
         clamped(h, u, nb.carray(f32_at(gb), (I,)), nb.carray(f32_at(ub), (I,)), params[0], params[1],
                 i_lo, i_hi, n_lo, n_hi)

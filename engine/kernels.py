@@ -18,7 +18,7 @@ import functools
 import numba as nb
 import numpy as np
 
-from .ir import TILE_LANES, exp_shifted, f32_tile, pv_tile
+from .ir import TILE_LANES, exp_shifted, f32_tile, pv_tile, silu_mul_rows
 from .jit import JIT, JIT_FAST
 
 
@@ -184,16 +184,32 @@ matmul_f32_par = _make_matmul_f32(parallel=True)
 
 
 @nb.njit(**JIT)
+def rmsnorm_row(x, w, eps, out, t):
+    # row t of x [T, D] f32 normalised into out[t], times w [D] f32
+    D = x.shape[1]
+    ss = 0.0
+    for d in range(D):
+        ss += np.float64(x[t, d]) * x[t, d]
+    inv = np.float32(1.0 / np.sqrt(ss / D + eps))
+    for d in range(D):
+        out[t, d] = w[d] * (x[t, d] * inv)
+
+
+@nb.njit(**JIT)
 def rmsnorm(x, w, eps, out):
     # x [T, D] f32, w [D] f32, out [T, D]
-    T, D = x.shape
-    for t in range(T):
-        ss = 0.0
-        for d in range(D):
-            ss += np.float64(x[t, d]) * x[t, d]
-        inv = np.float32(1.0 / np.sqrt(ss / D + eps))
-        for d in range(D):
-            out[t, d] = w[d] * (x[t, d] * inv)
+    for t in range(x.shape[0]):
+        rmsnorm_row(x, w, eps, out, t)
+
+
+@nb.njit(parallel=True, **JIT)
+def rmsnorm_par(x, w, eps, out):
+    # rmsnorm (the same bits: a row is one thread's) with the rows shared among numba's threads
+    for t in nb.prange(x.shape[0]):
+        rmsnorm_row(x, w, eps, out, t)
+
+
+RMSNORM_PAR_MIN = 2**18  # elements from which a norm runs on every thread (a prompt's: 128 tokens of 2048)
 
 
 @nb.njit(**JIT)
@@ -341,17 +357,12 @@ def carve(work, o, n, m):
 
 
 @nb.njit(**JIT)
-def silu(g):
-    return g / (np.float32(1.0) + np.exp(-g))
-
-
-@nb.njit(**JIT)
 def silu_mul(gate, up, out):
-    # gate, up, out [T, I] f32: out = silu(gate) * up
+    # gate, up, out [T, I] f32 (C-contiguous; out may be gate): out = silu(gate) * up (silu_mul_rows)
     T, I = gate.shape
-    for t in range(T):
-        for i in range(I):
-            out[t, i] = silu(gate[t, i]) * up[t, i]
+    if up.shape != gate.shape or out.shape != gate.shape:
+        raise ValueError("silu_mul: gate, up and output shapes do not match")
+    silu_mul_rows(gate, up, out, 0, T, 0, I)
 
 
 @nb.njit(**JIT)

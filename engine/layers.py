@@ -55,7 +55,8 @@ def init(n_threads: int | None = None, progress=None) -> None:
                 qlinear(np.ones((1, 64), np.float32), w, prompt)
 
     def attention():
-        rmsnorm(x, np.ones(4, np.float32), 1e-6)
+        for norm in (kernels.rmsnorm, kernels.rmsnorm_par):
+            norm(x, np.ones(4, np.float32), 1e-6, np.empty_like(x))
         kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
         for kernel in (kernels.attention, kernels.attention_par):
             kernel(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
@@ -141,7 +142,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     shape = x.shape
     x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]), dtype=np.float32)  # [T*, D]
     out = np.empty_like(x2)
-    kernels.rmsnorm(x2, w, eps, out)
+    (kernels.rmsnorm_par if x2.size >= kernels.RMSNORM_PAR_MIN else kernels.rmsnorm)(x2, w, eps, out)
     return out.reshape(shape)
 
 

@@ -8,7 +8,7 @@ and tiled with every token); crew.py runs the decode path of a step's experts on
 import numba as nb
 import numpy as np
 
-from .ir import q4_matmul
+from .ir import q4_matmul, q4_widen
 from .jit import JIT, JIT_FAST
 from .kernels import ROW_BLOCK, tiles
 
@@ -142,16 +142,8 @@ def _make_q4(g: int):
     @nb.njit(**JIT)
     def q4_rows_g(q, scales, f16_lut, n0, nr, wb):
         # wb[:nr] = rows n0 .. n0 + nr of q [N, D/2] (scales [N, D/g] f16 bits) as float32:
-        # (v - 8) * scale, exact (the high nibble by floor(b / 16) in float arithmetic, which
-        # LLVM vectorises over the group's constant length)
-        for r in range(nr):
-            for gi in range(q.shape[1] // half):
-                s = f16_lut[scales[n0 + r, gi]]
-                for j in range(gi * half, gi * half + half):
-                    b = np.float32(q[n0 + r, j])
-                    hi = np.floor(b * np.float32(0.0625))
-                    wb[r, 2 * j] = (b - np.float32(16.0) * hi - np.float32(8.0)) * s
-                    wb[r, 2 * j + 1] = (hi - np.float32(8.0)) * s
+        # (v - 8) * scale, exact (q4_widen)
+        q4_widen(q, scales, f16_lut, n0, nr, wb, half)
 
     return linear_q4_g, linear_q4_tok_g, q4_rows_g
 
