@@ -21,6 +21,7 @@ from .fpkernels import f8_rows, mx4_rows
 from .ir import (
     atomic_add,
     atomic_load,
+    clamped_rows,
     f32_at,
     i8_at,
     i64_at,
@@ -132,17 +133,6 @@ def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
 
 
 @nb.njit(**JIT)
-def clamped(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
-    # gpt-oss's expert activation on rows i_lo .. i_hi, columns n_lo .. n_hi of h (gate x) and u
-    # (up x), into h: g = min(h + gb, limit), h = g * sigmoid(alpha g) * (clip(u + ub) + 1)
-    for i in range(i_lo, i_hi):
-        for n in range(n_lo, n_hi):
-            g = min(h[i, n] + gb[n], limit)
-            v = min(max(u[i, n] + ub[n], -limit), limit)
-            h[i, n] = (v + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
-
-
-@nb.njit(**JIT)
 def expert_job(job_d, n_ints):
     # an expert job's arrays from its descriptor (describe_moe_q4, describe_moe_tok): x_all
     # [T_all, D], rows [R], starts [E + 1], addrs [E, N_ADDRS], ctl, work, wts [T_all * A],
@@ -174,8 +164,8 @@ def activate(act, h, u, params, gb, ub, I, i_lo, i_hi, n_lo, n_hi):
     if act == ACT_SILU:
         silu_mul_rows(h, u, h, i_lo, i_hi, n_lo, n_hi)
     else:
-        clamped(h, u, nb.carray(f32_at(gb), (I,)), nb.carray(f32_at(ub), (I,)), params[0], params[1],
-                i_lo, i_hi, n_lo, n_hi)
+        clamped_rows(h, u, nb.carray(f32_at(gb), (I,)), nb.carray(f32_at(ub), (I,)), params[0], params[1],
+                     i_lo, i_hi, n_lo, n_hi)
 
 
 @nb.njit(inline="always", **JIT)

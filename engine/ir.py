@@ -416,6 +416,48 @@ def silu_mul_rows(typingctx, g, u, out, i_lo, i_hi, n_lo, n_hi):
 
 
 @intrinsic
+def clamped_rows(typingctx, h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
+    """gpt-oss's expert activation on rows i_lo .. i_hi, columns n_lo .. n_hi of h (gate x) and
+    u (up x), into h: g = min(h + gb, limit), v = min(max(u + ub, -limit), limit), h = (v + 1)
+    * (g / (1 + exp(-g alpha))); h, u [R, I] and gb, ub [I] float32 C-contiguous (the caller
+    checks the ranges). min and max as numba's (the second operand when it compares below /
+    above), exp by _vexp eight lanes at a time (_by_eights), as silu_mul_rows."""
+    if not (all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32
+                and a.ndim == nd for a, nd in ((h, 2), (u, 2), (gb, 1), (ub, 1)))
+            and all(isinstance(v, types.Float) for v in (alpha, limit))
+            and all(isinstance(v, types.Integer) for v in (i_lo, i_hi, n_lo, n_hi))):
+        return None
+    sig = types.void(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi)
+
+    def codegen(context, builder, sig, args):
+        alpha_v, limit_v = (_splat8(builder, context.cast(builder, v, ty, types.float32))
+                            for v, ty in zip(args[4:6], sig.args[4:6]))
+        neg_limit = builder.fsub(_splat(0.0), limit_v)
+        i_lo_v, i_hi_v, n_lo_v, n_hi_v = (context.cast(builder, v, ty, types.int64)
+                                          for v, ty in zip(args[6:10], sig.args[6:10]))
+        gbr, ubr = (builder.gep(context.make_array(sig.args[k])(context, builder, args[k]).data, [n_lo_v]) for k in (2, 3))
+        one, zero = _splat(1.0), _splat(0.0)
+        with cgutils.for_range(builder, builder.sub(i_hi_v, i_lo_v)) as rows:
+            i = builder.add(i_lo_v, rows.index)
+            hr, ur = (builder.gep(_row(context, builder, sig.args[k], args[k], i), [n_lo_v]) for k in range(2))
+
+            def step(j, lanes):
+                g = builder.fadd(_lanes_at(builder, hr, j, lanes, zero), _lanes_at(builder, gbr, j, lanes, zero))
+                g = builder.select(builder.fcmp_ordered("<", limit_v, g), limit_v, g)
+                v = builder.fadd(_lanes_at(builder, ur, j, lanes, zero), _lanes_at(builder, ubr, j, lanes, zero))
+                v = builder.select(builder.fcmp_ordered(">", neg_limit, v), neg_limit, v)
+                v = builder.select(builder.fcmp_ordered("<", limit_v, v), limit_v, v)
+                e = _vexp(builder, builder.fmul(builder.fneg(g), alpha_v))
+                out = builder.fmul(builder.fadd(v, one), builder.fdiv(g, builder.fadd(one, e)))
+                _store_lanes(builder, out, hr, j, lanes)
+
+            _by_eights(builder, builder.sub(n_hi_v, n_lo_v), step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
     """out[h0 + i, d0 + d] = sum over lo <= j < hi, in order, of a[r0 + i, j] * v[j - voff, d0 + d]
     for i < nh, d < 8 nv (compile-time constants): attention's weighted sum of values for nh

@@ -48,30 +48,37 @@ def _make_row_tiles(nr: int):
     @nb.njit(**JIT)
     def row_tiles(x, w, out, acc, t0, t1, r, n0, k0, k1):
         # tokens t0 .. t1 (a block of tiles) through rows r .. r + nr, columns k0 .. k1 (see
-        # f32_tile): _TILE_TOKENS at a time, the last ones two then one at a time. A token's
-        # parked sums sit at its place in the block, _TILE_ROWS lanes-vectors apart
+        # f32_tile): _TILE_TOKENS at a time, the last ones (with a whole row group) two then
+        # one at a time. A token's parked sums sit at its place in the block, _TILE_ROWS
+        # vectors apart
         a = _TILE_ROWS * TILE_LANES
         t = t0
         while t + _TILE_TOKENS <= t1:
             f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, _TILE_TOKENS, nr)
             t += _TILE_TOKENS
-        if t + 2 <= t1:
+        if nr == _TILE_ROWS and t + 2 <= t1:
             f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, 2, nr)
             t += 2
-        if t < t1:
+        while t < t1:
             f32_tile(x, w, out, acc, (t - t0) * a, t, r, n0, k0, k1, 1, nr)
+            t += 1
 
     return row_tiles
 
 
-_rows6, _rows4, _rows2, _rows1 = (_make_row_tiles(nr) for nr in (_TILE_ROWS, 4, 2, 1))
+# the tile shapes compiled: every kernel that calls tiles carries a copy of each (numba links
+# a callee's code into every caller), and twelve shapes (tokens 4, 2, 1 by rows 6, 4, 2, 1)
+# made a process 36 MB larger than three did (`colictl run` on a small model, peak RSS: 300
+# against 264 MB); these five 268 MB, with rows 4 at a time too 285 MB. The rows a range
+# leaves over are few
+_rows6, _rows1 = _make_row_tiles(_TILE_ROWS), _make_row_tiles(1)
 
 
 @nb.njit(**JIT)
 def tiles(x, w, r_lo, r_hi, out, n0):
     # out[:, n0 + r] = x @ w[r] for r_lo <= r < r_hi: x [T, D], w [R, D] float32 or bf16 bits, C-contiguous;
-    # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows left over four, two, one at a time (a
-    # tile's result does not depend on its shape: f32_tile). On the Zen 5, one thread, 64
+    # in tiles of _TILE_TOKENS x _TILE_ROWS, the rows left over one at a time (a tile's result
+    # does not depend on its shape: f32_tile). On the Zen 5, one thread, 64
     # tokens by 16 rows of 2048: 4 x 6 tiles 150-180 GFLOPS, 2 x 4 tiles (the shape before)
     # 120-140, 6 x 4 135-155, 3 x 8 75-85 (it spills). Tokens a block at a time (as many as
     # fit _X_BLOCK_BYTES), each block through all the rows: a long prompt's activations (16
@@ -87,17 +94,12 @@ def tiles(x, w, r_lo, r_hi, out, n0):
         t1 = min(T, t0 + tb)
         r = r_lo
         while r < r_hi:
-            nr = r_hi - r
-            nr = _TILE_ROWS if nr >= _TILE_ROWS else 4 if nr >= 4 else 2 if nr >= 2 else 1
+            nr = _TILE_ROWS if r_hi - r >= _TILE_ROWS else 1
             k0 = 0
             while True:
                 k1 = min(Dv, k0 + _K_BLOCK)
                 if nr == _TILE_ROWS:
                     _rows6(x, w, out, acc, t0, t1, r, n0, k0, k1)
-                elif nr == 4:
-                    _rows4(x, w, out, acc, t0, t1, r, n0, k0, k1)
-                elif nr == 2:
-                    _rows2(x, w, out, acc, t0, t1, r, n0, k0, k1)
                 else:
                     _rows1(x, w, out, acc, t0, t1, r, n0, k0, k1)
                 if k1 >= Dv:
@@ -209,7 +211,7 @@ def rmsnorm_par(x, w, eps, out):
         rmsnorm_row(x, w, eps, out, t)
 
 
-RMSNORM_PAR_MIN = 2**18  # elements from which a norm runs on every thread (a prompt's: 128 tokens of 2048)
+ROWS_PAR_MIN = 2**18  # elements from which a row-by-row kernel (norms, slot sums) runs on every thread: 128 tokens of 2048
 
 
 @nb.njit(**JIT)
@@ -366,15 +368,28 @@ def silu_mul(gate, up, out):
 
 
 @nb.njit(**JIT)
-def sum_slots(ys, A, out):
-    # ys [T * A, D] f32 -> out [T, D]: out[t] = ys[t*A] + ys[t*A + 1] + ... in that order
-    T, D = out.shape
-    for t in range(T):
+def sum_slots_row(ys, A, out, t):
+    # out[t] = ys[t*A] + ys[t*A + 1] + ... in that order (ys [T * A, D] f32, out [T, D])
+    D = out.shape[1]
+    for d in range(D):
+        out[t, d] = ys[t * A, d]
+    for a in range(1, A):
         for d in range(D):
-            out[t, d] = ys[t * A, d]
-        for a in range(1, A):
-            for d in range(D):
-                out[t, d] += ys[t * A + a, d]
+            out[t, d] += ys[t * A + a, d]
+
+
+@nb.njit(**JIT)
+def sum_slots(ys, A, out):
+    # every token's expert outputs summed slot by slot (sum_slots_row)
+    for t in range(out.shape[0]):
+        sum_slots_row(ys, A, out, t)
+
+
+@nb.njit(parallel=True, **JIT)
+def sum_slots_par(ys, A, out):
+    # sum_slots (the same bits: a row is one thread's) with the tokens shared among numba's threads
+    for t in nb.prange(out.shape[0]):
+        sum_slots_row(ys, A, out, t)
 
 
 @nb.njit(**JIT_FAST)

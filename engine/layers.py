@@ -57,6 +57,8 @@ def init(n_threads: int | None = None, progress=None) -> None:
     def attention():
         for norm in (kernels.rmsnorm, kernels.rmsnorm_par):
             norm(x, np.ones(4, np.float32), 1e-6, np.empty_like(x))
+        for slots in (kernels.sum_slots, kernels.sum_slots_par):
+            slots(np.ones((2, 4), np.float32), 2, np.empty((1, 4), np.float32))
         kernels.rope(q, np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
         for kernel in (kernels.attention, kernels.attention_par):
             kernel(q, kv[0], kv[0], 0, 0, np.float32(1.0), NO_SINKS, np.empty_like(q))
@@ -142,7 +144,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     shape = x.shape
     x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]), dtype=np.float32)  # [T*, D]
     out = np.empty_like(x2)
-    (kernels.rmsnorm_par if x2.size >= kernels.RMSNORM_PAR_MIN else kernels.rmsnorm)(x2, w, eps, out)
+    (kernels.rmsnorm_par if x2.size >= kernels.ROWS_PAR_MIN else kernels.rmsnorm)(x2, w, eps, out)
     return out.reshape(shape)
 
 
@@ -703,6 +705,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         for c in {id(c): c for c in (team, tok_team) if c is not None and c is not session}.values():
             c.close()
     out = np.empty_like(x)
-    kernels.sum_slots(ys, A, out)  # slot by slot, a fixed order: the same sum whatever order the experts came in
+    # slot by slot, a fixed order: the same sum whatever order the experts came in
+    (kernels.sum_slots_par if out.size >= kernels.ROWS_PAR_MIN else kernels.sum_slots)(ys, A, out)
     experts.layer_done(il, routed, time.perf_counter() - t0)
     return out

@@ -79,7 +79,7 @@ def test_dense_rows_are_the_same_alone_or_batched(D):
 @pytest.mark.parametrize("D", [7, 37, 1030])
 @pytest.mark.parametrize("wtype", ["f32", "bf16"])
 def test_tiles_around_every_tile_size(D, wtype):
-    """kernels.tiles takes tokens 4, 2, 1 and rows 6, 4, 2, 1 at a time and the columns 512 at
+    """kernels.tiles takes tokens 4, 2, 1 and rows 6 or 1 at a time and the columns 512 at
     a time (1030: two parked blocks and a tail): for every token and row count around those
     sizes each (token, row) matches numpy and has the bits it has computed alone."""
     T_max, R_max = 10, 14
@@ -117,6 +117,46 @@ def test_rmsnorm(T, D):
     np.testing.assert_allclose(out, ref_rmsnorm(x, w, 1e-6), rtol=2e-6, atol=2e-6)
     par = np.empty_like(x)
     kernels.rmsnorm_par(x, w, 1e-6, par)  # a prompt's rows on every thread: the same bits
+    np.testing.assert_array_equal(par, out)
+
+
+def test_clamped_activation():
+    """gpt-oss's clamped SwiGLU (ir.clamped_rows, the crew's ACT_CLAMPED) against float64 on
+    values inside and beyond the limit, on a sub-range of rows and columns only, and an
+    element's bits the same in a lane or in the tail."""
+    import numba as nb
+
+    from colibri.engine.ir import clamped_rows
+
+    @nb.njit
+    def act(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
+        clamped_rows(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi)
+
+    h, u, gb, ub = rand(4, 29) * 6, rand(4, 29) * 6, rand(29), rand(29)
+    h[1, :4] = [-100.0, 100.0, 0.0, 7.5]
+    alpha, limit = np.float32(1.702), np.float32(7.0)
+    g = np.minimum(h.astype(np.float64) + gb, limit)
+    v = np.clip(u.astype(np.float64) + ub, -limit, limit)
+    want = (v + 1) * g / (1 + np.exp(-g * alpha))
+    out = h.copy()
+    act(out, u, gb, ub, alpha, limit, 1, 3, 2, 29)
+    np.testing.assert_allclose(out[1:3, 2:], want[1:3, 2:], rtol=1e-5, atol=1e-30)
+    np.testing.assert_array_equal(out[[0, 3]], h[[0, 3]])  # outside the range: untouched
+    np.testing.assert_array_equal(out[1:3, :2], h[1:3, :2])
+    shifted = h.copy()
+    act(shifted, u, gb, ub, alpha, limit, 1, 3, 5, 29)  # the same elements in other lanes or the tail
+    np.testing.assert_array_equal(shifted[1:3, 5:], out[1:3, 5:])
+
+
+def test_sum_slots_in_slot_order_on_one_thread_or_all():
+    T, A, D = 37, 8, 100
+    ys, out, par = rand(T * A, D), np.empty((T, D), np.float32), np.empty((T, D), np.float32)
+    kernels.sum_slots(ys, A, out)
+    want = ys[0::A].copy()
+    for a in range(1, A):  # slot by slot, in order: the same float32 roundings
+        want += ys[a::A]
+    np.testing.assert_array_equal(out, want)
+    kernels.sum_slots_par(ys, A, par)
     np.testing.assert_array_equal(par, out)
 
 
