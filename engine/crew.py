@@ -17,6 +17,7 @@ import numba as nb
 import numpy as np
 
 from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32
+from ..storage.quant import int4_of
 from .fpkernels import f8_rows, mx4_rows
 from .ir import (
     atomic_add,
@@ -493,22 +494,23 @@ class Crew:
         # expert e(x[r // A]) for r in rows[starts[e]:starts[e + 1]]; x [T, D] f32, rows [R] int64,
         # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down), with their biases
         # (gate, up, down; storage precision) when act is gpt-oss's (alpha, limit)
-        gate, up, down = experts[0][:3]
+        facts = [int4_of(e) for e in experts]  # (group, layouts, addresses), kept on the cache's experts
+        gate = experts[0][0]
         I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        layout = (gate.layout, up.layout, down.layout)  # the kernel trusts the shapes: every expert's as the first's
-        bad = (g != self.g or gate.layout != ("int4", g, (I, D // 2), (I, D // g)) or up.layout != gate.layout
-               or down.layout != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
+        layout = facts[0][1] if facts[0] is not None else None  # the kernel trusts the shapes: every expert's as the first's
+        bad = (layout is None or g != self.g or layout[0] != ("int4", g, (I, D // 2), (I, D // g)) or layout[1] != layout[0]
+               or layout[2] != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
                or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)
                or any(len(e) != (6 if act else 3) for e in experts))
-        if bad or any((gt.layout, u.layout, dn.layout) != layout for gt, u, dn, *_ in experts):
+        if bad or any(f is None or f[1] is not layout for f in facts):
             raise ValueError("int4 experts: the weight, activation and output shapes do not match")
         E, R = len(experts), len(rows)
-        n_ints, n_work = moe_q4_sizes(R, E, D, I, g)
+        n_ints, n_work = moe_q4_sizes.py_func(R, E, D, I, g)  # (the same code, without a kernel call's checks)
         ints = np.zeros(n_ints, np.int64)  # new for each job (a helper late for a job still reads its counters)
-        rows_, starts_, addrs, _ = moe_q4_ints(ints, R, E)  # views of ints
+        rows_, starts_, addrs, _ = moe_q4_ints.py_func(ints, R, E)  # views of ints
         rows_[:], starts_[:] = rows, starts
-        addrs[:, :6] = np.array([a for e in experts for w in e[:3] for a in w.addresses], np.int64).reshape(E, 6)
+        addrs[:, :6] = np.frombuffer(b"".join([f[2] for f in facts]), np.int64).reshape(E, 6)
         biases = _biases(experts, I, D, addrs) if act else []
         params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)

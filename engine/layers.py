@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32, dequantize
+from ..storage.quant import int4_of
 from . import crew, fpkernels, kernels, qkernels
 from .kernels import f16_lut
 
@@ -148,17 +149,11 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(shape)
 
 
-def is_int4(gate, up, down) -> bool:
-    # an expert's three matrices int4 of one group size (written out: it runs per expert per layer step)
-    return (isinstance(gate, QuantWeight) and isinstance(up, QuantWeight) and isinstance(down, QuantWeight)
-            and gate.kind == up.kind == down.kind == "int4" and gate.group_size == up.group_size == down.group_size)
-
-
 def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
     # x [T, D]; gate, up [I, D]; down [D, I] -> [T, D]. Quantized experts: by the prompt-token
     # kernels when the rows are a prompt's; int4 on the decode path in one call (a one-job
     # crew.Crew), every row its own with weight 1 (exact)
-    if is_int4(gate, up, down) and not prompt:
+    if int4_of((gate, up, down)) is not None and not prompt:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], down.q.shape[0]), np.float32)
         one = crew.Crew(gate.group_size, share=False, max_jobs=1)
@@ -587,12 +582,14 @@ def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None
     # side by side. A row's result does not depend on the others computed with it, so a
     # worker computing some of a step's experts (daemon/scaleout.py) gives the same rows.
     crew_ffn = ffn is None or clamped is not None  # the crew's jobs compute this expert
+    any_prompt = bool(prompt_rows.any())
     q4, tok, rest = [], {}, []
-    for r, ew in parts:
+    for r, ew in parts:  # per expert per layer step: a decode step's int4 experts ask no more than they must
         quant = isinstance(ew[0], QuantWeight)
-        kind = crew.tok_kind(*ew[:3]) if crew_ffn else None
-        q4_ok = crew_ffn and team is not None and is_int4(*ew[:3]) and ew[0].group_size == g
-        p = prompt_rows[r // A] if quant else None  # a quantized expert's prompt rows
+        facts = int4_of(ew) if quant else None
+        q4_ok = crew_ffn and team is not None and facts is not None and facts[0] == g
+        p = prompt_rows[r // A] if quant and any_prompt else None  # a quantized expert's prompt rows
+        kind = crew.tok_kind(*ew[:3]) if crew_ffn and (p is not None or not q4_ok) else None
         for sub, prompt in ((r, False),) if p is None else ((r[p], True), (r[~p], False)):
             if not len(sub):
                 continue
@@ -684,7 +681,6 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     else:
         bounds = np.concatenate(([0], np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1, [T * A]))
     union = by_expert[bounds[:-1]].tolist()  # each expert of the step once
-    index = {ie: k for k, ie in enumerate(union)}
 
     if step is not None and len(step.segments) > 1:  # what the sequences would have asked for alone
         routed = sum(len(np.unique(ids[sg.start : sg.start + sg.n])) for sg in step.segments)
@@ -695,12 +691,13 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session)
 
     rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)]
+    rows_by = dict(rows_of)
     try:
         if hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
             experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped)
         else:
             for batch in experts.stream(il, union):  # in any order
-                compute([(rows_of[index[ie]][1], ew) for ie, ew in batch])
+                compute([(rows_by[ie], ew) for ie, ew in batch])
     finally:
         for c in {id(c): c for c in (team, tok_team) if c is not None and c is not session}.values():
             c.close()

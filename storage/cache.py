@@ -438,7 +438,7 @@ class ExpertCache:
         for ie in ids:
             if ie in lru:
                 hits.append(ie)
-            elif (slot := self.pinned.get((il, ie), self.main.get((il, ie)))) is not None:
+            elif (slot := self.pinned.get(key := (il, ie))) is not None or (slot := self.main.get(key)) is not None:
                 pinned.append((ie, slot))
             elif ie not in ahead:
                 pending.append(ie)
@@ -492,7 +492,8 @@ class ExpertCache:
             if hits or pinned:
                 for ie in hits:
                     lru.move_to_end(ie)
-                yield [(ie, self.views(lru[ie])) for ie in hits] + [(ie, self.views(slot)) for ie, slot in pinned]
+                views = self.views
+                yield [(ie, views(lru[ie])) for ie in hits] + [(ie, views(slot)) for ie, slot in pinned]
                 busy.difference_update(hits)
                 busy.difference_update(ie for ie, _ in pinned)
                 submit()

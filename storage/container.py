@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint
 from .checksum import crc32  # noqa: F401 (the records' checksum; cache, convert and doctor take it from here)
 from .errors import CheckpointError, ConfigInvalid, DenseChecksumMismatch, read_json
 from .fpformats import quant_config
-from .quant import PUBLISHED_DTYPES, QuantWeight
+from .quant import PUBLISHED_DTYPES, Expert, QuantWeight
 from .safetensors import DTYPES, SafetensorsFile
 
 FORMAT = "colibri-container"
@@ -175,7 +175,7 @@ class Container:
     def expert_views(self, record: np.ndarray) -> tuple:
         """(gate, up, down), then the biases when the family has them, over one record's
         bytes, zero-copy: arrays in their storage dtype, or QuantWeight for quantized
-        matrices (biases stay float)."""
+        matrices (biases stay float), as an Expert."""
         parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
         biases = tuple(parts[(n, "weight")] for n in BIAS_PARTS if (n, "weight") in parts)
         if self.expert_dtype in ("int8", "int4"):
@@ -184,15 +184,15 @@ class Container:
                 q, scales = parts[(n, "weight")], parts[(n, "scales")]
                 cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
                 out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
-            return tuple(out) + biases
+            return Expert(tuple(out) + biases)
         if self.expert_dtype in PUBLISHED_DTYPES:  # block None: one scale per matrix
             out = []
             for n in PARTS:
                 q = parts[(n, "weight")]
                 rows, cols = self.block or q.shape
                 out.append(QuantWeight(self.expert_dtype, q, parts[(n, "scales")], cols, rows))
-            return tuple(out) + biases
-        return tuple(parts[(n, "weight")] for n in PARTS) + biases
+            return Expert(tuple(out) + biases)
+        return Expert(tuple(parts[(n, "weight")] for n in PARTS) + biases)
 
     @property
     def expert_bytes(self) -> int:

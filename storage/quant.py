@@ -83,6 +83,44 @@ class QuantWeight:
         # address (the crew's expert jobs, engine/crew.py); kept, since the cache hands out the same views per slot
         return self.q.__array_interface__["data"][0], self.scales.__array_interface__["data"][0]
 
+    def __getstate__(self):  # pickled: the arrays, never the kept addresses (they mean nothing in another process)
+        return {k: v for k, v in self.__dict__.items() if k != "addresses"}
+
+
+class Expert(tuple):
+    """An expert's (gate, up, down), then its biases if it has any, as the cache hands them out:
+    the same object for as long as the expert stays in its slot, so what the int4 decode job
+    needs of it is worked out once, not at every layer step (in a warm decode that Python ran
+    from memory the expert's weights had just pushed out of the caches, ~10 us per expert)."""
+
+    @cached_property
+    def int4(self) -> tuple | None:
+        """(group size, the three matrices' layouts, their six addresses as int64 bytes: gate q,
+        scales, up q, scales, down q, scales) when gate, up and down are int4 of one group size; else None."""
+        return int4_facts(self)
+
+    def __reduce__(self):  # the matrices, never the kept addresses: they mean nothing in another process
+        return Expert, (tuple(self),)
+
+
+def int4_facts(ew: tuple) -> tuple | None:
+    """Expert.int4 of any (gate, up, down, ...) tuple."""
+    gate, up, down = ew[:3]
+    if not (isinstance(gate, QuantWeight) and isinstance(up, QuantWeight) and isinstance(down, QuantWeight)
+            and gate.kind == up.kind == down.kind == "int4" and gate.group_size == up.group_size == down.group_size):
+        return None
+    layouts = (gate.layout, up.layout, down.layout)
+    layouts = _LAYOUTS.setdefault(layouts, layouts)  # one object per distinct layout: `is` compares them
+    return gate.group_size, layouts, np.array(gate.addresses + up.addresses + down.addresses, np.int64).tobytes()
+
+
+_LAYOUTS: dict = {}  # int4_facts' layouts, each once
+
+
+def int4_of(ew: tuple) -> tuple | None:
+    """Expert.int4, kept when ew is an Expert, else worked out now."""
+    return ew.int4 if isinstance(ew, Expert) else int4_facts(ew)
+
 
 def quantized_shapes(kind: str, shape: tuple[int, int], group_size: int) -> tuple[tuple, tuple]:
     """Shapes of (values, scales) for a [N, D] matrix."""

@@ -1,6 +1,7 @@
 """Each numba kernel against a plain numpy reference, on odd shapes."""
 
 import os
+import pickle
 import time
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from colibri.engine import crew, kernels, layers, qkernels
 from colibri.storage.experts import ExpertStats, ResidentExperts
+from colibri.storage.quant import Expert, int4_facts
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
 
 rng = np.random.default_rng(0)
@@ -529,6 +531,18 @@ def test_crew_bad_jobs_and_a_full_board():
         crew.Crew(g, share=False).experts(x, np.array([0, 5]), np.array([0, 1, 2]), 2, wts, experts[:2], ys)
     with pytest.raises(ValueError, match="shapes do not match"):
         team.matmul(x, rand(5, D + 1), np.empty((1, 5), np.float32))
+    # as the cache hands them out (Expert: layouts and addresses kept on the expert): the same
+    # bits, and the same checks
+    kept = [Expert(e) for e in experts[:2]]
+    three = np.zeros_like(ys)
+    team.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, kept, three)
+    np.testing.assert_array_equal(three, one)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        team.experts(x, np.arange(2), np.array([0, 1, 2]), 2, wts, [kept[0], Expert(int4_experts(1, D, 2 * I, g)[0])], ys)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        team.experts(x, np.arange(2), np.array([0, 2]), 2, wts, [Expert((short, short, down))], ys)
+    copy = pickle.loads(pickle.dumps(kept[0]))  # another process: the matrices, never the addresses
+    assert "int4" not in vars(copy) and copy.int4[2] == int4_facts(tuple(copy))[2] != kept[0].int4[2]
 
 
 def expert_mats(kind, n, D, I, **kw):
