@@ -539,7 +539,12 @@ class ExpertCache:
 
     @property
     def lookahead(self) -> bool:
-        return self.policy.prefetch_reads > 0
+        # not once every expert is resident (a budget that holds the whole model, warm): the
+        # prediction would be a router and a norm a layer for reads that cannot happen
+        if self.policy.prefetch_reads <= 0:
+            return False
+        resident = len(self.pinned) + len(self.main) + sum(len(lru) for lru in self.lru.values())
+        return resident < len(self.c.records)
 
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
         self.stats.routed += routed

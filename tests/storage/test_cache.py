@@ -59,6 +59,22 @@ def test_lru_keeps_the_recent_and_counts(container):
     assert c.stats.bytes_read == 3 * c.record_bytes
 
 
+def test_no_lookahead_once_the_whole_model_is_resident(container):
+    """The router lookahead costs a norm and a router a layer; with every expert resident it
+    could only predict reads that cannot happen, so the cache stops asking for it."""
+    c = ExpertCache(container, "all")
+    assert c.lookahead  # cold: the lookahead starts the reads
+    for il in container.moe_layers[:-1]:
+        served(c, il, list(range(container.n_expert)))
+    assert c.lookahead  # one layer still on disk
+    served(c, container.moe_layers[-1], list(range(container.n_expert)))
+    assert not c.lookahead
+    small = ExpertCache(container, "min")
+    for il in container.moe_layers:
+        served(small, il, list(range(container.n_expert)))
+    assert small.lookahead  # a budget below the model: experts keep coming from disk
+
+
 def test_read_time_counts_reads_started_ahead(container):
     """io_wall_s is the time with reads in flight, however they were started: reads a
     prefetch started count before the step streams them (read GB/s = bytes / io_wall_s)."""
