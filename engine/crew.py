@@ -16,8 +16,7 @@ from contextlib import contextmanager
 import numba as nb
 import numpy as np
 
-from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32
-from ..storage.quant import int4_of
+from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32, int4_of
 from .fpkernels import f8_rows, mx4_rows
 from .ir import (
     atomic_add,

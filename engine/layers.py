@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32, dequantize
-from ..storage.quant import int4_of
+from ..storage.experts import ExpertSource, QuantWeight, bf16_to_f32, dequantize, int4_of
 from . import crew, fpkernels, kernels, qkernels
 from .kernels import f16_lut
 

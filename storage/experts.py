@@ -15,11 +15,21 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from .fpformats import BLOCKS, SCALES, mxfp4_pair
-from .quant import E2M1_VALUES, E8M0_VALUES, FP8_SCALE_LIMIT, FP8_VALUES, MX_GROUP, QuantWeight, dequantize
+from .quant import (
+    E2M1_VALUES,
+    E8M0_VALUES,
+    FP8_SCALE_LIMIT,
+    FP8_VALUES,
+    MX_GROUP,
+    Expert,
+    QuantWeight,
+    dequantize,
+    int4_of,
+)
 from .safetensors import bf16_to_f32
 
-__all__ = ["ExpertSource", "ExpertStats", "ExpertWeights", "QuantWeight", "ResidentExperts", "TracedSource",
-           "bf16_to_f32", "dequantize", "E2M1_VALUES", "E8M0_VALUES", "FP8_VALUES", "FP8_SCALE_LIMIT",
+__all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "QuantWeight", "ResidentExperts", "TracedSource",
+           "bf16_to_f32", "int4_of", "dequantize", "E2M1_VALUES", "E8M0_VALUES", "FP8_VALUES", "FP8_SCALE_LIMIT",
            "BLOCKS", "SCALES", "MX_GROUP", "mxfp4_pair"]  # the published formats' values and MXFP4's checkpoint layout  # the engine's one door into storage: the weights' types come through it too
 
 # (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see
