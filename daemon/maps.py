@@ -34,6 +34,13 @@ class RoutingLog:
         self.log.append((self.step, il, tuple(int(i) for i in ids)))
         return self.inner.stream(il, ids)
 
+    def int4_hits(self, il: int, ids: list[int]):
+        # a step the cache serves from its slots (engine/layers.moe) is a routed step too
+        hits = self.inner.int4_hits(il, ids) if hasattr(self.inner, "int4_hits") else None
+        if hits is not None:
+            self.log.append((self.step, il, tuple(int(i) for i in ids)))
+        return hits
+
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
         self.inner.layer_done(il, routed, moe_s)
 

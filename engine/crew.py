@@ -496,29 +496,45 @@ class Crew:
         # wts [T * A] f32, ys [T * A, D] f32; experts: (gate, up, down), with their biases
         # (gate, up, down; storage precision) when act is gpt-oss's (alpha, limit)
         facts = [int4_of(e) for e in experts]  # (group, layouts, addresses), kept on the cache's experts
-        gate = experts[0][0]
-        I, D, g = gate.q.shape[0], x.shape[1], gate.group_size
-        layout = facts[0][1] if facts[0] is not None else None  # the kernel trusts the shapes: every expert's as the first's
-        bad = (layout is None or g != self.g or layout[0] != ("int4", g, (I, D // 2), (I, D // g)) or layout[1] != layout[0]
-               or layout[2] != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
-               or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
-               or wts.shape != (x.shape[0] * A,) or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)
-               or any(len(e) != (6 if act else 3) for e in experts))
-        if bad or any(f is None or f[1] is not layout for f in facts):
+        first = facts[0]
+        if (first is None or any(f is None or f[1] is not first[1] for f in facts)
+                or any(len(e) != (6 if act else 3) for e in experts)):
             raise ValueError("int4 experts: the weight, activation and output shapes do not match")
-        E, R = len(experts), len(rows)
+        E = len(experts)
+        addrs = np.zeros((E, N_ADDRS), np.int64)
+        addrs[:, :6] = np.frombuffer(b"".join([f[2] for f in facts]), np.int64).reshape(E, 6)
+        biases = _biases(experts, first[1][0][2][0], x.shape[1], addrs) if act else []
+        self.experts_at(x, rows, starts, A, wts, addrs, first[0], first[1], ys, act, (experts, biases))
+
+    def experts_at(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
+                   addrs: np.ndarray, g: int, layouts: tuple, ys: np.ndarray, act: tuple | None = None,
+                   keep: tuple = ()) -> None:
+        # experts' job as `experts` computes it, the experts given by address: addrs [E, 6 or
+        # N_ADDRS] int64 (gate q, scales, up q, scales, down q, scales, then the biases' or 0)
+        # of int4 matrices of group g whose layouts are `layouts` (QuantWeight.layout of gate,
+        # up, down; every expert's); what `keep` holds stays alive through the job. The cache
+        # hands a resident step's addresses out this way (ExpertCache.int4_hits): no view or
+        # object per expert on the decode path
+        E, R, D = len(addrs), len(rows), x.shape[1]
+        gate = layouts[0]
+        I = gate[2][0]
+        if (g != self.g or gate != ("int4", g, (I, D // 2), (I, D // g)) or layouts[1] != gate
+                or layouts[2] != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
+                or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
+                or wts.shape != (x.shape[0] * A,) or addrs.shape[1] not in (6, N_ADDRS) or len(starts) != E + 1
+                or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)):
+            raise ValueError("int4 experts: the weight, activation and output shapes do not match")
         n_ints, n_work = moe_q4_sizes.py_func(R, E, D, I, g)  # (the same code, without a kernel call's checks)
         ints = np.zeros(n_ints, np.int64)  # new for each job (a helper late for a job still reads its counters)
-        rows_, starts_, addrs, _ = moe_q4_ints.py_func(ints, R, E)  # views of ints
+        rows_, starts_, addrs_, _ = moe_q4_ints.py_func(ints, R, E)  # views of ints
         rows_[:], starts_[:] = rows, starts
-        addrs[:, :6] = np.frombuffer(b"".join([f[2] for f in facts]), np.int64).reshape(E, 6)
-        biases = _biases(experts, I, D, addrs) if act else []
+        addrs_[:, : addrs.shape[1]] = addrs
         params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
             self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
         self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys,
                                     ACT_CLAMPED if act else ACT_SILU, params),
-                  (x, ints, self.work, wts, ys, experts, biases, params))
+                  (x, ints, self.work, wts, ys, keep, params))
 
     def experts_tok(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
                     experts: list, ys: np.ndarray, act: tuple | None = None) -> None:

@@ -661,6 +661,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     for sg in segments:
         prompt_rows[sg.start : sg.start + sg.n] = sg.n > 1
     all_prompt = all(sg.n > 1 for sg in segments)
+    any_prompt = any(sg.n > 1 for sg in segments)
     g = experts.int4_group
     session = crew.session()  # the forward step's crew, else one for this call
     # int4 decode rows: a crew of their group size; the prompt-path job: any crew
@@ -689,10 +690,15 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     def compute(parts):  # [(rows, expert weights)] of this step into ys
         compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session)
 
-    rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)]
+    hits = None
+    if ffn is None and team is not None and not any_prompt and hasattr(experts, "int4_hits"):
+        hits = experts.int4_hits(il, union)  # every expert resident: their addresses, no views
+    rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)] if hits is None else []
     rows_by = dict(rows_of)
     try:
-        if hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
+        if hits is not None:  # one decode job straight from the cache's slots (the rows in union order)
+            team.experts_at(x, order, bounds, A, w_flat, hits[2], hits[0], hits[1], ys)
+        elif hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
             experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped)
         else:
             for batch in experts.stream(il, union):  # in any order

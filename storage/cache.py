@@ -158,6 +158,7 @@ class ExpertCache:
         self.pinned, self.pin_free, self.pinned_bytes = pinned, pin_slots, n_pin * rb
         self.n_slots, self.slots_per_layer = n_slots, per_layer
         self.budget_bytes, self.arena_bytes = budget_bytes, n_slots * rb
+        self.int4_slots = self._int4_table(arena)
         if old is not None:
             old.close()
 
@@ -323,6 +324,55 @@ class ExpertCache:
         if v is None:
             v = self._views[slot] = self.c.expert_views(self.arena[slot])
         return v
+
+    def _int4_table(self, arena: np.ndarray) -> tuple | None:
+        """(group size, the layouts of gate, up and down, [slots, 6] int64: where each slot's
+        int4 matrices start: gate q, scales, up q, scales, down q, scales) when the experts are
+        int4 without biases; else None. Every record has the container's one layout, so a
+        slot's addresses are its start plus the same six offsets."""
+        if self.c.expert_dtype != "int4" or not len(arena):
+            return None
+        ew = self.c.expert_views(arena[0])
+        if len(ew) != 3 or ew.int4 is None:
+            return None
+        g, layouts, addrs = ew.int4
+        offsets = np.frombuffer(addrs, np.int64) - arena.ctypes.data
+        starts = arena.ctypes.data + np.arange(len(arena), dtype=np.int64) * arena.strides[0]
+        return g, layouts, starts[:, None] + offsets[None, :]
+
+    def int4_hits(self, il: int, ids: list[int]) -> tuple | None:
+        """Layer il's step of experts `ids` (unique) when every one is resident and the
+        experts are int4: (group size, layouts, [len(ids), 6] int64 addresses of their
+        matrices in `ids` order, as Crew.experts_at takes them; valid until the next call into
+        the cache), the step counted exactly as stream() counts a step of hits. None, with
+        nothing counted, when one is not resident or reads started ahead for this layer are
+        pending: stream() serves the step then. A warm decode step's way past a view per
+        expert (engine/layers.moe): in the decode the Python around the kernels ran from
+        memory the weights had just pushed out of the caches, a miss per object touched."""
+        table = self.int4_slots
+        if table is None or self.prefetched.get(il):
+            return None
+        self._settle_unchosen(il)
+        lru, pinned, main = self.lru[il], self.pinned, self.main
+        slots = []
+        for ie in ids:
+            slot = lru.get(ie)
+            if slot is None and (slot := pinned.get(key := (il, ie))) is None and (slot := main.get(key)) is None:
+                return None
+            slots.append(slot)
+        self.prefetched.pop(il, None)
+        self.history.record(il, ids)
+        st = self.stats
+        st.fetches += 1
+        st.experts += len(ids)
+        st.hits += len(ids)
+        self.by_layer[il][0] += len(ids)
+        for ie in ids:
+            if ie in lru:
+                lru.move_to_end(ie)
+        if self.main_slots:
+            self._trim_window(il)
+        return table[0], table[1], table[2][slots]
 
     def _submit(self, key: tuple[int, int], slot: int) -> Future:
         return self.reader.submit(key, self.arena[slot])

@@ -218,9 +218,9 @@ def hub_spelling(cfg: dict) -> dict:
     return cfg
 
 
-def build_container(root, family: str, case: str, seed: int, **overrides):
-    """A tiny checkpoint built in root/hf and converted into the container root/c; returns
-    it opened."""
+def build_container(root, family: str, case: str, seed: int, convert_kw: dict | None = None, **overrides):
+    """A tiny checkpoint built in root/hf and converted into the container root/c (with
+    convert's `convert_kw`: expert_dtype, group_size, ...); returns it opened."""
     from colibri.engine.registry import build_model
     from colibri.storage.checkpoint import load_config, open_checkpoint
     from colibri.storage.container import open_container
@@ -229,7 +229,7 @@ def build_container(root, family: str, case: str, seed: int, **overrides):
     build(family, case, root / "hf", seed=seed, **overrides)
     model = build_model(str(root / "hf"), load_config(str(root / "hf")))
     convert(model.source(open_checkpoint(str(root / "hf"))), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()))
+            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), **(convert_kw or {}))
     return open_container(str(root / "c"))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from colibri.daemon.maps import RoutingLog
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
@@ -70,12 +71,23 @@ def test_int4_tokens_identical_at_every_budget(tmp_path):
     build("qwen3_moe", "basic", tmp_path / "hf", seed=8, hidden_size=128, moe_intermediate_size=64)
     path = to_container(tmp_path / "hf", tmp_path / "c", expert_dtype="int4", group_size=32)
     ids = np.random.default_rng(5).integers(0, 101, 9)
-    runs = {}
+    runs, fast = {}, []
     for name, budget in budgets(path).items():
         model = load_model(path, budget=budget)
+        if name == "all":  # a step of resident experts takes their addresses from the slots (int4_hits)
+            cache = model.experts
+
+            def counted(il, ids, inner=cache.int4_hits):
+                got = inner(il, ids)
+                fast.append(got is not None)
+                return got
+
+            cache.int4_hits = counted
+            model.experts = log = RoutingLog(cache)  # as the daemon wraps it: every step still logged
         logits = model.forward(ids, model.new_cache(16), all_logits=True)
         runs[name] = (logits, greedy(model, ids, n=12), [e.token_id for e in generate(
             model, ids, SamplingParams(max_tokens=12, temperature=1.0, seed=3)) if e.kind == "token"])
+    assert sum(fast) > 10 and len(log.log) == log.step * len(model.moe_layers)
     want = runs.pop("all")
     for name, got in runs.items():
         np.testing.assert_array_equal(got[0], want[0], err_msg=name)

@@ -11,6 +11,7 @@ import pytest
 from colibri.storage import reader as reader_mod
 from colibri.storage.cache import ExpertCache
 from colibri.storage.errors import BudgetInvalid, ExpertReadError
+from colibri.storage.policy import POLICIES, Policy
 
 from hf_models import build_container, served
 
@@ -115,6 +116,47 @@ def test_a_predicted_expert_the_router_did_not_choose_is_not_waited_for(containe
     monkeypatch.undo()
     for x, y in zip(got[5], served(ExpertCache(container, "all"), il, [5])[5]):
         np.testing.assert_array_equal(x, y)
+
+
+def test_int4_hits_count_a_step_as_stream_does(tmp_path_factory):
+    """A warm decode step takes its int4 experts' addresses straight from the slots
+    (int4_hits): the same addresses the views have, and the cache afterwards exactly as if
+    stream() had served the step (stats, recency, usage, the learned region); a step with a
+    miss is left to stream() with nothing counted."""
+    q4 = build_container(tmp_path_factory.mktemp("q4"), "qwen3_moe", "basic", seed=4,
+                         convert_kw={"expert_dtype": "int4", "group_size": 32}, hidden_size=64,
+                         moe_intermediate_size=32)
+    layers, n = q4.moe_layers, q4.n_expert
+    rng = np.random.default_rng(2)
+    hot = 0.5 ** np.arange(n) / (0.5 ** np.arange(n)).sum()  # a skewed routing: steps of hits and of misses
+    steps = [(layers[i % len(layers)], sorted(rng.choice(n, 2, replace=False, p=hot).tolist())) for i in range(160)]
+    for name in POLICIES:
+        budget = 3 * len(layers) * q4.record_bytes  # 3 slots a layer: hits, misses and evictions
+        plain = ExpertCache(q4, budget, policy=Policy(name=name))
+        quick = ExpertCache(q4, budget, policy=Policy(name=name))
+        taken = 0
+        for il, ids in steps:
+            served(plain, il, ids)
+            before = quick.stats.copy()
+            got = quick.int4_hits(il, ids)
+            if got is None:
+                assert quick.stats == before, name  # nothing counted: stream() serves it
+                served(quick, il, ids)
+                continue
+            taken += 1
+            g, layouts, addrs = got
+            views = [quick.views(quick.lru[il][ie] if ie in quick.lru[il] else
+                                 quick.pinned.get((il, ie), quick.main.get((il, ie)))) for ie in ids]
+            assert g == 32 and all(v.int4[1] is layouts for v in views)
+            np.testing.assert_array_equal(addrs, np.frombuffer(b"".join(v.int4[2] for v in views), np.int64).reshape(-1, 6))
+        assert taken > 10, name
+        counts = [{k: v for k, v in vars(c.stats).items() if not k.endswith("_s")} for c in (quick, plain)]
+        assert counts[0] == counts[1], name  # every count (the times are the clock's)
+        assert {il: list(d.items()) for il, d in quick.lru.items()} == {il: list(d.items()) for il, d in plain.lru.items()}
+        assert quick.main == plain.main and quick.pinned == plain.pinned, name
+        np.testing.assert_array_equal(quick.history.values(), plain.history.values())
+    assert ExpertCache(build_container(tmp_path_factory.mktemp("bf16"), "qwen3_moe", "basic", seed=4),
+                       "all").int4_hits(layers[0], [0]) is None  # not int4: always stream()
 
 
 def test_more_experts_than_slots_stream_through(container):
