@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.container import ALIGN, round_up
-from ..storage.experts import ExpertStats, QuantWeight
+from ..storage.experts import ExpertStats, QuantWeight, int4_of
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)  # expert budgets the table shows, as fractions of the experts
 THREADS = (1, 2, 4)  # read threads tried
@@ -142,6 +142,15 @@ class SampleExperts:
         self.stats = ExpertStats()
         self.record_bytes = round_up(sum(_nbytes(w) for w in layers[0][0]), ALIGN)
         self.position: dict[int, int] = {}
+        # int4 experts without biases: each sample layer's [k, 6] addresses, so a decode step
+        # takes the path a warm cache's step takes (int4_hits), not the views' slower one
+        facts = [[int4_of(e) if len(e) == 3 else None for e in layer] for layer in layers]
+        first = facts[0][0]
+        self.int4 = None
+        if first is not None and all(f is not None and f[1] == first[1] for layer in facts for f in layer):
+            self.int4 = [np.frombuffer(b"".join(f[2] for f in layer), np.int64).reshape(len(layer), 6)
+                         for layer in facts]
+            self.int4_layouts = first[0], first[1]
 
     def begin_step(self) -> None:
         self.stats.steps += 1
@@ -152,10 +161,20 @@ class SampleExperts:
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
         self.stats.moe_s += moe_s
 
+    def _layer(self, il: int) -> int:
+        return self.position.setdefault(il, len(self.position)) % len(self.layers)
+
     def stream(self, il: int, ids: list[int]):
-        j = self.position.setdefault(il, len(self.position)) % len(self.layers)
-        sample = self.layers[j]
+        sample = self.layers[self._layer(il)]
         yield [(ie, sample[ie % len(sample)]) for ie in ids]
+
+    def int4_hits(self, il: int, ids: list[int]) -> tuple | None:
+        # as ExpertCache.int4_hits: (group, layouts, [len(ids), 6] addresses) of the experts
+        # stream() would hand out, or None when they are not int4 without biases
+        if self.int4 is None:
+            return None
+        table = self.int4[self._layer(il)]
+        return (*self.int4_layouts, table[np.asarray(ids) % len(table)])
 
     def describe(self) -> dict:
         return {"placement": "planning sample"}

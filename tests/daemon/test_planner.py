@@ -14,6 +14,7 @@ from colibri.daemon.config import ConfigError, load
 from colibri.daemon.planner import (
     OVERLAP,
     Shape,
+    container_sample,
     hit_at,
     hit_curve,
     lru_hits,
@@ -25,7 +26,9 @@ from colibri.daemon.planner import (
     predicted_now,
     trace_accesses,
 )
+from colibri.engine import layers
 from colibri.engine.registry import build_model
+from colibri.storage.experts import int4_of
 
 from hf_models import build, build_container
 
@@ -50,6 +53,34 @@ def test_the_routing_decides_the_hit_rates():
     ahead = [(0, [1, 2], [1, 3, 4]), (1, [5, 6], [5, 6]), (0, [1], None)]
     assert hit_curve(8, (0.5,), accesses=ahead)["waste"] == 1.0  # (2 + 0) / 2 predicted reads not used
     assert hit_at({"hits": {"0.1": 0.3, "0.5": 0.7}}, 0.3) == pytest.approx(0.5)
+
+
+def test_an_int4_sample_takes_the_warm_caches_path(tmp_path):
+    """A plan times a decode step on the path a warm cache's step takes (int4_hits: the
+    experts' addresses, no views), and that path computes what the views' path computes."""
+    q4 = build_container(tmp_path, "qwen3_moe", "basic", seed=5, convert_kw={"expert_dtype": "int4", "group_size": 32},
+                         hidden_size=64, moe_intermediate_size=32)
+    sample = container_sample(q4, 3)
+    il, ids = q4.moe_layers[1], [0, 4, 5]  # 4 and 5 wrap onto the sample's experts 1 and 2
+    g, layouts, addrs = sample.int4_hits(il, ids)
+    (batch,) = list(sample.stream(il, ids))
+    assert g == 32 and [ie for ie, _ in batch] == ids
+    assert addrs.tolist() == [np.frombuffer(int4_of(ew)[2], np.int64).tolist() for _, ew in batch]
+
+    class ViewsOnly:  # the same sample without int4_hits: every step through stream()'s views
+        int4_group = sample.int4_group
+
+        def __getattr__(self, name):
+            if name == "int4_hits":
+                raise AttributeError(name)
+            return getattr(sample, name)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    chosen, weights = np.array([ids]), rng.random((1, 3)).astype(np.float32)
+    fast = layers.moe(x, chosen, weights, sample, il)
+    assert np.array_equal(fast, layers.moe(x, chosen, weights, ViewsOnly(), il))
+    assert not np.array_equal(fast, layers.moe(x, np.array([[0, 1, 3]]), weights, sample, il))
 
 
 def test_the_prediction_is_the_slower_side_plus_part_of_the_other():
