@@ -18,7 +18,9 @@ and io_floor_ratio = (bytes read / measured bandwidth) / wall time (1.0: the dis
 only limit; io_floor_ratio_used leaves out the lookahead's reads of experts the router then
 did not choose). The 100 % budget also runs warm (no reads): three decodes of the same
 tokens, the best expert kernels' GB/s of them next to the best of the memory bandwidth
-measurements around them (and each run's figures).
+measurements around them (and each run's figures), and the whole token's weight bytes
+(dense tensors, the embedding's row left out, and the step's experts) times tok/s against
+the same memory figure: how close the decode as a whole comes to the memory's limit.
 
 --ab compares the cache policies end to end: for each budget, each policy (lru,
 lru+pinned, learned) with prefetch off and on, cold (empty usage history) and warm
@@ -240,19 +242,28 @@ def main():
             # three decodes of the same tokens: the best of them, as memory's best of its
             # measurements (a neighbour on this shared box slows either at any moment)
             expert_bytes, warm = sum(p.n_bytes for p in c.layout), []
+            # the whole token's weight bytes: every dense tensor but the embedding (one row of it
+            # is read; unless it is also the LM head), and the experts a decode step computes
+            tied = c.config.get("tie_word_embeddings", False)
+            dense_bytes = sum(c.dense.entry(n).n_bytes for n in c.dense.where if tied or "embed_tokens" not in n)
             for _ in range(3):
                 w = run(model, prompt(np.random.default_rng(8), a.prompt_tokens), a.tokens, seed=1)
                 wst = w["decode_st"]  # the decode steps' (the prompt's step runs the prompt-token kernels)
-                warm.append(((w["n"] - 1) / w["stats"]["decode_s"], wst.experts * expert_bytes / (wst.moe_s - wst.io_wait_s) / 1e9,
-                             wst.misses))
+                tok_s = (w["n"] - 1) / w["stats"]["decode_s"]
+                token_bytes = dense_bytes + wst.experts / (w["n"] - 1) * expert_bytes
+                warm.append((tok_s, wst.experts * expert_bytes / (wst.moe_s - wst.io_wait_s) / 1e9,
+                             wst.misses, tok_s * token_bytes / 1e9))
             # the memory's limit: the best of the measurements around the runs (a neighbour on
             # this shared box can make any one of them several times too low)
             mem_run = max([mem_run, mem] + [memory_gbs() for _ in range(3)])
-            tok_s, gbs, misses = max(warm, key=lambda r: r[1])
+            tok_s, gbs, misses, token_gbs = max(warm, key=lambda r: r[1])
             row["warm"] = {"tok_s": round(tok_s, 3), "misses": misses, "expert_kernel_gbs": round(gbs, 3),
                            "memory_gbs": round(mem_run, 3), "expert_kernel_ratio_to_memory": round(gbs / mem_run, 3),
-                           "runs": [{"tok_s": round(t, 3), "expert_kernel_gbs": round(k, 3),
-                                     "ratio": round(k / mem_run, 3)} for t, k, _ in warm]}
+                           # the whole decode (dense, attention, experts, Python) as weight bytes a second
+                           "token_weight_gbs": round(max(r[3] for r in warm), 3),
+                           "token_ratio_to_memory": round(max(r[3] for r in warm) / mem_run, 3),
+                           "runs": [{"tok_s": round(t, 3), "expert_kernel_gbs": round(k, 3), "ratio": round(k / mem_run, 3),
+                                     "token_ratio": round(tg / mem_run, 3)} for t, k, _, tg in warm]}
         model.experts.close()
         del model
         results.append(row)
