@@ -697,7 +697,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     rows_by = dict(rows_of)
     try:
         if hits is not None:  # one decode job straight from the cache's slots (the rows in union order)
-            team.experts_at(x, order, bounds, A, w_flat, hits[2], hits[0], hits[1], ys)
+            g4, layouts, addrs = hits
+            team.experts_at(x, order, bounds, A, w_flat, addrs, g4, layouts, ys)
         elif hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
             experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped)
         else:
