@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, PromptTooLong
+from .model import Parked
 
 
 @dataclass
@@ -194,6 +195,7 @@ class Request:
         self.prefix = None  # the batcher's prefix cache, when it has one
         self.held: list = []  # its blocks this request started from (held until it ends)
         self.cached = 0  # prompt tokens taken from the prefix cache, not computed
+        self.parked: Parked | None = None  # its prompt chunk, stopped between layers of the last step
 
     def use_prefix(self, prefix) -> None:
         """Start from the longest prefix of the prompt that `prefix` (engine/prefix.py) holds,
@@ -357,7 +359,12 @@ class Batcher:
         stepping = [r for r in self.active if feeds[id(r)]]
         t0 = time.perf_counter()
         decode_only = not any(r.prefilling for r in stepping)
-        logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
+        # a prompt chunk beside decoding rows may park before a layer whose experts are still
+        # on disk (MoEModel.forward_batch): the stream does not wait on the newcomer's reads
+        parkable = frozenset(k for k, r in enumerate(stepping) if r.prefilling) if not all(
+            r.prefilling for r in stepping) else frozenset()
+        logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) + ((r.parked,) if r.parked else ())
+                                           for r in stepping], parkable=parkable)
         if decode_only:
             self.decode_steps += 1
             self.decode_s += time.perf_counter() - t0
@@ -365,6 +372,9 @@ class Batcher:
             self.sizer.observe(time.perf_counter() - t0, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
                                sum(not r.prefilling for r in stepping))
         for r, lg in zip(stepping, logits):
+            r.parked = lg if isinstance(lg, Parked) else None
+            if r.parked is not None:  # (its chunk goes on from there in a later step)
+                continue
             out += [(r, ev) for ev in r.advance(lg[-1], len(feeds[id(r)]))]
             if r.done:
                 out.append((r, r.done_event(self.model)))
@@ -380,7 +390,12 @@ class Batcher:
         left = chunk if decoding and chunk else None
         out = {}
         for r in self.active:
-            out[id(r)] = r.feed(left)
+            if r.parked is not None:  # its chunk again, once its experts have landed (at once with nothing decoding)
+                n = len(r.parked.h)
+                out[id(r)] = r.feed(n) if not decoding or self.model.can_resume(r.parked) else []
+                left = None if left is None else left - n
+                continue
+            out[id(r)] = r.feed(max(left, 0) if left is not None else None)
             if r.prefilling and left is not None:
                 left -= len(out[id(r)])
         return out
