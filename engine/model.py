@@ -351,7 +351,7 @@ class MoEModel:
                 if i in parkable and waited[i] < il:
                     want = np.unique(predicted[sg.start : sg.start + sg.n]).tolist()
                     if not self.experts.ready(il, want):
-                        self.experts.prefetch(il, want, max_reads=len(want))
+                        self.experts.prefetch(il, want, len(want))
                         out[i] = Parked(h[sg.start : sg.start + sg.n].copy(), at, il, want)
 
         active = fresh

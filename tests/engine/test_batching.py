@@ -4,6 +4,7 @@ alone, whatever joins or leaves around them; the step reads the union of their e
 import numpy as np
 import pytest
 
+from colibri.daemon.maps import RoutingLog
 from colibri.engine import layers
 from colibri.engine.generate import Batcher, ChunkSizer, Request, SamplingParams, generate
 from colibri.engine.model import Parked
@@ -256,6 +257,7 @@ def test_parked_prompts_give_the_tokens_of_one_step(tmp_path, family, case):
     prompts = [rng.integers(0, ref.args.vocab_size, n).tolist() for n in (2, 17, 9)]
     want = {i: alone(ref, p, 10) for i, p in enumerate(prompts)}
     model = load_model(path, budget="min", prefetch=4)
+    model.experts = RoutingLog(model.experts)  # as the daemon serves it
     parks = []
     real = model.forward_batch
     model.forward_batch = lambda seqs, **kw: [parks.append(isinstance(o, Parked)) or o for o in real(seqs, **kw)]
