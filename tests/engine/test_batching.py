@@ -123,6 +123,13 @@ def test_the_auto_chunk_follows_the_measured_steps():
     assert z.cost[3] == pytest.approx(0.25) and z.chunk == 2
     z = ChunkSizer()
     z.observe(0.1, 0, 1)
+    z.observe(0.11, 1, 1)
+    z.observe(0.15, 1, 1)  # slower, though within the target: believed at once (the target is the largest gap)
+    assert z.cost[1] == pytest.approx(0.15)
+    z.observe(0.1, 1, 1)  # faster: averaged in
+    assert z.cost[1] == pytest.approx(0.8 * 0.15 + 0.2 * 0.1)
+    z = ChunkSizer()
+    z.observe(0.1, 0, 1)
     for _ in range(20):
         z.observe(0.1, z.chunk, 1)  # prompt tokens for free
     assert z.chunk == ChunkSizer.LARGEST
@@ -246,11 +253,11 @@ def test_a_parked_chunk_gives_the_bits_of_one_that_never_parked(tmp_path, family
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("mixtral", "odd_tied_window"),
                                          ("glm_moe_dsa", "full_shared_topk4")])
 def test_parked_prompts_give_the_tokens_of_one_step(tmp_path, family, case):
-    """Prompts that join a running request in chunks of 4, streamed at the minimum budget
+    """Prompts that join a running request in auto chunks, streamed at the minimum budget
     with the lookahead on, park between layers and resume: every request's tokens are
     those it gets alone, and the running request gets a token at every step while a prompt
-    goes in. glm_moe_dsa's shared layers take a choice made earlier in the step: it never
-    parks."""
+    goes in. A fixed chunk never parks (its N tokens go through every layer a step), nor
+    does glm_moe_dsa (its shared layers take a choice made earlier in the step)."""
     path = streamed(tmp_path, family, case, seed=26)
     ref = load_model(path, budget="min")
     rng = np.random.default_rng(5)
@@ -262,15 +269,18 @@ def test_parked_prompts_give_the_tokens_of_one_step(tmp_path, family, case):
     real = model.forward_batch
     model.forward_batch = lambda seqs, **kw: [parks.append(isinstance(o, Parked)) or o for o in real(seqs, **kw)]
     assert together(model, prompts, 10, join_at=[0, 2, 3], prefill_chunk=4) == want
+    assert sum(parks) == 0
+    assert together(model, prompts, 10, join_at=[0, 2, 3], prefill_chunk="auto") == want
     assert (sum(parks) > 0) == model.PARKS
-    b = Batcher(model, 4)
-    running = Request(model, prompts[0], SamplingParams(max_tokens=60))
+    b = Batcher(model, "auto")
+    running = Request(model, prompts[0], SamplingParams(max_tokens=model.n_ctx - 8))
     b.add(running)
     b.step()
-    long = Request(model, prompts[1] * 2, SamplingParams(max_tokens=2))
+    long = Request(model, prompts[1], SamplingParams(max_tokens=2))
     b.add(long)
     parks.clear()
-    gaps = []
+    gaps, decode_steps = [], b.decode_steps
     while long.prefilling:
         gaps.append(sum(ev.kind == "token" for r, ev in b.step() if r is running))
     assert gaps == [1] * len(gaps) and (sum(parks) > 0) == model.PARKS
+    assert b.decode_steps == decode_steps  # a step with a chunk parked is not a decode-only step
