@@ -2,7 +2,6 @@
 prompt prefilled in chunks (prefill_chunk N or auto) and whole (0).
 
     python bench/prefill_gap.py [--expert-gb 2] [--budget all] [--prompt-tokens 2000] [--chunks 0,auto,64]
-                                [--a-tokens N]
 
 Starts colibrid on the decode benchmark's synthetic model (bench/synthetic.py; --expert-gb
 of experts decides its layers) once per prefill_chunk setting; request A streams (sampled
@@ -33,10 +32,10 @@ from synthetic import build  # noqa: E402
 from colibri.ctl.client import Client  # noqa: E402
 
 
-def one_run(sock: str, prompt_tokens: int, a_tokens: int, rng) -> dict:
+def one_run(sock: str, prompt_tokens: int, rng) -> dict:
     a, b = Client(sock).connect(), Client(sock).connect()
-    rid = a.send("generate", prompt="".join(rng.choice(list("abcdefgh"), 16)), max_tokens=a_tokens,
-                 temperature=1.0, seed=1)
+    rid = a.send("generate", prompt="".join(rng.choice(list("abcdefgh"), 16)), max_tokens=2 * prompt_tokens + 100,
+                 temperature=1.0, seed=1)  # (auto may take a step per prompt token, and then A runs alone as long)
     times = []
     while len(times) < 20:
         msg = a.recv(600000)
@@ -97,11 +96,7 @@ def main():
     ap.add_argument("--budget", default="all", help="expert cache: all, min or bytes")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--chunks", default="0,auto,64", help="prefill_chunk settings to compare")
-    ap.add_argument("--a-tokens", type=int, default=None,
-                    help="request A's tokens (default 2 x --prompt-tokens + 100: auto may take a step per prompt "
-                         "token, and then A runs alone as long; streamed, a parked chunk takes up to a step a layer)")
     a = ap.parse_args()
-    a_tokens = a.a_tokens or 2 * a.prompt_tokens + 100
     os.makedirs(a.workdir, exist_ok=True)
     path = build(a.workdir, a.expert_gb)
     tmp = tempfile.mkdtemp(prefix="colibri-gap-")
@@ -110,10 +105,10 @@ def main():
         cfg = os.path.join(tmp, f"chunk-{chunk}.yaml")
         with open(cfg, "w") as f:
             # A asks for more tokens than the daemon's default limit allows (see one_run)
-            f.write(f"prefill_chunk: {chunk}\nmax_tokens_limit: {a_tokens}\n")
+            f.write(f"prefill_chunk: {chunk}\nmax_tokens_limit: {2 * a.prompt_tokens + 100}\n")
         sock, proc = start_daemon(path, a.budget, tmp, "--config", cfg, name=f"chunk-{chunk}")
         try:
-            run = one_run(sock, a.prompt_tokens, a_tokens, np.random.default_rng(5))
+            run = one_run(sock, a.prompt_tokens, np.random.default_rng(5))
             Client(sock, operator=True).connect().call("shutdown")
             proc.wait(120)
         finally:

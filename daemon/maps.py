@@ -27,8 +27,8 @@ class RoutingLog:
         self.step += 1
         self.inner.begin_step()
 
-    def prefetch(self, il: int, ids: list[int], *max_reads) -> int:
-        return self.inner.prefetch(il, ids, *max_reads)  # (a parked chunk's own reads pass their count)
+    def prefetch(self, il: int, ids: list[int]) -> int:
+        return self.inner.prefetch(il, ids)
 
     def stream(self, il: int, ids: list[int]):
         self.log.append((self.step, il, tuple(int(i) for i in ids)))

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, PromptTooLong
-from .model import Parked
 
 
 @dataclass
@@ -195,7 +194,6 @@ class Request:
         self.prefix = None  # the batcher's prefix cache, when it has one
         self.held: list = []  # its blocks this request started from (held until it ends)
         self.cached = 0  # prompt tokens taken from the prefix cache, not computed
-        self.parked: Parked | None = None  # its prompt chunk, stopped between layers of the last step
 
     def use_prefix(self, prefix) -> None:
         """Start from the longest prefix of the prompt that `prefix` (engine/prefix.py) holds,
@@ -358,27 +356,15 @@ class Batcher:
         feeds = self.feeds()
         stepping = [r for r in self.active if feeds[id(r)]]
         t0 = time.perf_counter()
-        # prompt tokens in flight: the chunks in this step, and parked ones whose reads go on
-        # meanwhile (the step pays for those reads: the auto chunk is sized by both)
-        in_flight = sum(len(feeds[id(r)]) for r in stepping if r.prefilling) + sum(
-            len(r.parked.h) for r in self.active if r.parked is not None and not feeds[id(r)])
-        decode_only = not in_flight
-        # with the auto chunk, a prompt chunk beside decoding rows may park before a layer whose
-        # experts are still on disk (MoEModel.forward_batch): the streams do not wait on the
-        # newcomer's reads (a fixed chunk keeps its N tokens through every layer a step)
-        parkable = frozenset(k for k, r in enumerate(stepping) if r.prefilling) if self.sizer is not None and not all(
-            r.prefilling for r in stepping) else frozenset()
-        logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) + ((r.parked,) if r.parked else ())
-                                           for r in stepping], parkable=parkable)
+        decode_only = not any(r.prefilling for r in stepping)
+        logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
         if decode_only:
             self.decode_steps += 1
             self.decode_s += time.perf_counter() - t0
         if self.sizer is not None:
-            self.sizer.observe(time.perf_counter() - t0, in_flight, sum(not r.prefilling for r in stepping))
+            self.sizer.observe(time.perf_counter() - t0, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
+                               sum(not r.prefilling for r in stepping))
         for r, lg in zip(stepping, logits):
-            r.parked = lg if isinstance(lg, Parked) else None
-            if r.parked is not None:  # (its chunk goes on from there in a later step)
-                continue
             out += [(r, ev) for ev in r.advance(lg[-1], len(feeds[id(r)]))]
             if r.done:
                 out.append((r, r.done_event(self.model)))
@@ -394,43 +380,32 @@ class Batcher:
         left = chunk if decoding and chunk else None
         out = {}
         for r in self.active:
-            if r.parked is not None:  # its chunk again, once its experts have landed (at once with nothing decoding)
-                n = len(r.parked.h)
-                out[id(r)] = r.feed(n) if not decoding or self.model.can_resume(r.parked) else []
-                left = None if left is None else left - n
-                continue
-            out[id(r)] = r.feed(max(left, 0) if left is not None else None)
+            out[id(r)] = r.feed(left)
             if r.prefilling and left is not None:
                 left -= len(out[id(r)])
         return out
 
 
 class ChunkSizer:
-    """`prefill_chunk: auto`: the prompt tokens a step takes beside decoding requests, sized so
-    that such a step lasts at most GAP times a step of the decoding requests alone (their
+    """`prefill_chunk: auto`: the prompt tokens a step takes beside decoding requests, sized
+    so that such a step lasts at most GAP times a step of the decoding requests alone (their
     tokens come at most GAP times slower while a prompt goes in). It measures a decode-only
-    step's time (no prompt in flight) and each chunk size's step time beside decoding, a
-    parked chunk's steps included (a running average that a slower step replaces at once:
-    the target is the largest gap, and a parked chunk's steps alternate between cheap ones
-    while its reads go on and dearer ones when it resumes), and takes the largest chunk, at
-    most twice the last, whose step is predicted within AIM x GAP: a measured size by its
-    own time, a larger one from the largest measured below it, per token. A size is tried
-    only when its prediction fits, so steps are not sent over the target to find it (a first
-    version doubled and halved around it: every few steps went to 3-8x).
+    step's time and each chunk size's step time beside decoding (running averages; a step
+    over the target is believed at once), and takes the largest chunk, at most twice the
+    last, whose step is predicted within AIM x GAP: a measured size by its own time, a
+    larger one from the largest measured below it, per token. A size is tried only when its
+    prediction fits, so steps are not sent over the target to find it (a first version
+    doubled and halved around it: every few steps went to 3-8x).
 
     Step time is not linear in the chunk: one prompt token beside decoding takes the decode
     kernels (a sequence with one token in the step), two or more the prompt path, which
-    costs several times as much a token at a few tokens (int4 rows widened to float32); a
-    streamed model reads a chunk's union of experts, which grows fast with the first tokens
-    and then slowly; a chunk parks before a layer whose experts are on disk
-    (MoEModel.forward_batch), so the decoding rows do not wait on its reads, and with one
-    layer's lookahead a chunk whose experts mostly miss advances about a layer a step. So
-    from one measured token the prediction for more takes the prompt path's price, and
-    beyond that each size's own measure. Timing moves only the chunk size, never a token.
-    The price is the prompt's own speed: where one prompt token beside the decode rows
-    already costs a good part of a decode step, the chunk stays at one token and the prompt
-    takes several times longer than whole (docs/benchmarks.md); a fixed prefill_chunk trades
-    the other way."""
+    costs several times as much a token at a few tokens (int4 rows widened to float32); a streamed model reads a chunk's union of experts, which grows fast with the
+    first tokens and then slowly. So from one measured token the prediction for more takes
+    the prompt path's price, and beyond that each size's own measure. Timing moves only
+    the chunk size, never a token. The price is the prompt's own speed: where one prompt
+    token beside the decode rows already costs a good part of a decode step, the chunk
+    stays at one token and the prompt takes several times longer than whole
+    (docs/benchmarks.md); a fixed prefill_chunk trades the other way."""
 
     GAP = 2.0
     AIM = 0.85  # of GAP: what a chunk is sized for
@@ -454,9 +429,9 @@ class ChunkSizer:
         if self.decode_s is None:
             return
         old = self.cost.get(prompt_tokens)
-        if old is None or step_s > old:  # a slower step is believed at once (the target is the largest gap)
-            self.cost[prompt_tokens] = step_s
-        elif step_s <= self.GAP * self.decode_s:  # (one over the target lowers nothing)
+        if old is None or step_s > self.GAP * self.decode_s:
+            self.cost[prompt_tokens] = max(step_s, old or 0.0)  # over the target: believed at once
+        else:
             self.cost[prompt_tokens] = (1 - self.EMA) * old + self.EMA * step_s
         fits = [n for n in range(1, min(self.LARGEST, 2 * self.chunk) + 1)
                 if self.predict(n) <= self.AIM * self.GAP * self.decode_s]

@@ -33,20 +33,6 @@ from .layers import (
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
 
 
-@dataclasses.dataclass
-class Parked:
-    """A prompt chunk stopped between two layers of a step (MoEModel.forward_batch): its
-    rows' hidden state before layer `layer`, waiting for the reads of layer `wait_layer`'s
-    experts `wait` that its rows are predicted to route to. Its cache's n_pos moves only
-    once the chunk has been through every layer, so resuming writes the same positions and
-    the rows' bits are those of a step that never parked."""
-
-    h: np.ndarray  # [n, D]
-    layer: int
-    wait_layer: int
-    wait: list[int]
-
-
 # our weight key -> checkpoint tensor name, as Llama-descended families spell them
 HF_NAMES = {
     "embed": "model.embed_tokens.weight",
@@ -137,10 +123,6 @@ class MoEModel:
     # whether a sampled token's cache row (computed alone in its step) is the same bits as
     # the row of the same token in a prompt: then the prefix cache keeps replies too
     DECODE_ROWS_EXACT = True
-    # whether a prompt chunk may stop between layers of a step and resume in a later one
-    # (forward_batch's parkable): not for a family whose attention carries a choice from one
-    # layer to the next within a step
-    PARKS = True
     EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")  # an expert's tensors, in the record's order
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
@@ -311,97 +293,48 @@ class MoEModel:
         # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)
         return self.forward_batch([(ids, cache)], all_logits)[0]
 
-    def forward_batch(self, seqs: list[tuple], all_logits: bool = False, parkable=frozenset()) -> list:
+    def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
         # one step (see _forward_batch), its parallel work on one crew of threads (crew.Crew)
         with crew_session(self.experts.int4_group):
-            return self._forward_batch(seqs, all_logits, parkable)
+            return self._forward_batch(seqs, all_logits)
 
-    def _forward_batch(self, seqs: list[tuple], all_logits: bool, parkable) -> list:
-        # seqs: (ids [T_i], cache) or (ids, cache, Parked) per sequence -> logits [T_i, V] or
-        # [1, V] per sequence, or a Parked for one that stopped between layers. One step: the
-        # sequences' tokens are the rows of one batch; each row's result is the same as alone.
-        # parkable: the indices of sequences (prompt chunks beside decoding rows) that may park
-        # before a layer whose experts they are predicted to route to are not resident: their
-        # reads start and the others go on, so a decoding stream never waits on a newcomer's
-        # misses; the chunk resumes there in a later step (Batcher). A Parked sequence enters
-        # at its layer with its rows' hidden state.
-        n_seq = len(seqs)
-        ids = [np.asarray(s[0], dtype=np.int64).reshape(-1) for s in seqs]
-        caches = [s[1] for s in seqs]
-        parked = [s[2] if len(s) > 2 else None for s in seqs]
-        tables = [self.rope.table(c.n_pos, len(i)) for i, c in zip(ids, caches)]
-        fresh = [i for i in range(n_seq) if parked[i] is None]
-        out: list = [None] * n_seq  # a Parked once a sequence stops; logits at the end for the others
-        held = {i: p.h for i, p in enumerate(parked) if p is not None}  # rows waiting outside the batch
-        entry = [p.layer if p is not None else 0 for p in parked]
-        waited = [p.wait_layer if p is not None else -1 for p in parked]  # (parks again only past it)
-        parks = bool(parkable) and self.PARKS and self.experts.lookahead and hasattr(self.experts, "ready")
-
-        def batch(members):  # the Step of these sequences' rows, in order
-            segments, start = [], 0
-            for i in members:
-                segments.append(Segment(caches[i], start, len(ids[i])))
-                start += len(ids[i])
-            return Step(segments, np.concatenate([tables[i][0] for i in members]),
-                        np.concatenate([tables[i][1] for i in members]))
-
-        def park(at, il, h, step, members, predicted):
-            # predicted [T, A]: layer il's experts for h's rows (their state before layer `at`)
-            for sg, i in zip(step.segments, members):
-                if i in parkable and waited[i] < il:
-                    want = np.unique(predicted[sg.start : sg.start + sg.n]).tolist()
-                    if not self.experts.ready(il, want):
-                        self.experts.prefetch(il, want, len(want))
-                        out[i] = Parked(h[sg.start : sg.start + sg.n].copy(), at, il, want)
-
-        active = fresh
-        step = batch(active) if active else None
-        h = to_f32(self.glob["embed"][np.concatenate([ids[i] for i in fresh])]) if fresh else None  # [T, D]
+    def _forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool) -> list[np.ndarray]:
+        # seqs: (ids [T_i], cache) per sequence -> logits [T_i, V] or [1, V] per sequence. One step:
+        # the sequences' tokens are the rows of one batch; each row's result is the same as alone.
+        ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in seqs])  # [T]
+        segments, start, tables = [], 0, []
+        for i, cache in seqs:
+            n = len(i)
+            segments.append(Segment(cache, start, n))
+            tables.append(self.rope.table(cache.n_pos, n))
+            start += n
+        step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
+        h = to_f32(self.glob["embed"][ids])  # [T, D]
         self.experts.begin_step()
         lookahead = self.experts.lookahead
-        if lookahead and self.moe_layers and fresh:  # the first MoE layer's, from the embeddings
-            predicted = self.lookahead(self.moe_layers[0], h)
-            if parks:  # (a chunk waiting for the first MoE layer's experts waits before layer 0)
-                park(0, self.moe_layers[0], h, step, active, predicted)
+        if lookahead and self.moe_layers:  # the first MoE layer's, from the embeddings
+            self.lookahead(self.moe_layers[0], h)
         for il in range(self.n_layer):
-            members = [i for i in range(n_seq) if entry[i] <= il and out[i] is None]
-            if members != active:  # a sequence parked or resumes here: the batch is regrouped
-                if step is not None:
-                    held.update({i: h[sg.start : sg.start + sg.n] for sg, i in zip(step.segments, active)})
-                active, step = members, batch(members) if members else None
-                h = np.concatenate([held.pop(i) for i in members]) if members else None
-            if not active:
-                continue
             h = self.block(il, h, step)
             self.beat = time.monotonic()  # progress a watchdog can see, a layer at a time
             if lookahead and il + 1 < self.n_layer and self.is_moe(il + 1):
-                predicted = self.lookahead(il + 1, h)
-                if parks:
-                    park(il + 1, il + 1, h, step, active, predicted)
-        if not active:  # (every sequence parked)
-            return out
-        for sg in step.segments:
+                self.lookahead(il + 1, h)
+        for sg in segments:
             sg.cache.n_pos += sg.n
-        rows = np.arange(len(h)) if all_logits else np.array([sg.start + sg.n - 1 for sg in step.segments])
+        rows = np.arange(len(ids)) if all_logits else np.array([sg.start + sg.n - 1 for sg in segments])
         logits = linear(rmsnorm(h[rows], self.glob["norm"], self.args.rms_norm_eps), self.lm_head)  # [R, V]
-        for k, (sg, i) in enumerate(zip(step.segments, active)):
-            out[i] = logits[sg.start : sg.start + sg.n] if all_logits else logits[k : k + 1]
-        return out
+        if not all_logits:
+            return [logits[i : i + 1] for i in range(len(segments))]
+        return [logits[sg.start : sg.start + sg.n] for sg in segments]
 
-    def lookahead(self, il: int, h: np.ndarray) -> np.ndarray:
+    def lookahead(self, il: int, h: np.ndarray) -> None:
         # h [T, D] after layer il-1 (the embeddings for the first MoE layer): layer il's norm and
         # router on it predict its experts, whose reads start now, while layer il's attention
         # runs. Only data moves: the real router decides. (Predicting two and three layers ahead
         # from the same h, while the next layer reads little, kept the disk busier but read 60 %
-        # more unused experts and was not faster: measured, dropped.) Returns the prediction [T, A]
+        # more unused experts and was not faster: measured, dropped.)
         ids, _ = self.router(il, self.moe_input(il, h))  # [T, A]: the family's own route()
         self.experts.prefetch(il, np.unique(ids).tolist())
-        return ids
-
-    def can_resume(self, p: "Parked") -> bool:
-        """Whether a parked chunk goes on in this step (Batcher): no read it waits for is
-        still in flight."""
-        return not self.experts.reading(p.wait_layer, p.wait)
 
     def describe(self) -> dict:
         """Facts about the loaded model for stats and `colictl run --json`."""

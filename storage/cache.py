@@ -374,29 +374,6 @@ class ExpertCache:
             self._trim_window(il)
         return table[0], table[1], table[2][slots]
 
-    def ready(self, il: int, ids: list[int]) -> bool:
-        """Whether layer il's experts `ids` can be served without waiting on the disk: each
-        one resident, or its read started ahead (prefetch) already landed. A prompt chunk
-        beside decoding rows parks before a layer whose experts are not (Model.forward_batch)."""
-        lru = self.lru[il]
-        return all(ie in lru or (il, ie) in self.pinned or (il, ie) in self.main or self._landed(il, ie) for ie in ids)
-
-    def reading(self, il: int, ids: list[int]) -> bool:
-        """Whether a read of one of layer il's experts `ids` started ahead is still in flight
-        (a parked chunk waits for them; one no read is bringing in, waiting cannot help)."""
-        return any(self._landed(il, ie) is False for ie in ids)
-
-    def _landed(self, il: int, ie: int) -> bool | None:
-        # a read of expert ie started ahead: True once it has landed, False while in flight;
-        # None when none was started (or it has been settled since)
-        ahead = self.prefetched.get(il, {})
-        if ie in ahead:
-            return ahead[ie][1].done()
-        for e, _, fut in self.unchosen.get(il, ()):
-            if e == ie:
-                return fut.done()
-        return None
-
     def _submit(self, key: tuple[int, int], slot: int) -> Future:
         return self.reader.submit(key, self.arena[slot])
 

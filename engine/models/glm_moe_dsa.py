@@ -95,7 +95,6 @@ def masked_attention(q: np.ndarray, kv: np.ndarray, n_latent: int, allowed: np.n
 
 class Model(deepseek_v3.Model):
     MODEL_TYPE = MODEL_TYPE
-    PARKS = False  # the shared layers take the last full layer's choice of keys (step.chosen)
     DECODE_ROWS_EXACT = False  # a sampled token's rows round otherwise than in a prompt (tokens agree)
     NAMES = NAMES
     ATTENTION = "MLA+DSA"

@@ -4,10 +4,8 @@ alone, whatever joins or leaves around them; the step reads the union of their e
 import numpy as np
 import pytest
 
-from colibri.daemon.maps import RoutingLog
 from colibri.engine import layers
 from colibri.engine.generate import Batcher, ChunkSizer, Request, SamplingParams, generate
-from colibri.engine.model import Parked
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.convert import ExpertPlan, convert
@@ -123,13 +121,6 @@ def test_the_auto_chunk_follows_the_measured_steps():
     assert z.cost[3] == pytest.approx(0.25) and z.chunk == 2
     z = ChunkSizer()
     z.observe(0.1, 0, 1)
-    z.observe(0.11, 1, 1)
-    z.observe(0.15, 1, 1)  # slower, though within the target: believed at once (the target is the largest gap)
-    assert z.cost[1] == pytest.approx(0.15)
-    z.observe(0.1, 1, 1)  # faster: averaged in
-    assert z.cost[1] == pytest.approx(0.8 * 0.15 + 0.2 * 0.1)
-    z = ChunkSizer()
-    z.observe(0.1, 0, 1)
     for _ in range(20):
         z.observe(0.1, z.chunk, 1)  # prompt tokens for free
     assert z.chunk == ChunkSizer.LARGEST
@@ -211,76 +202,3 @@ def test_int4_rows_are_the_same_alone_and_batched(tmp_path):
     prompts = [s.tolist() for s in seqs]
     want = {i: alone(model, p, 10) for i, p in enumerate(prompts)}
     assert together(model, prompts, 10, join_at=[0, 2, 5]) == want  # prompts join decoding sequences
-
-
-def streamed(tmp_path, family, case, seed):
-    build(family, case, tmp_path / "hf", seed=seed)
-    m = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
-    convert(m.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c",
-            ExpertPlan(m.moe_layers, m.n_expert, m.expert_names, m.dense_names()))
-    return str(tmp_path / "c")
-
-
-@pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("deepseek_v3", "q_lora_groups_interleaved"),
-                                         ("gpt_oss", "sinks_sliding_clamped")])
-def test_a_parked_chunk_gives_the_bits_of_one_that_never_parked(tmp_path, family, case):
-    """Streamed at the minimum budget with the lookahead on, a prompt chunk beside a
-    decoding row stops before a layer whose predicted experts are on disk (their reads
-    started), and resumes there in later steps: its logits are the bits of the chunk
-    computed alone, and the decoding row gets its logits at every step. (deepseek_v3's
-    first layer is dense: its chunk can park before layer 0, waiting for layer 1.)"""
-    path = streamed(tmp_path, family, case, seed=25)
-    model = load_model(path, budget="min", prefetch=4)
-    chunk, first = np.arange(10, 16), []
-    ref = load_model(path, budget="min")
-    want = ref.forward(chunk, ref.new_cache(16), all_logits=True)
-    a, b, parked, steps = model.new_cache(48), model.new_cache(16), None, 0
-    model.forward(np.array([3, 4, 5]), a)
-    while True:
-        out = model.forward_batch([(np.array([7]), a), (chunk, b) + ((parked,) if parked else ())],
-                                  all_logits=True, parkable={1})
-        assert out[0].shape == (1, model.args.vocab_size) and a.n_pos == 4 + steps  # the decoding row every step
-        steps += 1
-        if not isinstance(out[1], Parked):
-            break
-        parked = out[1]
-        first.append(parked.layer)
-        assert b.n_pos == 0 and parked.h.shape == (len(chunk), model.args.hidden_size)
-    np.testing.assert_array_equal(out[1], want)
-    assert b.n_pos == len(chunk) and len(first) > 0 and first == sorted(first)
-
-
-@pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("mixtral", "odd_tied_window"),
-                                         ("glm_moe_dsa", "full_shared_topk4")])
-def test_parked_prompts_give_the_tokens_of_one_step(tmp_path, family, case):
-    """Prompts that join a running request in auto chunks, streamed at the minimum budget
-    with the lookahead on, park between layers and resume: every request's tokens are
-    those it gets alone, and the running request gets a token at every step while a prompt
-    goes in. A fixed chunk never parks (its N tokens go through every layer a step), nor
-    does glm_moe_dsa (its shared layers take a choice made earlier in the step)."""
-    path = streamed(tmp_path, family, case, seed=26)
-    ref = load_model(path, budget="min")
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, ref.args.vocab_size, n).tolist() for n in (2, 17, 9)]
-    want = {i: alone(ref, p, 10) for i, p in enumerate(prompts)}
-    model = load_model(path, budget="min", prefetch=4)
-    model.experts = RoutingLog(model.experts)  # as the daemon serves it
-    parks = []
-    real = model.forward_batch
-    model.forward_batch = lambda seqs, **kw: [parks.append(isinstance(o, Parked)) or o for o in real(seqs, **kw)]
-    assert together(model, prompts, 10, join_at=[0, 2, 3], prefill_chunk=4) == want
-    assert sum(parks) == 0
-    assert together(model, prompts, 10, join_at=[0, 2, 3], prefill_chunk="auto") == want
-    assert (sum(parks) > 0) == model.PARKS
-    b = Batcher(model, "auto")
-    running = Request(model, prompts[0], SamplingParams(max_tokens=model.n_ctx - 8))
-    b.add(running)
-    b.step()
-    long = Request(model, prompts[1], SamplingParams(max_tokens=2))
-    b.add(long)
-    parks.clear()
-    gaps, decode_steps = [], b.decode_steps
-    while long.prefilling:
-        gaps.append(sum(ev.kind == "token" for r, ev in b.step() if r is running))
-    assert gaps == [1] * len(gaps) and (sum(parks) > 0) == model.PARKS
-    assert b.decode_steps == decode_steps  # a step with a chunk parked is not a decode-only step

@@ -118,36 +118,6 @@ def test_a_predicted_expert_the_router_did_not_choose_is_not_waited_for(containe
         np.testing.assert_array_equal(x, y)
 
 
-def test_ready_and_reading_follow_the_reads_started_ahead(container, monkeypatch):
-    """ready: every expert resident or its read landed (a prompt chunk does not park);
-    reading: a read started ahead for one of them is in flight (a parked chunk waits),
-    through the step that leaves the read unchosen too."""
-    il = container.moe_layers[0]
-    c = ExpertCache(container, "all")
-    served(c, il, [0])
-    assert c.ready(il, [0]) and not c.reading(il, [0])
-    assert not c.ready(il, [0, 5]) and not c.reading(il, [0, 5])  # 5 is on disk and nothing reads it
-    rec = container.records[(il, 5)]
-    landed = threading.Event()
-    real = os.preadv
-
-    def preadv(fd, bufs, offset):
-        if fd == c.reader.fds[rec.file] and offset == rec.offset:
-            landed.wait(5)
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(reader_mod.os, "preadv", preadv)
-    assert c.prefetch(il, [5], max_reads=1) == 1
-    assert c.reading(il, [0, 5]) and not c.ready(il, [5])
-    served(c, il, [0])  # the step did not ask for 5: its read goes on, unchosen
-    assert c.reading(il, [5]) and not c.ready(il, [0, 5])
-    landed.set()
-    c.prefetched[il] = {}
-    for _, _, fut in c.unchosen[il]:
-        fut.result()
-    assert c.ready(il, [0, 5]) and not c.reading(il, [0, 5])
-
-
 def test_int4_hits_count_a_step_as_stream_does(tmp_path_factory):
     """A warm decode step takes its int4 experts' addresses straight from the slots
     (int4_hits): the same addresses the views have, and the cache afterwards exactly as if
