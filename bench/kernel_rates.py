@@ -3,7 +3,7 @@ FP8 (e4m3, 128 x 128 scale blocks) and MXFP4 experts (gate, up, silu, down, as d
 them) reach at batch 1, next to the memory read bandwidth measured in the same run, and
 their ratio.
 
-    python bench/kernels.py [--mib 512] [--repeat 3] [--threads 1,N]
+    python bench/kernel_rates.py [--mib 512] [--repeat 3] [--threads 1,N]
 
 Prints one JSON object with a section per thread count (default 1 and the CPUs this process
 may use): on N threads, N sweeps of their own share of the matrices or experts run at once
