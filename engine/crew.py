@@ -32,7 +32,19 @@ from .ir import (
     yield_cpu,
 )
 from .jit import JIT
-from .kernels import ROW_BLOCK, ROWS_PER_TASK, carve, f16_lut, matmul_u16_rows, tiles, u16_rows
+from .kernels import (
+    CARVE_SLACK,
+    ROW_BLOCK,
+    ROWS_PER_TASK,
+    aligned,
+    carve,
+    empty_aligned,
+    f16_lut,
+    matmul_u16_rows,
+    rows_aligned,
+    tiles,
+    u16_rows,
+)
 from .qkernels import q4_rows_32, q4_rows_64, q4_rows_128, q4_split_row, q8_rows
 
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
@@ -60,7 +72,7 @@ def moe_q4_sizes(R, E, D, I, g):
     # (ints, work) lengths of a JOB_MOE_Q4 job of E experts over R rows: ints = rows [R],
     # starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 3 E]; work = xe, xd [R, D/2], xs [R, D/g],
     # h, u [R, I], he, hd [R, I/2], hs [R, I/g], out [R, D] (f32)
-    return R + (E + 1) + N_ADDRS * E + (2 + 3 * E), R * (2 * D + D // g + 3 * I + I // g)
+    return R + (E + 1) + N_ADDRS * E + (2 + 3 * E), R * (2 * D + D // g + 3 * I + I // g) + 9 * CARVE_SLACK
 
 
 @nb.njit(**JIT)
@@ -84,7 +96,7 @@ def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, 
 def moe_tok_sizes(R, E, D, I):
     # (ints, work) lengths of a JOB_MOE_TOK job of E experts over R rows: ints = rows [R],
     # starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 2 E]; work = xg [R, D], h, u [R, I], out [R, D] (f32)
-    return R + (E + 1) + N_ADDRS * E + (2 + 2 * E), R * (2 * D + 2 * I)
+    return R + (E + 1) + N_ADDRS * E + (2 + 2 * E), R * (2 * D + 2 * I) + 4 * CARVE_SLACK
 
 
 @nb.njit(**JIT)
@@ -326,7 +338,7 @@ def _make_crew(g: int):
                 # ctl[1]: units done; ctl[2 + e]: e's gather; ctl[2 + E + e]: its gate/up units done
                 u_in, u_out = E, E + E * n_in
                 total = u_out + E * n_out
-                wb_in, wb_out = np.empty((ROW_BLOCK, D), np.float32), np.empty((ROW_BLOCK, I), np.float32)  # this thread's widened rows
+                wb_in, wb_out = rows_aligned(ROW_BLOCK, D), rows_aligned(ROW_BLOCK, I)  # this thread's widened rows
                 while True:
                     k = atomic_add(ctl, 0, 1)
                     if k >= total:
@@ -531,7 +543,7 @@ class Crew:
         addrs_[:, : addrs.shape[1]] = addrs
         params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
-            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
+            self.work = empty_aligned(max(n_work, 2 * self.work.size))
         self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys,
                                     ACT_CLAMPED if act else ACT_SILU, params),
                   (x, ints, self.work, wts, ys, keep, params))
@@ -570,7 +582,7 @@ class Crew:
             elif wkind == W_MXFP4:
                 table[:16], table[16:] = E2M1_VALUES, E8M0_VALUES
         if self.work.size < n_work:
-            self.work = np.empty(max(n_work, 2 * self.work.size), np.float32)
+            self.work = empty_aligned(max(n_work, 2 * self.work.size))
         work = self.work[:n_work]
         self._run(describe_moe_tok, (x, ints, R, E, work, I, A, wts, ys, ACT_CLAMPED if act else ACT_SILU, params,
                                      wkind, blocks, table),
@@ -583,6 +595,8 @@ class Crew:
         if (w.ndim != 2 or w.dtype not in (np.float32, np.float16, np.uint16) or w.shape[1] != D or out.shape != (T, w.shape[0]) or x.dtype != np.float32
                 or out.dtype != np.float32 or not (x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
             raise ValueError("matmul: weight, activation and output shapes do not match")
+        if T > 1:  # the tiles read a prompt's rows many times over (a decode row once)
+            x = aligned(x)
         kind = JOB_F32 if w.dtype == np.float32 else JOB_U16
         ctl = np.zeros(2, np.int64)
         bits = w.view(np.uint16) if w.dtype == np.float16 else w  # (numba takes no float16 arrays; the kernel reads bits)

@@ -19,7 +19,7 @@ import numpy as np
 from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_SCALE_LIMIT, FP8_VALUES  # noqa: F401 (for callers too)
 from .ir import F8_E4M3, F8_E5M2, F8_REBIAS, MX4_GROUP, f8_matmul, mx4_matmul
 from .jit import JIT
-from .kernels import ROW_BLOCK, tiles
+from .kernels import ROW_BLOCK, rows_aligned, tiles
 
 FP8_FORMATS = {"fp8_e4m3": F8_E4M3, "fp8_e5m2": F8_E5M2}  # QuantWeight kind -> f8_matmul's fmt
 
@@ -102,7 +102,7 @@ def _make_f8(fmt: int):
         if (q.shape[1] != K or out.shape[0] != T or out.shape[1] != N or bn < 1 or bk < 1
                 or scales.shape[0] != (N + bn - 1) // bn or scales.shape[1] != (K + bk - 1) // bk):
             raise ValueError("fp8 kernel: weight, scale, activation and output shapes do not match")
-        wb = np.empty((ROW_BLOCK, K), np.float32)
+        wb = rows_aligned(ROW_BLOCK, K)
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
             f8_rows(q, scales, bn, bk, values, n0, nr, wb)
@@ -168,7 +168,7 @@ def linear_mx4_tok(x, q, scales, e8m0, values, out):
     if K % 32 or q.shape[1] * 2 != K or scales.shape[0] != N or scales.shape[1] * 32 != K or out.shape[0] != T \
             or out.shape[1] != N or e8m0.shape[0] != 256:
         raise ValueError("mxfp4 kernel: weight, scale, activation and output shapes do not match")
-    wb = np.empty((ROW_BLOCK, K), np.float32)
+    wb = rows_aligned(ROW_BLOCK, K)
     for n0 in range(0, N, ROW_BLOCK):
         nr = min(ROW_BLOCK, N - n0)
         mx4_rows(q, scales, e8m0, values, n0, nr, wb)

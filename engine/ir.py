@@ -31,6 +31,47 @@ def _hsum(builder, v):
     return total
 
 
+def _hsums(builder, vs):
+    # [float32]: _hsum of each <8 x float> of vs, the same bits, eight at a time as vectors: the
+    # eight transposed (three rounds of shuffles), then lane 0's vector plus lane 1's and on in
+    # _hsum's order, each lane one of the eight sums. A tile's 24 sums one by one were a
+    # third of its time over 512 columns (a chain of eight dependent adds each); attention's
+    # 128-column query-key tiles spent longer summing than multiplying
+    if len(vs) < 4:
+        return [_hsum(builder, v) for v in vs]
+    i32 = ir.IntType(32)
+    sums = []
+    for g0 in range(0, len(vs), 8):
+        rows = vs[g0 : g0 + 8]
+        rows = rows + [ir.Constant(_V8, [0.0] * 8)] * (8 - len(rows))
+
+        def mix(a, b, mask):
+            return builder.shuffle_vector(a, b, ir.Constant(_V8I32, mask))
+
+        # round 1: rows 2p, 2p + 1 -> their lanes 0, 2, 4, 6 interleaved, and 1, 3, 5, 7
+        r1 = []
+        for p in range(0, 8, 2):
+            r1 += [mix(rows[p], rows[p + 1], [0, 8, 2, 10, 4, 12, 6, 14]),
+                   mix(rows[p], rows[p + 1], [1, 9, 3, 11, 5, 13, 7, 15])]
+        # round 2: within each four rows, lane l of the four in a run (lanes 0-3: l, 4-7: l + 4)
+        r2 = [None] * 8
+        for b in (0, 4):
+            for odd in (0, 1):
+                a, c = r1[b + odd], r1[b + 2 + odd]
+                r2[b + odd] = mix(a, c, [0, 1, 8, 9, 4, 5, 12, 13])  # lanes odd, odd + 4
+                r2[b + 2 + odd] = mix(a, c, [2, 3, 10, 11, 6, 7, 14, 15])  # lanes odd + 2, odd + 6
+        # round 3: lane l of all eight rows
+        cols = [None] * 8
+        for l in range(4):
+            cols[l] = mix(r2[l], r2[4 + l], [0, 1, 2, 3, 8, 9, 10, 11])
+            cols[l + 4] = mix(r2[l], r2[4 + l], [4, 5, 6, 7, 12, 13, 14, 15])
+        total = cols[0]
+        for lane in range(1, 8):
+            total = builder.fadd(total, cols[lane])
+        sums += [builder.extract_element(total, ir.Constant(i32, k)) for k in range(len(vs[g0 : g0 + 8]))]
+    return sums
+
+
 PREFETCH_AHEAD = 4096  # bytes of a weight row asked for ahead of the decode-path kernels' reads
 
 
@@ -137,8 +178,8 @@ def f32_tile(typingctx, x, w, out, acc, a0, t0, r0, n0, k0, k1, nt, nr):
                         at = builder.bitcast(builder.gep(parked, [slots[i][j]]), vf.as_pointer())
                         builder.store(builder.load(accs[i][j]), at, align=4)
             with finish:
-                sums = [[cgutils.alloca_once_value(builder, _hsum(builder, _to8(builder, builder.load(accs[i][j]))))
-                         for j in range(NR)] for i in range(NT)]
+                flat = _hsums(builder, [_to8(builder, builder.load(accs[i][j])) for i in range(NT) for j in range(NR)])
+                sums = [[cgutils.alloca_once_value(builder, flat[i * NR + j]) for j in range(NR)] for i in range(NT)]
                 fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
                                                       "llvm.fmuladd.f32")
                 with cgutils.for_range(builder, builder.sub(D, Dv)) as tail:  # D % L products

@@ -122,16 +122,16 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     if isinstance(w, QuantWeight):
         y = qlinear(x, w)
     elif w.size >= crew.CREW_MIN_ELEMENTS and w.flags.c_contiguous and crew.session() is not None:
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)  # on the step's crew, as matmul_f32 / matmul_u16 below
+        y = kernels.empty_aligned((x.shape[0], w.shape[0]))  # on the step's crew, as matmul_f32 / matmul_u16 below
         crew.session().matmul(x, w, y)
     elif w.dtype == np.float32:
         # not BLAS: its result for a row depends on how many rows share the call (gemv vs gemm
         # blocking), and a request's tokens must not change when others share its step
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        y = kernels.empty_aligned((x.shape[0], w.shape[0]))
         kernel = kernels.matmul_f32_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_f32
         kernel(x, w, y)
     else:
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        y = kernels.empty_aligned((x.shape[0], w.shape[0]))
         kernel = kernels.matmul_u16_par if w.size >= kernels.PARALLEL_MIN_ELEMENTS else kernels.matmul_u16
         kernel(x, w.view(np.uint16), w.dtype == np.uint16, f16_lut(), y)
     if bias is not None:
@@ -143,7 +143,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     # x [..., D] f32, w [D] f32
     shape = x.shape
     x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]), dtype=np.float32)  # [T*, D]
-    out = np.empty_like(x2)
+    out = kernels.empty_aligned(x2.shape)  # (the tiles read it: see kernels.ALIGN)
     (kernels.rmsnorm_par if x2.size >= kernels.ROWS_PAR_MIN else kernels.rmsnorm)(x2, w, eps, out)
     return out.reshape(shape)
 
@@ -497,7 +497,7 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
     kernels.rope(q, step.cos, step.sin)
     kernels.rope(k, step.cos, step.sin)
     v = v.reshape(T, Hkv, hv)  # [T, Hkv, hv]
-    out = np.empty((T, Hq, hv), np.float32)  # [T, Hq, hv]
+    out = kernels.empty_aligned((T, Hq, hv))  # [T, Hq, hv] (the o projection's tiles read it)
     scale = np.float32(spec.scale if spec.scale is not None else hd**-0.5)
     sinks = w.get("sinks", NO_SINKS)  # [Hq] f32: a family's attention sinks
     for sg in step.segments:

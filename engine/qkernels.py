@@ -10,7 +10,7 @@ import numpy as np
 
 from .ir import q4_matmul, q4_widen
 from .jit import JIT, JIT_FAST
-from .kernels import ROW_BLOCK, tiles
+from .kernels import ROW_BLOCK, rows_aligned, tiles
 
 
 @nb.njit(**JIT_FAST)
@@ -85,7 +85,7 @@ def linear_q8_tok(x, q, scales, g, f16_lut, out):
     if q.shape[1] != D or g < 1 or D % g or scales.shape[0] != N or scales.shape[1] * g != D or out.shape[0] != T \
             or out.shape[1] != N:
         raise ValueError("int8 kernel: weight, activation and output shapes do not match")
-    wb = np.empty((ROW_BLOCK, D), np.float32)
+    wb = rows_aligned(ROW_BLOCK, D)
     for n0 in range(0, N, ROW_BLOCK):
         nr = min(ROW_BLOCK, N - n0)
         q8_rows(q, scales, g, f16_lut, n0, nr, wb)
@@ -128,7 +128,7 @@ def _make_q4(g: int):
         N = q.shape[0]
         if q.shape[1] * 2 != D or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N:
             raise ValueError("int4 kernel: weight, activation and output shapes do not match")  # the tile does not check
-        wb = np.empty((ROW_BLOCK, D), np.float32)  # [rows, D] dequantized
+        wb = rows_aligned(ROW_BLOCK, D)  # [rows, D] dequantized
         for n0 in range(0, N, ROW_BLOCK):
             nr = min(ROW_BLOCK, N - n0)
             if g == 32:  # (the module's kernels, not the closure below: see above)

@@ -103,6 +103,32 @@ def test_tiles_around_every_tile_size(D, wtype):
             assert np.isnan(out[:, : 2 + r_lo]).all() and np.isnan(out[:, 2 + r_hi :]).all()  # nothing else written
 
 
+def test_buffers_start_on_a_line_and_the_bits_do_not_depend_on_it():
+    """The tiles read their activations and widened rows from 64-byte lines (loads that
+    straddle two lines cost a third of their rate): the engine's buffers start on one, and a
+    (token, row) result is the same bits from any address."""
+    for shape in [(3,), (5, 7), (24, 2048), (1, 1000)]:
+        assert kernels.empty_aligned(shape).ctypes.data % kernels.ALIGN == 0
+        assert kernels.empty_aligned(shape, np.uint16).shape == shape
+    for n, m in [(24, 768), (24, 2048), (3, 5)]:
+        assert kernels.rows_aligned(n, m).ctypes.data % kernels.ALIGN == 0
+        assert kernels.rows_aligned(n, m).shape == (n, m)
+    assert layers.rmsnorm(rand(9, 64), np.ones(64, np.float32), 1e-6).ctypes.data % kernels.ALIGN == 0
+    x, w = rand(9, 1030), rand(13, 1030)
+    lined = np.empty((9, 13), np.float32)
+    kernels.tiles(kernels.aligned(x), kernels.aligned(w), 0, 13, lined, 0)
+    for off in (4, 16, 36):  # bytes past a line
+        xs, ws = (np.frombuffer(bytearray(a.nbytes + 64), np.uint8) for a in (x, w))
+        xo, wo = ((b[(-b.ctypes.data + off) % 64 :][: a.nbytes].view(np.float32).reshape(a.shape)) for b, a in ((xs, x), (ws, w)))
+        xo[...], wo[...] = x, w
+        assert xo.ctypes.data % 64 == off % 64
+        out = np.empty((9, 13), np.float32)
+        kernels.tiles(xo, wo, 0, 13, out, 0)
+        np.testing.assert_array_equal(out, lined)
+        assert kernels.aligned(xo).ctypes.data % kernels.ALIGN == 0
+        np.testing.assert_array_equal(kernels.aligned(xo), x)
+
+
 def test_f16_table_is_exact():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     table = kernels.f16_table()
