@@ -33,6 +33,7 @@ from .ir import (
 )
 from .jit import JIT
 from .kernels import (
+    BF16_DIRECT_TOKENS,
     CARVE_SLACK,
     ROW_BLOCK,
     ROWS_PER_TASK,
@@ -224,7 +225,7 @@ def _make_crew(g: int):
         #   the rows and columns one scale covers in gate/up and in down. Units: each expert's
         #   rows gathered; its gate and up rows MOE_IN_ROWS at a time, widened to float32
         #   ROW_BLOCK rows at a time (widen_rows: exact) and tiled with the expert's tokens
-        #   (bf16 for up to four tokens and f32 tiled as they are), then the activation; its
+        #   (bf16 for up to BF16_DIRECT_TOKENS and f32 tiled as they are), then the activation; its
         #   down rows MOE_OUT_ROWS at a time, the same way, then bias and weighting. The
         #   result of a (token, row) is the kind's prompt-token kernel's (qlinear), whatever
         #   else is in the job; work >= R * (2 D + 2 I).
@@ -358,7 +359,7 @@ def _make_crew(g: int):
                             if wkind == W_F32:
                                 tiles(xg[lo:hi], nb.carray(f32_at(qa), (I, D)), n_lo, n_hi, dst[lo:hi], 0)
                                 continue
-                            if wkind == W_BF16 and hi - lo <= 4:  # a few tokens: widened in registers
+                            if wkind == W_BF16 and hi - lo <= BF16_DIRECT_TOKENS:  # a few tokens: widened in registers
                                 tiles(xg[lo:hi], nb.carray(u16_at(qa), (I, D)), n_lo, n_hi, dst[lo:hi], 0)
                                 continue
                             for n0 in range(n_lo, n_hi, ROW_BLOCK):
@@ -376,7 +377,7 @@ def _make_crew(g: int):
                         qa, sa = addrs[e, 4], addrs[e, 5]
                         if wkind == W_F32:
                             tiles(h[lo:hi], nb.carray(f32_at(qa), (D, I)), d_lo, d_hi, out[lo:hi], 0)
-                        elif wkind == W_BF16 and hi - lo <= 4:
+                        elif wkind == W_BF16 and hi - lo <= BF16_DIRECT_TOKENS:
                             tiles(h[lo:hi], nb.carray(u16_at(qa), (D, I)), d_lo, d_hi, out[lo:hi], 0)
                         else:
                             for n0 in range(d_lo, d_hi, ROW_BLOCK):
