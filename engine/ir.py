@@ -504,11 +504,12 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
     for i < nh, d < 8 nv (compile-time constants): attention's weighted sum of values for nh
     heads at once; a [n, S], v [rows, hv], out [H, hv] float32, C-contiguous (v's rows may be
     strided: MLA's values are a slice of its latent cache; the caller checks that its
-    columns are adjacent, and the ranges). Each (head, column) is one chain of separate
-    multiplies and adds in key order, from 0, or with `cont` (a compile-time bool) from what
-    out holds: the chain of the keys before, continued over a sequence's next KV block; the
-    operations of the plain loop `out += a * v`, so the same bits, but with the sums in
-    registers for the whole key range instead of loaded and stored at every key."""
+    columns are adjacent, and the ranges). Each (head, column) is one chain of fused
+    multiply-adds in key order, from 0, or with `cont` (a compile-time bool) from what out
+    holds: the chain of the keys before, continued over a sequence's next KV block. The sums
+    stay in registers for the whole key range, in vectors of 16 lanes where the CPU has
+    AVX-512F and 8 nv divides by 16, else 8 (a column's chain is the same either way). Separate
+    multiplies and adds in 8 lanes had been half of a 512-token prompt's attention."""
     if not (isinstance(nh, types.IntegerLiteral) and isinstance(nv, types.IntegerLiteral)
             and isinstance(cont, types.BooleanLiteral)
             and all(isinstance(x, types.Array) and x.ndim == 2 and x.layout in ("C", "A") and x.dtype == types.float32
@@ -522,25 +523,28 @@ def pv_tile(typingctx, a, v, out, r0, h0, d0, lo, hi, voff, nh, nv, cont):
         a_v, v_v, out_v = args[:3]
         r0_v, h0_v, d0_v, lo_v, hi_v, voff_v = (context.cast(builder, x, ty, types.int64)
                                                 for x, ty in zip(args[3:9], sig.args[3:9]))
+        L = _lanes(context, 8 * NV)
+        nvec = 8 * NV // L
+        vf = ir.VectorType(_F32, L)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{L}f32")
         arows = [_row(context, builder, sig.args[0], a_v, builder.add(r0_v, ir.Constant(i64, i))) for i in range(NH)]
         optrs = [[builder.bitcast(builder.gep(_row(context, builder, sig.args[2], out_v,
                                                    builder.add(h0_v, ir.Constant(i64, i))),
-                                              [builder.add(d0_v, ir.Constant(i64, 8 * k))]), _V8.as_pointer())
-                  for k in range(NV)] for i in range(NH)]
+                                              [builder.add(d0_v, ir.Constant(i64, L * k))]), vf.as_pointer())
+                  for k in range(nvec)] for i in range(NH)]
         accs = [[cgutils.alloca_once_value(builder, builder.load(optrs[i][k], align=4) if CONT
-                                           else ir.Constant(_V8, [0.0] * 8)) for k in range(NV)] for i in range(NH)]
+                                           else ir.Constant(vf, [0.0] * L)) for k in range(nvec)] for i in range(NH)]
         with cgutils.for_range(builder, builder.sub(hi_v, lo_v)) as loop:
             j = builder.add(lo_v, loop.index)
             vrow = _row(context, builder, sig.args[1], v_v, builder.sub(j, voff_v))
-            vs = [builder.load(builder.bitcast(builder.gep(vrow, [builder.add(d0_v, ir.Constant(i64, 8 * k))]),
-                                               _V8.as_pointer()), align=4) for k in range(NV)]
+            vs = [builder.load(builder.bitcast(builder.gep(vrow, [builder.add(d0_v, ir.Constant(i64, L * k))]),
+                                               vf.as_pointer()), align=4) for k in range(nvec)]
             for i in range(NH):
-                s = builder.load(builder.gep(arows[i], [j]))
-                splat = _splat8(builder, s)
-                for k in range(NV):
-                    builder.store(builder.fadd(builder.load(accs[i][k]), builder.fmul(splat, vs[k])), accs[i][k])
+                splat = _splat_lanes(builder, builder.load(builder.gep(arows[i], [j])), L)
+                for k in range(nvec):
+                    builder.store(builder.call(fma, [splat, vs[k], builder.load(accs[i][k])]), accs[i][k])
         for i in range(NH):
-            for k in range(NV):
+            for k in range(nvec):
                 builder.store(builder.load(accs[i][k]), optrs[i][k], align=4)
         return context.get_dummy_value()
 
