@@ -2,6 +2,7 @@
 SwiGLU, the MoE dispatch. Numpy glue around the numba kernels; activations f32.
 """
 
+import ctypes
 import functools
 import math
 import mmap
@@ -17,6 +18,26 @@ from . import crew, fpkernels, kernels, qkernels
 from .kernels import f16_lut
 
 NO_SINKS = np.zeros(0, np.float32)  # attention without sinks
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+KEEP_FREED = 1 << 30  # bytes of freed memory malloc keeps for the next step rather than hand back
+
+
+def reuse_freed_memory() -> None:
+    """Have malloc keep a forward step's freed temporaries for the next one. The activations of
+    a prompt step are megabytes each (8 MiB for a 512-token layer's queries), freed as soon as
+    the layer is done; by default glibc maps each afresh and hands it back to the system after,
+    so every page of it is faulted in and zeroed again: 40,000 faults and 0.8 s of system time
+    in a 512-token prompt of 3.6 s (3.1-3.2 s with this). Mapped only from 32 MiB (the most
+    glibc allows), the top of the heap handed back only past KEEP_FREED (at 256 MiB it still
+    was, now and then). The cost: the process keeps its largest step's temporaries (~0.5 GB
+    for 512 tokens of a 2048-wide model), which that step needed anyway. Elsewhere than
+    glibc: nothing."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
+    except (OSError, AttributeError):
+        pass
 
 
 def init(n_threads: int | None = None, progress=None) -> None:
@@ -28,6 +49,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
         crew.set_threads(n_threads or len(os.sched_getaffinity(0)))
     if init.done:
         return
+    reuse_freed_memory()
     x = np.ones((1, 4), np.float32)
     x64 = np.ones((1, 128), np.float32)
     q, kv = np.ones((1, 1, 4), np.float32), np.ones((1, 1, 1, 4), np.float32)
