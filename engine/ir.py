@@ -399,28 +399,78 @@ def _store_lanes(builder, v, row, j, lanes):
         builder.store(builder.extract_element(v, ir.Constant(ir.IntType(32), 0)), builder.gep(row, [j]))
 
 
+def _row_args_ok(a, ints, floats=()):
+    return (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+            and all(isinstance(v, types.Integer) for v in ints) and all(isinstance(v, types.Float) for v in floats))
+
+
+def _lane_max(builder, v):
+    # float32: the largest of v's 8 lanes (which lane wins a tie does not change the value)
+    i32 = ir.IntType(32)
+    best = builder.extract_element(v, ir.Constant(i32, 0))
+    for lane in range(1, 8):
+        e = builder.extract_element(v, ir.Constant(i32, lane))
+        best = builder.select(builder.fcmp_ordered(">", e, best), e, best)
+    return best
+
+
 @intrinsic
-def exp_shifted(typingctx, a, r, lo, hi, m):
-    """a[r, j] = exp(a[r, j] - m) for lo <= j < hi (a 2-D float32 C-contiguous; the caller
-    checks the range): eight lanes at a time by _vexp, the last ones through the same vector
-    code one lane at a time (_by_eights). numba's np.exp calls the C library's expf one
-    element at a time: a third of a long prompt's attention."""
-    if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
-            and all(isinstance(v, types.Integer) for v in (r, lo, hi)) and isinstance(m, types.Float)):
+def scaled_max(typingctx, a, r, lo, hi, scale):
+    """a[r, j] *= scale for lo <= j < hi, and the largest of the products (-inf for none): a
+    row of attention scores before its softmax. Eight lanes at a time, the last ones through
+    the same vector code one lane at a time (_by_eights); a 2-D float32 C-contiguous, the
+    caller checks the range. One compare after another through the row had waited on each."""
+    if not _row_args_ok(a, (r, lo, hi), (scale,)):
         return None
-    sig = types.void(a, r, lo, hi, m)
+    sig = types.float32(a, r, lo, hi, scale)
+
+    def codegen(context, builder, sig, args):
+        r_v, lo_v, hi_v = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[1:4], sig.args[1:4]))
+        ssplat = _splat8(builder, context.cast(builder, args[4], sig.args[4], types.float32))
+        row = builder.gep(_row(context, builder, sig.args[0], args[0], r_v), [lo_v])
+        low = _splat(float("-inf"))
+        best = cgutils.alloca_once_value(builder, low)
+
+        def step(j, lanes):
+            s = builder.fmul(_lanes_at(builder, row, j, lanes, low), ssplat)
+            _store_lanes(builder, s, row, j, lanes)
+            b = builder.load(best)
+            builder.store(builder.select(builder.fcmp_ordered(">", s, b), s, b), best)
+
+        _by_eights(builder, builder.sub(hi_v, lo_v), step)
+        return _lane_max(builder, builder.load(best))
+
+    return sig, codegen
+
+
+@intrinsic
+def exp_sum(typingctx, a, r, lo, hi, m):
+    """a[r, j] = exp(a[r, j] - m) for lo <= j < hi, and their sum: eight lanes at a time by
+    _vexp, the last ones through the same vector code one lane at a time (_by_eights), each
+    lane's sum in order and the lanes added in a fixed order (_hsum), so a row's sum is the
+    same whatever else is computed with it (a 2-D float32 C-contiguous; the caller checks the
+    range). numba's np.exp called expf one element at a time (a third of a long prompt's
+    attention), and one sum through the row waited on each add."""
+    if not _row_args_ok(a, (r, lo, hi), (m,)):
+        return None
+    sig = types.float32(a, r, lo, hi, m)
 
     def codegen(context, builder, sig, args):
         r_v, lo_v, hi_v = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[1:4], sig.args[1:4]))
         msplat = _splat8(builder, context.cast(builder, args[4], sig.args[4], types.float32))
         row = builder.gep(_row(context, builder, sig.args[0], args[0], r_v), [lo_v])
+        total = cgutils.alloca_once_value(builder, _splat(0.0))
+        one_lane = ir.Constant(_V8, [1.0] + [0.0] * 7)
 
         def step(j, lanes):
-            x = _lanes_at(builder, row, j, lanes, msplat)
-            _store_lanes(builder, _vexp(builder, builder.fsub(x, msplat)), row, j, lanes)
+            e = _vexp(builder, builder.fsub(_lanes_at(builder, row, j, lanes, msplat), msplat))
+            _store_lanes(builder, e, row, j, lanes)
+            if lanes == 1:  # only lane 0 holds an element (the fill's lanes are exp(0))
+                e = builder.fmul(e, one_lane)
+            builder.store(builder.fadd(builder.load(total), e), total)
 
         _by_eights(builder, builder.sub(hi_v, lo_v), step)
-        return context.get_dummy_value()
+        return _hsum(builder, builder.load(total))
 
     return sig, codegen
 

@@ -19,7 +19,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .ir import TILE_LANES, exp_shifted, f32_tile, pv_tile, silu_mul_rows
+from .ir import TILE_LANES, exp_sum, f32_tile, pv_tile, scaled_max, silu_mul_rows
 from .jit import JIT, JIT_FAST
 
 
@@ -305,20 +305,12 @@ def attend_block(q, k_pool, v_pool, il, table, B, pos0, window, scale, sinks, ou
         a = scores[i * n_rep : (i + 1) * n_rep]
         for r in range(n_rep):
             h = g * n_rep + r
-            m = np.float32(-np.inf)
-            for j in range(lo, p + 1):
-                s = a[r, j] * scale
-                a[r, j] = s
-                if s > m:
-                    m = s
+            m = scaled_max(a, r, lo, p + 1, scale)
             if sinks.shape[0] > 0 and sinks[h] > m:
                 m = sinks[h]
-            z = np.float32(0.0)
+            z = exp_sum(a, r, lo, p + 1, m)
             if sinks.shape[0] > 0:
                 z += np.exp(sinks[h] - m)
-            exp_shifted(a, r, lo, p + 1, m)
-            for j in range(lo, p + 1):
-                z += a[r, j]
             for j in range(lo, p + 1):
                 a[r, j] = a[r, j] / z
         first = lo // B
