@@ -7,6 +7,7 @@ import functools
 import math
 import mmap
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -665,6 +666,23 @@ def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, ffn=None, 
     return ys
 
 
+_OUTPUTS = threading.local()  # a thread's buffer for a layer's expert outputs
+OUTPUTS_KEEP = 64 << 20  # bytes of it a thread keeps from one layer step to the next
+
+
+def expert_outputs(n: int, D: int) -> np.ndarray:
+    """[n, D] float32 for a layer step's expert outputs, every row of which the step writes
+    before it is read: this thread's buffer, kept from step to step up to OUTPUTS_KEEP. A
+    512-token step's 32 MiB is past what malloc keeps (reuse_freed_memory), and zeroed fresh
+    pages for it each layer were 3 ms of the layer."""
+    if n * D * 4 > OUTPUTS_KEEP:
+        return kernels.empty_aligned((n, D))
+    buf = getattr(_OUTPUTS, "buf", None)
+    if buf is None or buf.size < n * D:
+        buf = _OUTPUTS.buf = kernels.empty_aligned(n * D)
+    return buf[: n * D].reshape(n, D)
+
+
 def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSource, il: int, step: Step | None = None,
         ffn=None, clamped: tuple | None = None) -> np.ndarray:
     # x [T, D] normed; ids, weights [T, A] from the family's route() -> [T, D]. ffn(x [n, D],
@@ -691,7 +709,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     tok_team = session if session is not None else team if team is not None else crew.Crew(64, share=True)
 
     x = np.ascontiguousarray(x, dtype=np.float32)
-    ys = np.zeros((T * A, x.shape[1]), np.float32)  # [T * A, D] each token's expert outputs, row t * A + a
+    ys = expert_outputs(T * A, x.shape[1])  # [T * A, D] each token's expert outputs, row t * A + a
     w_flat = np.ascontiguousarray(weights, dtype=np.float32).reshape(T * A)
     # the rows (t * A + a) that chose each expert, from one sort: a token picks an expert at most
     # once; union[k]'s rows are order[bounds[k]:bounds[k + 1]]
