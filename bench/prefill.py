@@ -20,11 +20,11 @@ cold ones at the largest. A warm prompt is computed once to warm up and then --r
 (default 3), the best of those reported (`wall_s`, all of them in `walls_s`): a long-lived
 process's steady state. The first steps of a process are slower while malloc's heap grows
 to the steps' temporaries (a 512-token step faulted 50,000 pages in first, 29,000 the next,
-then ~7,000: 4.0, 3.3, then 3.2 s). The peaks are measured at each thread count: memory by a parallel sum over 256 MiB,
-FMA by independent multiply-add chains in the CPU's widest float32 vectors (16 lanes with
-AVX-512, else 8, as the kernels use) on every thread (a numba kernel in LLVM IR, so that
-what it measures is the CPU, not a compiler's choice), disk by decode.py's random
-O_DIRECT record reads.
+then ~7,000: 4.0, 3.3, then 3.2 s). The peaks are measured at each thread count: memory by
+a parallel sum over 256 MiB, FMA by independent multiply-add chains in the CPU's widest
+float32 vectors (16 lanes with AVX-512, else 8, as the kernels use) on every thread (a
+numba kernel in LLVM IR, so that what it measures is the CPU, not a compiler's choice),
+disk by decode.py's random O_DIRECT record reads.
 """
 
 import argparse

@@ -70,13 +70,15 @@ def test_matmul_u16(T, N, D, dtype):
 @pytest.mark.parametrize("D", [33, 256])
 def test_dense_rows_are_the_same_alone_or_batched(D):
     """A token's row of a dense matmul has the same bits whatever tokens share the call: bf16
-    is widened in registers for up to four tokens and into a buffer for more, float32 and
-    f16 through the same tiles (a request's tokens must not change when others join it)."""
+    is widened in registers for up to BF16_DIRECT_TOKENS and into a buffer for more (the
+    batch here is past it, each token alone is not), float32 and f16 through the same tiles
+    (a request's tokens must not change when others join it)."""
     layers.init()
-    x, w32 = rand(9, D), rand(70, D)
+    T = kernels.BF16_DIRECT_TOKENS + 5
+    x, w32 = rand(T, D), rand(70, D)
     for w in (f32_to_bf16(w32), w32.astype(np.float16), w32):
         many = layers.linear(x, w)
-        for t in range(9):
+        for t in range(T):
             np.testing.assert_array_equal(layers.linear(x[t : t + 1], w)[0], many[t])
         np.testing.assert_array_equal(layers.linear(x[:3], w), many[:3])
 
