@@ -14,7 +14,8 @@ multiply-adds it does; and the ratios the targets are stated in:
 - `fma_ratio` = achieved multiply-add rate / the machine's float32 FMA peak (>= 512
   tokens: compute-bound, target >= 0.5);
 - cold at the budget: wall / max(disk floor, warm wall) (target <= 1.3), the disk floor
-  being the bytes read / the O_DIRECT bandwidth.
+  being the bytes read / the O_DIRECT bandwidth, measured right before and right after
+  the cold step (their mean: this shared disk's rate drifts by half within a minute).
 Warm runs go at each thread count of --threads (default 1 and every CPU: the scaling), the
 cold ones at the largest. A warm prompt is computed once to warm up and then --repeat times
 (default 3), the best of those reported (`wall_s`, all of them in `walls_s`): a long-lived
@@ -189,17 +190,20 @@ def main():
             c = warm.experts.c
             budget = int(c.expert_bytes * a.budget)
             del warm
-            cold_disk = max(disk_gbs(c, 2), disk_gbs(c, 4))
             for n in lengths:
                 warm_wall = next(r["wall_s"] for r in out if r["precision"] == precision and r["prompt_tokens"] == n
                                  and r["threads"] == counts[-1])
+                before = max(disk_gbs(c, 2, 2.0), disk_gbs(c, 4, 2.0))
                 dropped = drop_caches()
                 model = load_model(path, budget=budget)
                 wall, st = prefill(model, prompts[n])
+                after = max(disk_gbs(c, 2, 2.0), disk_gbs(c, 4, 2.0))
+                cold_disk = (before + after) / 2
                 floor = st.bytes_read / (cold_disk * 1e9)
                 row = {"precision": precision, "threads": counts[-1], "prompt_tokens": n, "budget_fraction": a.budget,
                        "cold": dropped,
                        "wall_s": round(wall, 3), "bytes_read": st.bytes_read, "disk_odirect_gbs": round(cold_disk, 3),
+                       "disk_before_after_gbs": [round(before, 3), round(after, 3)],
                        "disk_floor_s": round(floor, 3), "warm_wall_s": warm_wall,
                        "ratio_to_floor": round(wall / max(floor, warm_wall), 3)}
                 out.append(row)

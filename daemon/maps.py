@@ -27,8 +27,8 @@ class RoutingLog:
         self.step += 1
         self.inner.begin_step()
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
-        return self.inner.prefetch(il, ids)
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
+        return self.inner.prefetch(il, ids, tokens)
 
     def stream(self, il: int, ids: list[int]):
         self.log.append((self.step, il, tuple(int(i) for i in ids)))

@@ -155,7 +155,7 @@ class SampleExperts:
     def begin_step(self) -> None:
         self.stats.steps += 1
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
         return 0
 
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:

@@ -108,8 +108,8 @@ class ExpertWorker:
         self.rows += len(rows)
         return rows, ys[rows], self.stats()  # the counters ride on every answer: stats never waits on a box
 
-    def prefetch(self, il: int, ids: list) -> int:
-        return self.cache.prefetch(il, ids)
+    def prefetch(self, il: int, ids: list, tokens: int = 1) -> int:
+        return self.cache.prefetch(il, ids, tokens=tokens)
 
     def stats(self) -> dict:
         st = self.cache.stats
@@ -246,13 +246,13 @@ class RayExperts:
     def box_of(self, il: int, ie: int) -> int:
         return int(self.owner[self.row[il], ie])
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
         mine = [ie for ie in ids if self.box_of(il, ie) == 0]
         for b, box in self.boxes.items():
             theirs = [ie for ie in ids if self.box_of(il, ie) == b]
             if theirs:
-                box.actor.prefetch.remote(il, theirs)  # one way: the box reads ahead while the head attends
-        return self.local.prefetch(il, mine) if mine else 0
+                box.actor.prefetch.remote(il, theirs, tokens)  # one way: the box reads ahead while the head attends
+        return self.local.prefetch(il, mine, tokens) if mine else 0
 
     def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> None:
         """The step's experts of layer il: each box's by one call, the head's own meanwhile

@@ -334,7 +334,7 @@ class MoEModel:
         # from the same h, while the next layer reads little, kept the disk busier but read 60 %
         # more unused experts and was not faster: measured, dropped.)
         ids, _ = self.router(il, self.moe_input(il, h))  # [T, A]: the family's own route()
-        self.experts.prefetch(il, np.unique(ids).tolist())
+        self.experts.prefetch(il, np.unique(ids).tolist(), len(h))
 
     def describe(self) -> dict:
         """Facts about the loaded model for stats and `colictl run --json`."""

@@ -93,10 +93,10 @@ class ExpertSource(Protocol):
         order; a batch's weights are valid until the next batch is asked for."""
         ...
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
-        """The router lookahead predicts `ids` for layer il: start what reads the source
-        wants to (data moves only; stream still serves exactly what it is asked).
-        Returns the reads started."""
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
+        """The router lookahead predicts `ids` for layer il from a step of `tokens` tokens:
+        start what reads the source wants to (data moves only; stream still serves exactly
+        what it is asked). Returns the reads started."""
         ...
 
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
@@ -129,7 +129,7 @@ class ResidentExperts:
     def begin_step(self) -> None:
         self.stats.steps += 1
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
         return 0
 
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
@@ -183,9 +183,9 @@ class TracedSource:
         self.predicted.clear()
         self.inner.begin_step()
 
-    def prefetch(self, il: int, ids: list[int]) -> int:
+    def prefetch(self, il: int, ids: list[int], tokens: int = 1) -> int:
         self.predicted[il] = [int(i) for i in ids]
-        return self.inner.prefetch(il, ids) if self.inner.lookahead else 0
+        return self.inner.prefetch(il, ids, tokens) if self.inner.lookahead else 0
 
     def stream(self, il: int, ids: list[int]):
         line = {"step": self.step, "layer": il, "experts": [int(i) for i in ids]}

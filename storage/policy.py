@@ -38,7 +38,8 @@ so what the benchmark measures is what the daemon does.
   level with `learned` (bench/cache_policy.py, docs/benchmarks.md), which stays the
   default.
 - `prefetch_reads` > 0 adds the router lookahead (model.py) to either: at most that
-  many reads of the next layer's predicted experts in flight.
+  many reads of the next layer's predicted experts in flight for each token of the step
+  (a prompt's predicted union is read ahead whole, as slots allow).
 
 Placement decides speed, never semantics: a policy moves bytes between disk and RAM;
 the router alone decides which experts compute.
@@ -59,7 +60,7 @@ class Policy:
     hot_set: float = 0.5  # learned pins: this fraction of the slots above the LRU minimum
     repin_every: int = 32  # forward steps between hot set revisions (0: only at start)
     repin_margin: float = 0.25  # a challenger's count must exceed the coldest pin's by this factor
-    prefetch_reads: int = 8  # router lookahead reads in flight for the next layer (0: off)
+    prefetch_reads: int = 8  # router lookahead reads in flight for the next layer, per token of the step (0: off)
 
     @property
     def learns(self) -> bool:

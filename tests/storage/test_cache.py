@@ -90,6 +90,18 @@ def test_read_time_counts_reads_started_ahead(container):
     assert c.stats.io_wall_s == before and c.stats.bytes_read == 3 * c.record_bytes
 
 
+def test_reads_ahead_scale_with_the_steps_tokens(container):
+    """The lookahead reads at most the policy's prefetch_reads per token of the step: a
+    decode token's few, a prompt's whole predicted union (so the disk reads on while the
+    prompt's attention runs; 8 reads ahead for a 512-token step left it idle)."""
+    il, n = container.moe_layers[0], container.n_expert
+    for tokens, want in ((1, 2), (3, 6), (64, n)):
+        c = ExpertCache(container, "all", policy=Policy(prefetch_reads=2))
+        assert c.prefetch(il, list(range(n)), tokens) == want
+        assert sorted(c.prefetched[il]) == list(range(want))
+        c.settle_prefetch()
+
+
 def test_a_predicted_expert_the_router_did_not_choose_is_not_waited_for(container, monkeypatch):
     """A read started ahead for an expert the step then did not ask for lands in the
     background: the step goes on without it, and the expert is resident once it lands.
