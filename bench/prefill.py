@@ -15,7 +15,9 @@ multiply-adds it does; and the ratios the targets are stated in:
   tokens: compute-bound, target >= 0.5);
 - cold at the budget: wall / max(disk floor, warm wall) (target <= 1.3), the disk floor
   being the bytes read / the O_DIRECT bandwidth, measured right before and right after
-  the cold step (their mean: this shared disk's rate drifts by half within a minute).
+  the cold step (their mean: this shared disk's rate drifts by half within a minute), and
+  `disk_busy_fraction`, the part of the step with a read in flight (1: the disk never
+  waited for compute).
 Warm runs go at each thread count of --threads (default 1 and every CPU: the scaling), the
 cold ones at the largest. A warm prompt is computed once to warm up and then --repeat times
 (default 3), the best of those reported (`wall_s`, all of them in `walls_s`): a long-lived
@@ -205,6 +207,7 @@ def main():
                        "wall_s": round(wall, 3), "bytes_read": st.bytes_read, "disk_odirect_gbs": round(cold_disk, 3),
                        "disk_before_after_gbs": [round(before, 3), round(after, 3)],
                        "disk_floor_s": round(floor, 3), "warm_wall_s": warm_wall,
+                       "disk_busy_fraction": round(st.io_wall_s / wall, 3),
                        "ratio_to_floor": round(wall / max(floor, warm_wall), 3)}
                 out.append(row)
                 print(json.dumps(row), file=sys.stderr)

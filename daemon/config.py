@@ -35,7 +35,7 @@ class Config:
     numa_node: int | None = None  # run on this NUMA node and prefer its memory (libnuma); None: any
     hugepages: bool = False  # put the expert arena on reserved hugepages (vm.nr_hugepages), else THP
     mlock: bool = False  # lock the dense weights and the expert cache in RAM (within RLIMIT_MEMLOCK)
-    prefetch_reads: int = 8  # router lookahead: reads started ahead per MoE layer; 0: off
+    prefetch_reads: int = 8  # router lookahead: reads started ahead per MoE layer and token of the step; 0: off
     policy: str = "learned"  # expert cache policy: lru, lru+pinned, learned or learned-opt (storage/policy.py)
     hot_set: float = 0.5  # learned hot set: this fraction of the cache above the LRU minimum
     repin_every: int = 32  # forward steps between revisions of the hot set; 0: only at start
