@@ -121,7 +121,7 @@ def resolve_model(model: str | None) -> str:
 @click.option("--routing-trace", type=click.Path(dir_okay=False, writable=True), metavar="PATH",
               help="write the experts each layer used at each step as JSON lines")
 @click.option("--prefetch", type=click.IntRange(0, 1024), default=8, show_default=True, metavar="N",
-              help="router lookahead: start up to N reads for the next layer's predicted experts (0: off)")
+              help="router lookahead: start up to N reads per token of the step for the next layer's predicted experts (0: off)")
 @click.option("--policy", type=click.Choice(["lru", "lru+pinned", "learned", "learned-opt"]), default="learned", show_default=True,
               help="expert cache policy (README: The expert cache policy)")
 @click.option("--history", "history_dir", type=click.Path(file_okay=False), metavar="DIR",
