@@ -504,24 +504,17 @@ class ExpertCache:
         inflight: deque[tuple[int, int, Future]] = deque((ie, slot, fut) for ie, (slot, fut) in ahead.items())
 
         def submit():
-            # misses in file order; a run of records adjacent in the file goes as one read
+            # misses in file order, as many as slots allow
             while pending:
-                run = []
-                while pending and len(run) < self.reader.max_run and (
-                        not run or self.reader.adjacent((il, run[-1][0]), (il, pending[0]))):
-                    slot = self._take_slot(il, busy, pending[0])
-                    if slot is None:
-                        break
+                picks = []
+                while pending and (slot := self._take_slot(il, busy, pending[0])) is not None:
                     ie = pending.popleft()
                     busy.add(ie)
-                    run.append((ie, slot))
-                if run:
-                    futures = self.reader.submit_run([((il, ie), self.arena[slot]) for ie, slot in run])
-                    inflight.extend((ie, slot, fut) for (ie, slot), fut in zip(run, futures))
-                elif self.unchosen.get(il):  # every slot taken: one a wasted read holds
-                    self._settle(il, *self.unchosen[il].pop(0))  # comes back once that read lands
-                else:
+                    picks.append((ie, slot))
+                inflight.extend(self._read_in_runs(il, picks))
+                if not pending or not self.unchosen.get(il):
                     return
+                self._settle(il, *self.unchosen[il].pop(0))  # every slot taken: one a wasted read holds comes back
 
         def landed(ie, slot, fut):
             t0 = time.perf_counter()
@@ -559,6 +552,20 @@ class ExpertCache:
                 self._settle(il, ie, slot, fut)
             if self.main_slots:
                 self._trim_window(il)
+
+    def _read_in_runs(self, il: int, picks: list[tuple[int, int]]) -> list[tuple[int, int, Future]]:
+        """Start reading experts of layer il into their slots, picks [(expert, slot)] in file
+        order: a run of records adjacent in their file goes as one read (up to the reader's
+        max_run). Returns [(expert, slot, future)]."""
+        out, run = [], []
+        for k, (ie, slot) in enumerate(picks):
+            run.append((ie, slot))
+            if (k + 1 == len(picks) or len(run) == self.reader.max_run
+                    or not self.reader.adjacent((il, ie), (il, picks[k + 1][0]))):
+                futures = self.reader.submit_run([((il, j), self.arena[s]) for j, s in run])
+                out.extend((j, s, fut) for (j, s), fut in zip(run, futures))
+                run = []
+        return out
 
     def _settle(self, il: int, ie: int, slot: int, fut: Future) -> None:
         """A read started ahead has landed (or is waited for): its expert is resident."""
@@ -627,14 +634,7 @@ class ExpertCache:
             picks.append((ie, slot))
         records = self.c.records
         picks.sort(key=lambda p: (records[(il, p[0])].file, records[(il, p[0])].offset))
-        run: list[tuple[int, int]] = []  # records adjacent in their file go as one read, as stream()'s misses do
-        for k, (ie, slot) in enumerate(picks):
-            run.append((ie, slot))
-            if (k + 1 == len(picks) or len(run) == self.reader.max_run
-                    or not self.reader.adjacent((il, ie), (il, picks[k + 1][0]))):
-                futures = self.reader.submit_run([((il, j), self.arena[s]) for j, s in run])
-                ahead.update((j, (s, fut)) for (j, s), fut in zip(run, futures))
-                run = []
+        ahead.update((ie, (slot, fut)) for ie, slot, fut in self._read_in_runs(il, picks))
         self.stats.prefetch_issued += len(picks)
         return len(picks)
 
