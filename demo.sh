@@ -2,6 +2,9 @@
 # The main job on the built-in demo model: start colibrid, pipe a prompt through
 # `colictl generate`, show `colictl stats`, stop the daemon.
 set -eu
+# the commands from the virtual environment setup.sh made (.venv, or $COLIBRI_VENV), else the PATH's
+venv="${COLIBRI_VENV:-$(cd "$(dirname "$0")" && pwd)/.venv}"
+[ -x "$venv/bin/colibrid" ] && PATH="$venv/bin:$PATH"
 SOCK="${COLIBRI_SOCKET:-/tmp/colibri-demo-$(id -u)/colibri.sock}"   # the operator socket goes next to it
 export COLIBRI_SOCKET="$SOCK"
 colibrid --socket "$SOCK" &

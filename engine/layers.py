@@ -94,6 +94,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
         kernels.silu_mul(x, x, np.empty_like(x))
 
     steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), published, attention]
+    assert len(steps) == len(COMPILE_SHARES)
     for i, step in enumerate(steps):
         if progress:
             progress("compiling kernels", i, len(steps))
@@ -102,6 +103,9 @@ def init(n_threads: int | None = None, progress=None) -> None:
 
 
 init.done = False
+# each kernel group's part of a first compile (seconds measured on the 2-core box: dense 12,
+# int4 experts 9, 5, 5, published formats 4, attention 64), for an estimate while it runs
+COMPILE_SHARES = (0.12, 0.09, 0.05, 0.05, 0.04, 0.65)
 
 
 def to_f32(a) -> np.ndarray:
