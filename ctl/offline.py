@@ -136,6 +136,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
         reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
+    from ..engine.errors import InvalidRequest
     from ..engine.generate import SamplingParams, check_prompt, generate
     from ..engine.registry import build_model
     from ..engine.tokenizer import Tokenizer, eos_ids
@@ -155,7 +156,16 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
                           policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
                           history_read_only=history_read_only, faults=faults_from_env())
     tokenizers = []  # loaded once the files' checks pass, before a weight is read
-    placed = open_model(path, placement, build_model, checked=lambda: tokenizers.append(Tokenizer(path)))
+
+    def checked(model):
+        tok = Tokenizer(path)
+        limit = tok.most_bytes(model.n_ctx)  # a prompt that cannot fit is refused before it is tokenised
+        if len(text_in.encode("utf-8", "surrogatepass")) > limit:
+            raise InvalidRequest(f"the prompt is {len(text_in.encode('utf-8', 'surrogatepass'))} bytes: far more "
+                                 f"than the model's context of {model.n_ctx} tokens takes (at most {limit} bytes)")
+        tokenizers.append(tok)
+
+    placed = open_model(path, placement, build_model, checked=checked)
     model, tok = placed.model, tokenizers[0]
     layers.init(threads or None)  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
@@ -457,7 +467,7 @@ def plan_for(model_path, memory, trace_path, drives, config_path, threads, preci
     say = (lambda m: click.echo(f"colictl: plan: {m}", err=True)) if sys.stderr.isatty() else (lambda m: None)
     return make_plan(resolve_model(model_path or cfg.model), build_model, memory=mem, trace=trace_path,
                      drives=tuple(drives) + tuple(cfg.drives), state_dir=state_dir(cfg), precisions=precisions,
-                     threads=threads or None, say=say)
+                     threads=threads or None, kv_bytes=parse_size(cfg.kv_cache), say=say)
 
 
 def show_plan(p: dict) -> None:
@@ -512,6 +522,31 @@ def plan(model_path, memory, trace_path, drives, config_path, threads, precision
         show_plan(p)
 
 
+def write_checked_fragment(out: str, text: str, config_path: str | None, model: str) -> None:
+    """Write a configuration fragment only if the daemon would start with it: the whole
+    configuration loaded with it in place (the daemon's own validation: every key, every
+    fragment) and its budgets checked against the model (the minimum, this box's RAM) as
+    placing the model checks them. Written beside `out` and renamed over it, so a daemon
+    never reads half a file. Raises ConfigError, BudgetInvalid (nothing written)."""
+    from ..daemon.config import load
+    from ..storage.placement import check_budgets
+    from ..storage.sizes import parse_size
+
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp")  # (not *.yaml: never read as one)
+    with open(tmp, "w") as f:
+        f.write(text)
+    try:
+        # the configuration as the daemon will read it, with this fragment in its place
+        cfg = load(config_path, fragment=(out, tmp)) if config_path else load(tmp)
+        check_budgets(model, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 @click.command()
 @plan_options
 @click.option("--write", "out", type=click.Path(dir_okay=False), metavar="FILE",
@@ -524,22 +559,21 @@ def tune(model_path, memory, trace_path, drives, config_path, threads, out):
     from ..daemon.config import load, state_dir
     from ..daemon.planner import plan_path
     from ..storage.container import is_container
+    from ..storage.errors import BudgetInvalid
 
     cfg = load(config_path)
     p = plan_for(model_path, memory, trace_path, drives, config_path, threads)
     rec = p["recommend"]
-    keys = {"expert_cache": rec["expert_cache"], "io_threads": rec["io_threads"]}
-    if "reader" in rec:
-        keys["reader"] = rec["reader"]
+    if not rec["fits"]:
+        raise BudgetInvalid(f"nothing written: {rec['why']}")
+    keys = {k: rec[k] for k in ("expert_cache", "kv_cache", "io_threads", "reader") if k in rec}
     text = "".join([f"# colictl tune, {p['made']}: {p['model']}\n",
                     f"# predicted {rec['predicted_tok_s']} tok/s ({rec['bound']}-bound), drives "
                     + ", ".join(f"{d['gbs']:.2f} GB/s" for d in p["drives"]) + "\n",
                     *(f"{k}: {v}\n" for k, v in keys.items())])
     out = out or (config_path + ".d/50-tune.yaml" if config_path else None)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
+        write_checked_fragment(out, text, config_path, p["model"])
         click.echo(f"[colibri] wrote {out}: " + ", ".join(f"{k}: {v}" for k, v in keys.items()), err=True)
     else:
         click.echo(text, nl=False)

@@ -60,7 +60,7 @@ class Config:
     prefill_chunk: int | str = 64  # prompt tokens a step takes while others decode: N, auto, 0 (whole)
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
-    max_message_bytes: int = 1048576  # the largest request; larger ones get TOO_LARGE (far larger: disconnected)
+    max_message_bytes: int = 1048576  # (protocol.DEFAULT_MAX_MESSAGE_BYTES) the largest request; larger ones get TOO_LARGE (far larger: disconnected)
     kv_cache: str = "512MiB"  # the prefix cache: KV blocks of computed prompts kept for requests that share them; 0: off
     sessions_bytes: str = "4GiB"  # all session files together; beyond it the least recently used go
     sessions_age_days: float = 30.0  # a session unused this long is removed; 0: never
@@ -91,11 +91,13 @@ _KINDS = {  # key -> what a valid value is
     "max_queue": "positive", "max_active": "positive", "batch_window_ms": "milliseconds",
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
-    "max_streams_per_client": "positive", "max_message_bytes": "positive", "sessions_bytes": "bytes", "kv_cache": "bytes",
+    "max_streams_per_client": "positive", "max_message_bytes": "positive", "sessions_bytes": "disk", "kv_cache": "bytes",
     "sessions_age_days": "days",
     "watchdog_s": "seconds", "log_level": "level",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+RUNTIME_FILE = "runtime.yaml"  # in the state directory: what `--persist` kept
+PERSISTABLE = ("expert_cache", "kv_cache", "policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
 BOX_KEYS = {"path", "node", "resources", "weight", "expert_cache", "threads", "env"}  # a ray_boxes entry
 
 
@@ -115,11 +117,11 @@ def _valid(kind: str, v) -> str | None:
         from ..storage.sizes import parse_size
 
         try:
-            parse_size(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else parse_size("?")
+            size = parse_size(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else parse_size("?")
         except BudgetInvalid:
             return "a size: bytes, KiB/MiB/GiB, min or all"
-        return None
-    if kind == "bytes":
+        return _above_ram(size)
+    if kind in ("bytes", "disk"):  # disk: a size on disk, not held in RAM
         from ..storage.errors import BudgetInvalid
         from ..storage.sizes import parse_size
 
@@ -127,7 +129,9 @@ def _valid(kind: str, v) -> str | None:
             ok = isinstance(v, str | int) and not isinstance(v, bool) and isinstance(parse_size(str(v)), int)
         except BudgetInvalid:
             ok = False
-        return None if ok else "a size: bytes or KiB/MiB/GiB"
+        if not ok:
+            return "a size: bytes or KiB/MiB/GiB"
+        return None if kind == "disk" else _above_ram(parse_size(str(v)))
     if kind == "positive":
         return None if is_int and v >= 1 else "an integer of at least 1"
     if kind == "count":
@@ -179,6 +183,17 @@ def _valid(kind: str, v) -> str | None:
     raise AssertionError(kind)
 
 
+def _above_ram(size) -> str | None:
+    """Why a budget of `size` bytes cannot be (more than this box's RAM), or None. The
+    exact limit, less the model's dense weights, is checked when the model is placed."""
+    from ..storage.memory import ram_bytes
+    from ..storage.sizes import fmt_bytes
+
+    if isinstance(size, int) and size > ram_bytes():
+        return f"it is above this box's RAM of {fmt_bytes(ram_bytes())} ({ram_bytes()} bytes)"
+    return None
+
+
 def _check(key: str, value, where: str):
     why = _valid(_KINDS[key], value)
     if why:
@@ -187,12 +202,25 @@ def _check(key: str, value, where: str):
     return value
 
 
-def load(path: str | None, overrides: dict | None = None) -> Config:
+def load(path: str | None, overrides: dict | None = None, fragment: tuple[str, str] | None = None) -> Config:
     """The configuration from `path` (YAML; None: defaults only) and its fragments, with
-    `overrides` (flags) on top. Raises ConfigError naming the file and key."""
+    `overrides` (flags) on top. `fragment` (NAME, FILE): read FILE as the fragment NAME
+    (in NAME's place, whether or not NAME exists yet; strictly, as the main file): how
+    `colictl tune` checks a fragment before it is renamed into place. Raises ConfigError
+    naming the file and key."""
     values: dict = {}
-    for one in [path, *fragments(path)] if path else []:
-        values |= _read(one)
+    files = [path, *fragments(path)] if path else []
+    if fragment is not None:
+        name = os.path.abspath(fragment[0])
+        files = [path] + sorted({os.path.abspath(f) for f in files[1:]} | {name}) if path else [name]
+    for one in files:
+        if fragment is not None and one == os.path.abspath(fragment[0]):
+            values |= _read(fragment[1])
+        else:
+            values |= _read(one) if one == path else _read_fragment(one)
+    kept = runtime_path(values.get("state_dir"))
+    if os.path.exists(kept):  # what operators changed at runtime with --persist: the last word before flags
+        values |= {k: v for k, v in _read_fragment(kept).items() if k in PERSISTABLE}
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _check(key, value, "command line")
@@ -204,6 +232,79 @@ def load(path: str | None, overrides: dict | None = None) -> Config:
     return Config(**values)
 
 
+def _read_fragment(path: str) -> dict:
+    """A fragment's keys that are valid. A key it cannot use (or the whole fragment, when
+    it cannot be read) is left out with an error naming the file and key: the earlier
+    value applies, so a fragment a tool wrote cannot stop the daemon on its own."""
+    try:
+        raw = _load_yaml(path)
+    except ConfigError as e:
+        log.error("%s (the fragment is ignored)", e)
+        return {}
+    values = {}
+    for key, value in raw.items():
+        try:
+            values |= _checked(path, {key: value})
+        except ConfigError as e:
+            log.error("%s (ignored: the value before %s applies)", e, os.path.basename(path))
+    return values
+
+
+def runtime_path(state: str | None) -> str:
+    """The file `--persist` keeps runtime changes in: STATE_DIR/runtime.yaml."""
+    from ..storage.statefile import default_state_dir
+
+    return os.path.join(state or default_state_dir(), RUNTIME_FILE)
+
+
+def persist(state: str | None, keys: dict) -> str:
+    """Keep runtime changes (PERSISTABLE keys) for the next start: merged into the state
+    directory's runtime.yaml, checked as the daemon reads it, written atomically. Returns
+    the file. Raises ConfigError (a key it does not keep, or a bad value), OSError."""
+    import yaml
+
+    from ..storage.statefile import write_atomic
+
+    path = runtime_path(state)
+    unknown = set(keys) - set(PERSISTABLE)
+    if unknown:
+        raise ConfigError(f"{', '.join(sorted(unknown))}: not kept across restarts (only {', '.join(PERSISTABLE)})")
+    kept = _read_fragment(path) if os.path.exists(path) else {}
+    kept |= _checked(path, keys)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, ("# colictl ... --persist: runtime changes colibrid applies at every start, after its\n"
+                        "# configuration and fragments (remove a line, or the file, to drop one)\n"
+                        + yaml.safe_dump(kept, sort_keys=True)).encode())
+    return path
+
+
+def origin(key: str, path: str | None, overrides: dict | None = None) -> str:
+    """Where the value of `key` comes from: "command line", runtime.yaml (--persist), the
+    last file or fragment that sets it, or "default"."""
+    if (overrides or {}).get(key) is not None:
+        return "command line"
+    state = None
+    for one in [path, *fragments(path)] if path else []:
+        try:
+            state = _load_yaml(one).get("state_dir", state)
+        except ConfigError:
+            continue
+    kept = runtime_path(state)
+    if key in PERSISTABLE and os.path.exists(kept):
+        try:
+            if key in _load_yaml(kept):
+                return kept
+        except ConfigError:
+            pass
+    for one in reversed([path, *fragments(path)] if path else []):
+        try:
+            if key in _load_yaml(one):
+                return one
+        except ConfigError:
+            continue
+    return "default"
+
+
 def fragments(path: str) -> list[str]:
     """The configuration fragments of `path`: PATH.d/*.yaml, in name order."""
     import glob
@@ -213,9 +314,13 @@ def fragments(path: str) -> list[str]:
 
 def _read(path: str) -> dict:
     """One configuration file's keys, checked. Raises ConfigError naming the file and key."""
+    return _checked(path, _load_yaml(path))
+
+
+def _load_yaml(path: str) -> dict:
+    """A configuration file's mapping, unchecked. Raises ConfigError naming the file."""
     import yaml
 
-    values: dict = {}
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -232,12 +337,22 @@ def _read(path: str) -> dict:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the configuration is a mapping of keys to values")
+    return data
+
+
+def _checked(path: str, data: dict) -> dict:
+    """`data`'s keys checked. Raises ConfigError naming the file and key."""
+    values: dict = {}
     for key, value in data.items():
         if key == "mirror":  # (before drives shared the reads, one copy was read only on failure)
             log.warning("%s: mirror is now drives: [%s]; every copy shares the reads", path, value)
             key, value = "drives", [value] if value else []
         if key not in _KINDS:
-            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(_KINDS)})")
+            import difflib
+
+            near = difflib.get_close_matches(str(key), _KINDS, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}?" if near else "etc/colibri.yaml lists every key"
+            raise ConfigError(f"{path}: unknown key {key!r} ({hint})")
         values[key] = _check(key, value, path)
     return values
 

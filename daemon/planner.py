@@ -15,7 +15,7 @@ predictions, else PREFETCH_WASTE), so per token
 
     bytes   = moe_layers * (k + waste) * (1 - hit) * record_bytes
     disk_s  = bytes / the drives' bandwidth
-    t       = max(compute_s, disk_s) + OVERLAP * min(compute_s, disk_s)
+    t       = max(compute_s, disk_s) + OVERLAP * min(compute_s, disk_s) + DAEMON_STEP_S
     tok/s   = 1 / t
 
 Disk and compute overlap (reads start before the resident experts compute, the lookahead
@@ -25,7 +25,6 @@ and 100 % budgets; docs/benchmarks.md). A prediction never touches the model's o
 planning serves no request.
 """
 
-import json
 import math
 import mmap
 import os
@@ -36,17 +35,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.cache import min_budget_bytes
 from ..storage.container import ALIGN, round_up
+from ..storage.errors import ColibriError
 from ..storage.experts import ExpertStats, QuantWeight, int4_of
+from ..storage.memory import PROCESS_BYTES
+from ..storage.sizes import fmt_bytes
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)  # expert budgets the table shows, as fractions of the experts
 THREADS = (1, 2, 4)  # read threads tried
 SAMPLE_BYTES = 512 << 20  # expert bytes a compute sample holds at most (more than any CPU cache)
-HEADROOM = 512 << 20  # memory left for the KV cache, the kernels and the interpreter
 PLAN_VERSION = 1
 OVERLAP = 0.5  # the part of the shorter of compute and disk time that does not overlap the other
 PREFETCH_WASTE = 1.0  # lookahead reads a layer-step the router does not use, when no trace says (measured 1.3 of 8)
 PREFETCH_READS = 8  # the lookahead's reads a layer (the default prefetch_reads)
+# what a step costs in the daemon beyond the engine's own step (the token's message through
+# the socket, the I/O thread, the client's process beside the compute threads on the same
+# cores): 0.25 ms, fitted on bench/plan_demo.py (1/measured - 1/predicted, two runs alike);
+# it matters only where a step is short (the demo's: about 1 ms)
+DAEMON_STEP_S = 0.25e-3
+CONTEXT_TOKENS = 128  # the context a timed decode step attends to: a request's midway, for replies of ~256 tokens
 
 
 # ---- the box ---------------------------------------------------------------------------------
@@ -241,42 +249,47 @@ def checkpoint_sample(src, model, k: int, dtype: str | None) -> SampleExperts:
     return SampleExperts(layers, group)
 
 
-def decode_seconds(model, sample: SampleExperts, tokens: int = 12) -> float:
-    """The median time of a decode step of `model` with `sample` as its experts, after an
-    8-token prompt (the first steps compile and warm up; they are not counted)."""
+def warm_cache(c, k: int):
+    """The container's experts behind the real expert cache, every one read in (a small
+    model: all fit in a sample)."""
+    from ..storage.cache import ExpertCache
+    from ..storage.policy import Policy
+
+    cache = ExpertCache(c, "all", top_k=k, policy=Policy())
+    for il in c.moe_layers:
+        for _ in cache.stream(il, list(range(c.n_expert))):
+            pass
+    return cache
+
+
+def decode_seconds(model, sample, tokens: int = 32, tokenizer=None, context: int = CONTEXT_TOKENS) -> float:
+    """The median time of a decode step of `model` with `sample` (an ExpertSource) as its
+    experts, taken as the daemon takes it: a Batcher step of one request (sampling, and
+    its text with `tokenizer`), after a prompt of `context` tokens (at most a quarter of
+    the model's context), where attention costs what it costs a request midway (the first
+    steps compile and warm up; they are not counted)."""
+    from ..engine.generate import Batcher, Request, SamplingParams
+
     model.experts = sample
-    cache = model.new_cache(64)
-    logits = model.forward(np.arange(3, 11), cache)
+    batch = Batcher(model)
+    prompt = [3 + i % 64 for i in range(max(8, min(context, model.n_ctx // 4)))]
+    batch.add(Request(model, prompt, SamplingParams(max_tokens=tokens + 3), (), tokenizer))
     times = []
-    for _ in range(tokens + 2):
-        tok = int(np.argmax(logits[-1]))
+    while batch.active:
         t = time.perf_counter()
-        logits = model.forward(np.array([tok]), cache)
+        batch.step()
         times.append(time.perf_counter() - t)
-    return float(np.median(times[2:]))
+    return float(np.median(times[3:]))
 
 
 # ---- the routing ------------------------------------------------------------------------------
 
-def trace_accesses(path: str, n_expert: int) -> list[tuple[int, list[int], list[int] | None]]:
+def trace_accesses(path: str, moe_layers: list[int], n_expert: int) -> list[tuple[int, list[int], list[int] | None]]:
     """(layer, experts, the lookahead's prediction or None) of each layer of each step of a
-    routing trace (colictl run --routing-trace), in order. Raises ValueError on a line that
-    is not one."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                il, ids = int(d["layer"]), [int(i) for i in d["experts"]]
-                ahead = [int(i) for i in d["predicted"]] if "predicted" in d else None
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: not a routing trace line") from None
-            if any(not 0 <= i < n_expert for i in ids):
-                raise ValueError(f"{path}:{n}: an expert id outside 0..{n_expert - 1}")
-            out.append((il, ids, ahead))
-    return out
+    routing trace (colictl run --routing-trace), in order. Raises TraceInvalid, OSError."""
+    from ..storage.layout import trace_steps
+
+    return list(trace_steps(path, moe_layers, n_expert))
 
 
 def lru_hits(accesses, slots: int) -> float:
@@ -344,7 +357,7 @@ def predict(shape: Shape, compute_s: float, disk_gbs: float, hit: float, waste: 
     """Bytes read per token and tok/s at a hit rate (see the module's formula)."""
     read = shape.moe_layers * (shape.top_k + waste) * (1.0 - hit) * shape.record_bytes
     disk_s = read / (disk_gbs * 1e9) if disk_gbs > 0 else math.inf
-    t = max(compute_s, disk_s) + OVERLAP * min(compute_s, disk_s)
+    t = max(compute_s, disk_s) + OVERLAP * min(compute_s, disk_s) + DAEMON_STEP_S
     return {"hit_rate": round(hit, 4), "bytes_read_per_token": int(read), "disk_s": round(disk_s, 5),
             "compute_s": round(compute_s, 5), "tok_s": round(1.0 / t, 3) if t > 0 else None,
             "bound": "disk" if disk_s > compute_s else "compute"}
@@ -391,14 +404,15 @@ def own_precision(src, model) -> str:
 
 def make_plan(path: str, build, memory: int | None = None, trace: str | None = None, drives=(),
               state_dir: str | None = None, precisions: tuple[str, ...] | None = None, seconds: float = 1.0,
-              threads: int | None = None, say=lambda msg: None) -> dict:
+              threads: int | None = None, kv_bytes: int = 0, say=lambda msg: None) -> dict:
     """Measure the box for the model at `path` (a container or a Hugging Face checkpoint)
     and predict its decode speed per precision and expert budget. `memory`: the RAM it may
     use (None: what is available now); `trace`: a routing trace for the hit rates (else the
     usage history in `state_dir`, else uniform); `drives`: directories with copies of the
     expert files; `precisions`: of a checkpoint, those to try (default its own and, for a
-    float checkpoint, int8 and int4); `say` hears each phase. Raises the storage errors
-    of opening the model, ValueError for a bad trace."""
+    float checkpoint, int8 and int4); `kv_bytes`: the daemon's prefix cache budget, which
+    shares the memory; `say` hears each phase. Raises the storage errors of opening the
+    model, TraceInvalid for a bad trace."""
     import psutil
 
     from ..engine import layers
@@ -414,7 +428,9 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
         c = open_container(path)
         dense_src, files, fingerprint, own = c.dense, sorted({r.file for r in c.records.values()}), c.fingerprint, \
             c.expert_dtype
-        samples = {own: lambda: container_sample(c, k)}
+        # a container whose experts all fit in a sample is timed on the real cache, warm: its
+        # own work a step (the lookahead's router, the bookkeeping) is then in the figure
+        samples = {own: (lambda: warm_cache(c, k)) if c.expert_bytes <= SAMPLE_BYTES else lambda: container_sample(c, k)}
         precision = c.precision()
     else:
         c, fingerprint, precision = None, None, None
@@ -435,6 +451,12 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     layers.init(threads)
     dense_bytes = sum(_nbytes(a) for a in model.glob.values()) + sum(_nbytes(a) for L in model.layers
                                                                      for a in L.values())
+    try:
+        from ..engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(path)
+    except ColibriError:  # (a plan needs no text; a step then times without its detokenising)
+        tokenizer = None
     say("measuring the drives")
     roots = {path: files}
     for d in drives:
@@ -448,33 +470,37 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     mem = memory_gbs()
     routing = None
     if trace:
-        routing = hit_curve(n_moe * model.n_expert, accesses=trace_accesses(trace, model.n_expert))
+        routing = hit_curve(n_moe * model.n_expert, accesses=trace_accesses(trace, model.moe_layers, model.n_expert))
     elif c is not None and state_dir:
         h = UsageHistory(c.moe_layers, c.n_expert, c.fingerprint, history_path(state_dir, c.fingerprint),
                          read_only=True)
         routing = hit_curve(n_moe * model.n_expert, counts=h.values())
     routing = routing or hit_curve(n_moe * model.n_expert)
     avail = memory if memory is not None else psutil.virtual_memory().available
-    room = max(0, avail - dense_bytes - HEADROOM)
     rows = {}
     for p, make in samples.items():
         say(f"timing decode steps, {p} experts")
         s = sample if p == first else make()
-        compute_s = decode_seconds(model, s)
+        compute_s = decode_seconds(model, s, tokenizer=tokenizer)
+        if hasattr(s, "close"):
+            s.close()  # (the real cache's reader threads)
         shape = Shape(n_moe, k, model.n_expert, s.record_bytes)
-        fit = min(1.0, room / shape.expert_bytes) if shape.expert_bytes else 1.0
+        least = min_budget_bytes(n_moe, s.record_bytes)
+        split = split_memory(avail, dense_bytes, kv_bytes, least, shape.expert_bytes)
+        fit = split["experts"] / shape.expert_bytes if shape.expert_bytes else 1.0
         table = [{"budget_fraction": f, "budget_bytes": int(f * shape.expert_bytes),
                   **predict(shape, compute_s, disk, hit_at(routing, f), routing["waste"])}
-                 for f in FRACTIONS if f <= max(fit, 0.05)]
+                 for f in FRACTIONS if least <= f * shape.expert_bytes and f <= max(fit, 0.05)]
         rows[p] = {"record_bytes": s.record_bytes, "expert_bytes": shape.expert_bytes, "compute_s": round(compute_s, 5),
-                   "fit_fraction": round(fit, 4), "at_fit": {"budget_bytes": int(fit * shape.expert_bytes),
+                   "min_budget_bytes": least, "memory": split,
+                   "fit_fraction": round(fit, 4), "at_fit": {"budget_bytes": split["experts"],
                                                              **predict(shape, compute_s, disk, hit_at(routing, fit),
                                                                        routing["waste"])},
                    "table": table, "lossy": p != own}
     plan = {"version": PLAN_VERSION, "model": os.path.abspath(path), "container": fingerprint,
             "model_type": model.MODEL_TYPE, "precision": own if own in rows else next(iter(rows)), "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "shape": {"moe_layers": n_moe, "top_k": k, "n_expert": model.n_expert},
-            "dense_bytes": dense_bytes, "memory_bytes": int(avail), "memory_gbs": mem, "drives": disks,
+            "dense_bytes": dense_bytes, "memory_bytes": int(avail), "kv_bytes": kv_bytes, "memory_gbs": mem, "drives": disks,
             "disk_gbs": round(disk, 3), "threads": threads or len(os.sched_getaffinity(0)),
             "routing": routing | {"hits": {str(f): h for f, h in routing["hits"].items()}},
             "precisions": rows}
@@ -483,17 +509,49 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     return plan
 
 
+def split_memory(memory: int, dense_bytes: int, kv_bytes: int, least: int, expert_bytes: int) -> dict:
+    """How `memory` bytes are shared out: the dense weights and the process (PROCESS_BYTES)
+    first, the experts' minimum budget (`least`) next; of the rest the prefix cache takes
+    at most a quarter (up to its budget, `kv_bytes`), the experts what they can use (at
+    most all of them, `expert_bytes`), and the prefix cache what the experts leave.
+    {"experts", "kv", "short"}: the budgets, and the bytes missing for the minimum (0
+    when it fits)."""
+    free = memory - dense_bytes - PROCESS_BYTES
+    if free < least:
+        return {"experts": least, "kv": 0, "short": least - free}
+    experts = max(least, min(expert_bytes, free - min(kv_bytes, (free - least) // 4)))
+    return {"experts": experts, "kv": min(kv_bytes, free - experts), "short": 0}
+
+
+def budget_text(n: int, least: int) -> str:
+    """A budget as the configuration writes it, rounded down to a MiB (a KiB below 16 MiB)
+    but never below the minimum `least`."""
+    unit, name = (2**20, "MiB") if n >= 16 << 20 else (1024, "KiB")
+    n = max(n // unit, -(-least // unit))
+    return f"{n}{name}"
+
+
 def recommend(plan: dict, container, disks: list[dict]) -> dict:
     """The settings for this box: the expert budget that fits, the read threads that reach
     the drive's bandwidth, the reader that reads faster here (containers: measured as the
     daemon's `reader: auto` does), and the precision (the model's own; a lossy one is only
     mentioned, with its figure)."""
     own = plan["precisions"][plan["precision"]]
-    fit = own["fit_fraction"]
-    out = {"precision": plan["precision"],
-           "expert_cache": "all" if fit >= 1.0 else f"{own['at_fit']['budget_bytes'] // 2**20}MiB",
-           "io_threads": max(d["io_threads"] for d in disks), "predicted_tok_s": own["at_fit"]["tok_s"],
-           "bound": own["at_fit"]["bound"]}
+    fit, split = own["fit_fraction"], own["memory"]
+    if split["short"]:
+        out = {"fits": False, "why": f"the model needs {fmt_bytes(plan['memory_bytes'] + split['short'])} at its "
+                                     f"smallest expert budget ({fmt_bytes(own['min_budget_bytes'])}): "
+                                     f"{fmt_bytes(plan['dense_bytes'])} of dense weights and "
+                                     f"{fmt_bytes(PROCESS_BYTES)} for the process besides; "
+                                     f"{fmt_bytes(plan['memory_bytes'])} is {fmt_bytes(split['short'])} short"}
+    else:
+        out = {"fits": True}
+    out |= {"precision": plan["precision"],
+            "expert_cache": "all" if fit >= 1.0 else budget_text(own["at_fit"]["budget_bytes"], own["min_budget_bytes"]),
+            "io_threads": max(d["io_threads"] for d in disks), "predicted_tok_s": own["at_fit"]["tok_s"],
+            "bound": own["at_fit"]["bound"]}
+    if split["kv"] < plan["kv_bytes"]:  # the prefix cache gives up what the experts' minimum needs
+        out["kv_cache"] = budget_text(split["kv"], 0) if split["kv"] else "0"
     faster = [(p, r) for p, r in plan["precisions"].items() if r["lossy"] and r["at_fit"]["tok_s"]
               and own["at_fit"]["tok_s"] and r["at_fit"]["tok_s"] >= 1.2 * own["at_fit"]["tok_s"]]
     if faster:

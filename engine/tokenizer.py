@@ -38,6 +38,15 @@ class Tokenizer:
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))
 
+    def most_bytes(self, n_tokens: int) -> int:
+        """The most UTF-8 bytes of text that can come to fewer than `n_tokens` tokens: each
+        token stands for at most its own string's bytes (a byte-level token's string takes
+        up to twice the bytes it stands for), and a normaliser shrinks text at most 4x (NFKC:
+        a full-width letter's 3 bytes become 1). A longer text is refused unread by the
+        tokenizer: tokenising megabytes costs seconds and a gigabyte of RAM."""
+        longest = max(len(t.encode("utf-8")) for t in self.tok.get_vocab(with_added_tokens=True))
+        return 4 * n_tokens * longest
+
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of text; `special` adds what the tokenizer's post-processor adds (e.g. BOS)."""
         return self.tok.encode(text, add_special_tokens=special).ids

@@ -34,11 +34,27 @@ from .errors import BudgetInvalid, ExpertReadError
 from .experts import ExpertStats
 from .faults import FaultPlan
 from .history import UsageHistory
+from .memory import MemoryRoom
 from .policy import Policy, learned_slots, plan_repin, victim
 from .reader import ExpertReader
 from .sizes import fmt_bytes
 
 log = logging.getLogger("colibri.storage")
+
+
+def min_budget_bytes(n_moe_layers: int, record_bytes: int) -> int:
+    """The smallest expert budget that runs: one slot per MoE layer, through which the
+    layer's experts stream (the daemon refuses less; plan and tune never recommend less)."""
+    return n_moe_layers * record_bytes
+
+
+def check_min_budget(budget: int, n_moe_layers: int, record_bytes: int) -> None:
+    """Raises BudgetInvalid, saying the minimum, when `budget` bytes are below it."""
+    least = min_budget_bytes(n_moe_layers, record_bytes)
+    if budget < least:
+        raise BudgetInvalid(
+            f"expert cache of {fmt_bytes(budget)} is too small: the minimum is {fmt_bytes(least)} "
+            f"({least} bytes: one {fmt_bytes(record_bytes)} expert slot for each of {n_moe_layers} MoE layers)")
 
 
 class ExpertCache:
@@ -52,8 +68,12 @@ class ExpertCache:
                  mlock: bool = False, hugetlb: bool = False, top_k: int = 1, policy: Policy | None = None,
                  history: UsageHistory | None = None, verify: str = "first", drives: list[str] | None = None,
                  faults: FaultPlan | None = None, coalesce: bool = True, reader: str = "preadv",
-                 queue_depth: int = 32, sqpoll_cpu: int | None = None):
+                 queue_depth: int = 32, sqpoll_cpu: int | None = None, room: MemoryRoom | None = None,
+                 beside: int = 0):
         self.c = container
+        # the RAM budgets may take (None: unchecked), and what the daemon's other budgets
+        # (the prefix cache) take of it: a budget above the rest is refused
+        self.room, self.beside = room, beside
         self.record_bytes = container.record_bytes
         self.mlock_asked, self.hugetlb_asked = mlock, hugetlb
         self.top_k = top_k  # experts per token: the LRU part keeps this many slots per layer when pinning
@@ -75,18 +95,18 @@ class ExpertCache:
                                    queue_depth, sqpoll_cpu)
 
     def slots_for(self, budget: int | str) -> tuple[int, int]:
-        """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the minimum."""
+        """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the
+        minimum, or above the RAM the box has for it (`room`)."""
         rb, n_moe, n_expert = self.record_bytes, len(self.c.moe_layers), self.c.n_expert
-        min_bytes = n_moe * rb
+        min_bytes = min_budget_bytes(n_moe, rb)
+        what = "every expert (expert_cache all)" if budget == "all" else "an expert cache"
         if budget == "min":
             budget = min_bytes
         elif budget == "all":
             budget = n_moe * n_expert * rb
-        if budget < min_bytes:
-            raise BudgetInvalid(
-                f"expert cache of {fmt_bytes(budget)} is too small: the minimum is {fmt_bytes(min_bytes)} "
-                f"({min_bytes} bytes: one {fmt_bytes(rb)} expert slot for each of {n_moe} MoE layers)"
-            )
+        if self.room is not None:
+            self.room.check(what, int(budget), self.beside, "the prefix cache")
+        check_min_budget(budget, n_moe, rb)
         return min(budget // rb // n_moe, n_expert), int(budget)
 
     def _place(self, budget: int | str, pinned_bytes: int | None = None) -> None:
@@ -109,6 +129,8 @@ class ExpertCache:
                 f"pinning {fmt_bytes(n_pin * rb)} of a {fmt_bytes(total)} budget leaves the LRU fewer than "
                 f"{self.top_k} slot(s) of {fmt_bytes(rb)} per MoE layer (one token's experts); the pinned part "
                 f"can be at most {fmt_bytes(most)} ({most} bytes)"
+                + ("" if pinned_bytes is None else
+                   ": give a smaller pinned part with the budget (cache set --pinned SIZE, or --pinned auto)")
             )
         per_layer, _ = self.slots_for(total - n_pin * rb)
         budget_bytes = int(total)

@@ -25,6 +25,34 @@ class TraceInvalid(ColibriError):
     """A routing trace that cannot be read (names the file and line)."""
 
 
+def trace_steps(path: str, moe_layers: list[int], n_expert: int, digest=None):
+    """Each line of a routing trace (colictl run --routing-trace) as (layer, experts, the
+    lookahead's prediction or None), its bytes fed to `digest` (a hashlib object) when
+    given. Raises TraceInvalid (a line that is not one, text that is not UTF-8 JSON, a
+    layer or expert not this model's, no line at all), OSError."""
+    layers, lines = set(moe_layers), 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if digest is not None:
+                digest.update(raw)
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+                il, ids = rec["layer"], [int(e) for e in rec["experts"]]
+                ahead = [int(e) for e in rec["predicted"]] if "predicted" in rec else None
+            except (ValueError, KeyError, TypeError):  # (UnicodeDecodeError is a ValueError)
+                raise TraceInvalid(f"{path}, line {n}: not a routing trace line ({{\"layer\", \"experts\"}} as "
+                                   "JSON; colictl run --routing-trace writes them)") from None
+            if il not in layers or any(not 0 <= e < n_expert for e in ids):
+                raise TraceInvalid(f"{path}, line {n}: layer {il} or its experts are not this model's "
+                                   f"(MoE layers {moe_layers[0]}..{moe_layers[-1]}, experts 0..{n_expert - 1})")
+            lines += 1
+            yield il, ids, ahead
+    if not lines:
+        raise TraceInvalid(f"{path}: an empty routing trace")
+
+
 def read_trace(path: str, moe_layers: list[int], n_expert: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray],
                                                                          str]:
     """Per MoE layer: the pair counts [E, E] and the use counts [E]; and the trace's
@@ -32,26 +60,12 @@ def read_trace(path: str, moe_layers: list[int], n_expert: int) -> tuple[dict[in
     pairs = {il: np.zeros((n_expert, n_expert), np.int64) for il in moe_layers}
     uses = {il: np.zeros(n_expert, np.int64) for il in moe_layers}
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            h.update(raw)
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-                il, ids = rec["layer"], sorted({int(e) for e in rec["experts"]})
-            except (ValueError, KeyError, TypeError):
-                raise TraceInvalid(f"{path}, line {n}: not a routing trace line ({{\"layer\", \"experts\"}})") from None
-            if il not in pairs or any(not 0 <= e < n_expert for e in ids):
-                raise TraceInvalid(f"{path}, line {n}: layer {il} or its experts are not this model's "
-                                   f"(MoE layers {moe_layers[0]}..{moe_layers[-1]}, experts 0..{n_expert - 1})")
-            idx = np.asarray(ids)
-            uses[il][idx] += 1
-            pairs[il][np.ix_(idx, idx)] += 1
+    for il, ids, _ in trace_steps(path, moe_layers, n_expert, h):
+        idx = np.asarray(sorted(set(ids)))
+        uses[il][idx] += 1
+        pairs[il][np.ix_(idx, idx)] += 1
     for il in moe_layers:
         np.fill_diagonal(pairs[il], 0)
-    if not any(u.any() for u in uses.values()):
-        raise TraceInvalid(f"{path}: an empty routing trace")
     return pairs, uses, "sha256:" + h.hexdigest()[:32]
 
 

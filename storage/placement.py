@@ -22,6 +22,7 @@ from .checkpoint import load_config, open_checkpoint
 from .container import ContainerInvalid, is_container, open_container
 from .errors import BudgetInvalid, ColibriError
 from .experts import ExpertSource, TracedSource
+from .memory import MemoryRoom
 from .policy import Policy
 from .sizes import fmt_bytes
 
@@ -98,6 +99,7 @@ class Placement:
     reader: str = "preadv"  # preadv (a thread pool), io_uring, or auto (storage/reader.py)
     queue_depth: int = 32  # io_uring: reads in flight at most
     sqpoll_cpu: int | None = None  # io_uring: a kernel thread on this CPU polls for submissions
+    beside_bytes: int = 0  # RAM the daemon's other budgets take (the prefix cache): the experts' budget fits beside
 
 
 @dataclass
@@ -155,6 +157,45 @@ def check_model(path: str, build: Build, report=None):
     return model, store
 
 
+def room_for(container) -> MemoryRoom:
+    """The RAM a container's budgets may take: the box's, less its dense weights and the process."""
+    return MemoryRoom(sum(sf.file_bytes for sf in container.dense.files.values()))
+
+
+def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0) -> None:
+    """Whether a model would be placed with an expert `budget` beside `beside_bytes` of
+    other budgets (the prefix cache), as open_model checks it, without reading a weight.
+    Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
+    RAM), the storage errors of opening the model."""
+    from .cache import check_min_budget, min_budget_bytes
+
+    if not is_container(path):
+        check_resident(path, open_checkpoint(path), budget, beside_bytes)
+        return
+    c = open_container(path)
+    n_moe = len(c.moe_layers)
+    asked = default_budget(c) if budget is None else min_budget_bytes(n_moe, c.record_bytes) if budget == "min" \
+        else c.expert_bytes if budget == "all" else int(budget)
+    check_min_budget(asked, n_moe, c.record_bytes)
+    room_for(c).check("every expert (expert_cache all)" if budget == "all" else "an expert cache", asked,
+                      beside_bytes, "the prefix cache")
+
+
+def check_resident(path: str, checkpoint, budget, beside_bytes: int) -> None:
+    """A checkpoint's experts are all resident: a budget other than "all" is refused (it
+    needs a container), and so are weights above this box's RAM. Raises BudgetInvalid."""
+    if budget not in (None, "all"):
+        raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "
+                            f"colictl convert {path} DST, then give DST as the model")
+    weights = sum(sf.file_bytes for sf in checkpoint.files.values())
+    try:
+        MemoryRoom(0).check("the checkpoint's weights, every expert resident,", weights, beside_bytes,
+                            "the prefix cache")
+    except BudgetInvalid as e:
+        raise BudgetInvalid(f"{e}: convert it (colictl convert {path} DST) and stream its experts under a "
+                            "budget") from None
+
+
 def default_budget(container) -> int:
     """Without a budget: every expert if that fits in half the available memory, else that half."""
     import psutil
@@ -164,8 +205,9 @@ def default_budget(container) -> int:
 
 def open_model(path: str, placement: Placement, build: Build, progress=None, checked=None) -> Placed:
     """Check the model directory at `path` (check_model), then place it as `placement`
-    says. `checked()` runs once every check passed, before a weight is read (colictl run
-    loads the tokenizer there, so that a broken one costs no read). `progress(phase, done,
+    says. `checked(model)` runs once every check passed, before a weight is read (colictl
+    run loads the tokenizer there, so that a broken one, or a prompt too long for the
+    model, costs no read). `progress(phase, done,
     total)` hears each dense tensor and each expert of the warm start.
 
     Raises what check_model raises, BudgetInvalid (a budget for a checkpoint, or too small
@@ -177,11 +219,9 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     pl = placement
     model, store = check_model(path, build)
     if checked:
-        checked()
+        checked(model)
     if not is_container(path):
-        if pl.budget is not None:
-            raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "
-                                f"colictl convert {path} DST, then run --model DST")
+        check_resident(path, store, pl.budget, pl.beside_bytes)
         model.load(store, progress=progress)
         if pl.trace:
             model.experts = TracedSource(model.experts, pl.trace)
@@ -199,7 +239,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
-                        queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu)
+                        queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room_for(c), beside=pl.beside_bytes)
     model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
     cache.warm_start(progress)
     return Placed(model, cache, history)

@@ -22,6 +22,17 @@ def parse_size(text: str) -> int | str:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def size_text(n: int | str) -> str:
+    """A size as the configuration takes it back, exactly: 8388608 -> '8MiB', 1536 ->
+    '1536', 'min' -> 'min'."""
+    if isinstance(n, str):
+        return n
+    for unit, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n and n % unit == 0:
+            return f"{n // unit}{name}"
+    return str(n)
+
+
 def fmt_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

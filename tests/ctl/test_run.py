@@ -283,3 +283,28 @@ def test_a_session_continues_the_conversation_turn_by_turn(demo, tmp_path):
     second = json.loads(colictl("run", "--model", demo, "--session", chat, "--chat", "--json", "--max-tokens", 4,
                                 "Again").stdout)
     assert second["stats"]["session"]["continued_tokens"] == len(first["prompt_token_ids"] + first["token_ids"])
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenised(demo):
+    import time
+
+    text = "word " * 600_000  # 3 MB: tokenising it took 7 s and 1 GB of RAM before the refusal
+    # a wrapper whose one child is colictl reports that child's peak RSS (KiB) on its last line
+    peak = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", peak, *CTL, "run", "--model", str(demo)], input=text,
+                       capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    assert r.returncode == exitcodes.BAD_REQUEST and "far more than the model's context" in r.stderr, r.stderr
+    assert took < 5 and "Traceback" not in r.stderr  # (under a second on an idle box: imports and the files' checks)
+    assert int(r.stderr.splitlines()[-1]) < 400 * 1024, r.stderr
+
+
+def test_a_trace_that_is_not_one_is_a_named_error_for_plan_and_tune(demo, tmp_path):
+    for name, data in (("bad.jsonl", b"{}\n"), ("binary.jsonl", bytes(range(256)) * 4), ("empty.jsonl", b"")):
+        (tmp_path / name).write_bytes(data)
+        for cmd in ("plan", "tune"):
+            r = colictl(cmd, "--model", demo, "--trace", tmp_path / name, "--memory", "1GiB")
+            assert r.returncode == exitcodes.BAD_REQUEST, (name, cmd, r.stderr)
+            assert name in r.stderr and "routing trace" in r.stderr and "internal error" not in r.stderr, r.stderr

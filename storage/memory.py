@@ -1,0 +1,61 @@
+"""How much RAM a budget may take on this box: the machine's memory (or its cgroup's
+limit, when lower), less the resident dense weights and what the process itself needs.
+
+A budget above it would not fail at once: the arena is virtual memory, touched as experts
+land, so the process would grow for hours until the kernel's out-of-memory killer ends it.
+Every budget (the expert cache at the command line, in the configuration and at runtime;
+the prefix cache) is checked here first, and the refusal names the limit and what it is
+made of.
+"""
+
+import os
+from dataclasses import dataclass
+
+from .errors import BudgetInvalid
+from .sizes import fmt_bytes
+
+# the interpreter, numpy, numba and its compiled kernels, the tokenizer, a step's
+# temporaries and a few requests' KV: the demo model's daemon runs in about 250 MB
+PROCESS_BYTES = 256 << 20
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def ram_bytes() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))  # v1 says "no limit" with a number near 2**63
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryRoom:
+    """The RAM budgets may share: `ram` less `dense_bytes` and PROCESS_BYTES."""
+
+    dense_bytes: int
+    ram: int = 0  # 0: ram_bytes()
+
+    @property
+    def total(self) -> int:
+        return self.ram or ram_bytes()
+
+    @property
+    def bytes(self) -> int:
+        return max(0, self.total - self.dense_bytes - PROCESS_BYTES)
+
+    def check(self, what: str, asked: int, beside: int = 0, beside_what: str = "") -> None:
+        """Raises BudgetInvalid when `asked` bytes for `what` do not fit beside `beside`
+        bytes other budgets already take (named by `beside_what`)."""
+        room = max(0, self.bytes - beside)
+        if asked > room:
+            other = f", less {fmt_bytes(beside)} for {beside_what}" if beside else ""
+            raise BudgetInvalid(
+                f"{what} of {fmt_bytes(asked)} is above this box's limit of {fmt_bytes(room)} ({room} bytes: "
+                f"{fmt_bytes(self.total)} of RAM less {fmt_bytes(self.dense_bytes)} of dense weights and "
+                f"{fmt_bytes(PROCESS_BYTES)} for the process{other})")
