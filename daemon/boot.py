@@ -61,3 +61,73 @@ def lock_arrays(arrays, what: str) -> dict:
             return {"asked": total, "got": locked,
                     "fallback": f"mlock failed: {err} (RLIMIT_MEMLOCK {limit}; raise LimitMEMLOCK=)"}
     return {"asked": total, "got": locked}
+
+
+def boot_id() -> str | None:
+    """This boot's id (the kernel's): drive settings last until the next boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def drives_report_path(state_dir: str) -> str:
+    """Where `colibrid drives` leaves what it set, for the daemon to report."""
+    return os.path.join(state_dir, "drives.json")
+
+
+def set_up_drives(places: list[str], cpus: list[int], apply: bool) -> list[dict]:
+    """The drives under `places` (the model's directory, the copies'): what each is and how
+    it queues reads, and with `apply` what setting it up changed (`changed`: each step with
+    `done`, or `why` not), else what it would change (`would_change`)."""
+    from ..storage.devices import discover, plan, tune
+
+    out = []
+    for where in places:
+        d = discover(where)
+        if apply:
+            d["changed"] = tune(d, cpus)
+            for step in d["changed"]:
+                if step["done"]:
+                    log.info("drive %s: %s %s -> %s", d["device"], step["what"], step["from"], step["to"])
+                else:
+                    log.warning("drive %s: could not set %s to %s: %s", d["device"], step["what"], step["to"],
+                                step["why"])
+            d |= {k: v for k, v in discover(where).items() if k in ("scheduler", "read_ahead_kb")}
+        else:
+            d["would_change"] = plan(d, cpus)
+        out.append({k: v for k, v in d.items() if k not in ("sysfs", "schedulers")})
+    return out
+
+
+def prepare_drives(places: list[str], cpus: list[int], apply: bool, report: str) -> list[dict]:
+    """`colibrid drives`, the unit's privileged ExecStartPre step: set the drives up (with
+    `apply`, i.e. `tune_drives: true`) while it may write /sys and /proc/irq, and leave
+    the result in `report` for the unprivileged daemon to show. Raises OSError when the
+    report cannot be written."""
+    import json
+    import time
+
+    from ..storage.statefile import write_atomic
+
+    drives = set_up_drives(places, cpus, apply)
+    os.makedirs(os.path.dirname(report), exist_ok=True)
+    write_atomic(report, json.dumps({"boot_id": boot_id(), "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                     "applied": apply, "cpus": cpus, "drives": drives}).encode())
+    return drives
+
+
+def drives_set_at_boot(report: str) -> dict | None:
+    """What `colibrid drives` set during this boot (its report), or None: none, or one of
+    an earlier boot, or one that cannot be read."""
+    import json
+
+    try:
+        with open(report) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(got, dict) or got.get("boot_id") != boot_id() or not got.get("applied"):
+        return None
+    return got

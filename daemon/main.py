@@ -14,7 +14,7 @@ EXIT_START = 3  # the model or the socket could not be set up
 EXIT_INTERNAL = 1  # a bug
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", metavar="PATH", help="YAML configuration (etc/colibri.yaml documents it)")
 @click.option("--model", metavar="DIR", help="model directory (overrides the file)")
 @click.option("--socket", "socket_path", metavar="PATH", help="user socket path (overrides the file)")
@@ -25,8 +25,10 @@ EXIT_INTERNAL = 1  # a bug
 @click.option("--compile-only", is_flag=True, help="compile the kernels into numba's cache (keyed by the source and "
                                                     "the CPU) and exit; setup.sh runs it so a first start is fast")
 @click.version_option(package_name="colibri", prog_name="colibrid")
-def main(config_path, model, socket_path, operator_path, expert_cache, print_config, compile_only):
-    """Serve a Mixture-of-Experts model to colictl clients over a local socket."""
+@click.pass_context
+def main(ctx, config_path, model, socket_path, operator_path, expert_cache, print_config, compile_only):
+    """Serve a Mixture-of-Experts model to colictl clients over a local socket (or, with
+    a command, do one boot-time job and exit)."""
     for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
                      "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(var, val)
@@ -38,6 +40,9 @@ def main(config_path, model, socket_path, operator_path, expert_cache, print_con
     except C.ConfigError as e:
         click.echo(f"colibrid: {e}", err=True)
         raise SystemExit(EXIT_CONFIG) from None
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = cfg
+        return
     if print_config:
         import yaml
 
@@ -64,6 +69,42 @@ def main(config_path, model, socket_path, operator_path, expert_cache, print_con
     raise SystemExit(code)
 
 
+@main.command("drives")
+@click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
+@click.pass_obj
+def drives(cfg, as_json):
+    """Set the expert drives up for colibri's reads (with tune_drives: true; else report
+    what it would change) and exit. The unit runs it privileged before the daemon
+    (ExecStartPre=+), which may not write /sys itself; `colictl status` shows the result."""
+    import json
+
+    from .boot import drives_report_path, prepare_drives, set_cpus, set_numa
+    from .config import resolved, state_dir
+
+    setup_logging(cfg.log_level)
+    set_cpus(cfg.cpus)  # the CPUs the daemon will run on: its drives' interrupts go there
+    set_numa(cfg.numa_node)
+    model = resolved(cfg)["model"]
+    while not os.path.exists(model) and os.path.dirname(model) != model:
+        model = os.path.dirname(model)  # (the demo model is written at the first start: its drive is the state's)
+    report = drives_report_path(state_dir(cfg))
+    try:
+        got = prepare_drives([model, *cfg.drives], sorted(os.sched_getaffinity(0)), cfg.tune_drives, report)
+    except OSError as e:
+        click.echo(f"colibrid: cannot write {report}: {e.strerror}", err=True)
+        raise SystemExit(EXIT_START) from None
+    if as_json:
+        click.echo(json.dumps(got))
+        return
+    for d in got:
+        steps = d.get("changed", d.get("would_change", []))
+        done = [f"{s['what']} {s['from']} -> {s['to']}" + ("" if s.get("done", True) else f" (not done: {s['why']})")
+                for s in steps]
+        verb = "set" if cfg.tune_drives else "would set (tune_drives is off)"
+        click.echo(f"colibrid: drive {d.get('device') or 'none'} under {d['path']}: "
+                   + (f"{verb} " + ", ".join(done) if done else "nothing to change"), err=True)
+
+
 def compile_kernels() -> int:
     """Compile (or load from numba's cache) every kernel, reporting each group."""
     import time
@@ -72,6 +113,17 @@ def compile_kernels() -> int:
 
     log = logging.getLogger("colibri.daemon")
     t0 = time.perf_counter()
-    layers.init(1, lambda phase, done, total: log.info("%s: %d/%d", phase, done + 1, total))
+    log.info("compiling the kernels for this CPU into numba's cache: 1-4 minutes on 2 cores the first time, "
+             "seconds once cached")
+
+    def progress(phase, done, total):
+        if done == 0:
+            return
+        took, part = time.perf_counter() - t0, sum(layers.COMPILE_SHARES[:done])
+        left = took / part * (1 - part)
+        log.info("%s: %d of %d groups in %.0f s%s", phase, done, total, took,
+                 f", about {left:.0f} s left" if took > 5 else "")
+
+    layers.init(1, progress)
     log.info("kernels ready in %.1f s", time.perf_counter() - t0)
     return 0

@@ -14,12 +14,14 @@ def test_unit_verifies(tmp_path):
     unit = open(os.path.join(ROOT, "systemd", "colibrid.service")).read()
     colibrid = os.path.join(sysconfig.get_path("scripts"), "colibrid")
     assert os.path.exists(colibrid)
-    (tmp_path / "colibrid.service").write_text(unit.replace("/usr/local/bin/colibrid", colibrid))
+    (tmp_path / "colibrid.service").write_text(unit.replace("/opt/colibri/.venv/bin/colibrid", colibrid))
     r = subprocess.run([analyze, "verify", str(tmp_path / "colibrid.service")], capture_output=True, text=True)
     assert r.returncode == 0 and "colibrid.service" not in r.stderr, r.stderr
     for line in ("Type=notify", "WatchdogSec=", "RuntimeDirectory=colibri", "StateDirectory=colibri",
                  "User=colibri", "LimitMEMLOCK=", "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes",
-                 "PrivateTmp=yes", "ExecReload=/bin/kill -HUP $MAINPID", "RestrictAddressFamilies=AF_UNIX"):
+                 "PrivateTmp=yes", "ExecReload=/bin/kill -HUP $MAINPID", "RestrictAddressFamilies=AF_UNIX",
+                 "ExecStartPre=+/opt/colibri/.venv/bin/colibrid --config /etc/colibri/colibri.yaml drives",
+                 "ExecStart=/opt/colibri/.venv/bin/colibrid --config /etc/colibri/colibri.yaml"):
         assert line in unit, line
     assert "colibri" in open(os.path.join(ROOT, "systemd", "colibri.sysusers.conf")).read()
 
@@ -30,7 +32,7 @@ def test_the_gateway_unit_verifies(tmp_path):
     unit = open(os.path.join(ROOT, "systemd", "colibri-gateway.service")).read()
     gateway = os.path.join(sysconfig.get_path("scripts"), "colibri-gateway")
     assert os.path.exists(gateway), "pip install -e . installs the colibri-gateway entry point"
-    (tmp_path / "colibri-gateway.service").write_text(unit.replace("/usr/local/bin/colibri-gateway", gateway))
+    (tmp_path / "colibri-gateway.service").write_text(unit.replace("/opt/colibri/.venv/bin/colibri-gateway", gateway))
     r = subprocess.run([analyze, "verify", str(tmp_path / "colibri-gateway.service")], capture_output=True, text=True)
     assert r.returncode == 0 and "colibri-gateway.service" not in r.stderr, r.stderr
     for line in ("--host 127.0.0.1", "User=colibri", "NoNewPrivileges=yes", "ProtectSystem=strict",
