@@ -62,6 +62,7 @@ class Client:
         self.timeout_ms = int(timeout_s * 1000)
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes: int | None = None  # the daemon's limit, from the hello reply
+        self.largest_sent = 0  # bytes of the largest request sent (a close after a huge one is its refusal)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -140,6 +141,7 @@ class Client:
             raise TooLarge(f"the request is {len(frame)} bytes, above the daemon's max_message_bytes of "
                            f"{self.max_message_bytes} (its configuration sets it)")
         self.sock.send(frame)
+        self.largest_sent = max(self.largest_sent, len(frame))
         return rid
 
     def recv(self, timeout_ms: int | None) -> dict:
@@ -154,8 +156,12 @@ class Client:
             return P.decode(self.sock.recv())
         if self.monitor is not None and self.monitor in ready:
             self.monitor.recv_multipart()
-            raise ConnectionClosed(f"colibrid closed the connection on {self.path} (it stopped, or the request was far "
-                             "larger than it takes)")
+            # the daemon drops a peer whose message is above 4x its limit (MAXMSGSIZE); any
+            # other close is the daemon going away (stopped, killed, crashed)
+            known = self.max_message_bytes or P.DEFAULT_MAX_MESSAGE_BYTES
+            why = (f"the {self.largest_sent}-byte request was far larger than it takes"
+                   if self.largest_sent > 4 * known else "it stopped or was killed")
+            raise ConnectionClosed(f"colibrid closed the connection on {self.path} ({why})")
         raise DaemonDown(f"colibrid does not answer on {self.path}")
 
     def reply_to(self, rid: str, timeout_ms: int | None = -1, stream=None, cancel=None) -> dict:

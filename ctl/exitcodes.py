@@ -26,10 +26,11 @@ MEANING = {  # code -> what it means, as the README's table says it
            "a container's dense file that fails its checksum, no tokenizer, no chat template; an expert that cannot "
            "be read (MODEL_ERROR)",
     BAD_REQUEST: "the request cannot run as asked: input that is not UTF-8, invalid sampling values, a prompt longer "
-                 "than the model's context or larger than the daemon takes, an expert budget that is unreadable or "
-                 "below the minimum (or given for a checkpoint rather than a container), an unknown expert or one "
-                 "not pinned, a session of another model or of the other kind (chat or text), a session name that is "
-                 "not valid, a routing trace that is not one (convert --trace)",
+                 "than the model's context or larger than the daemon takes, an expert budget that is unreadable, "
+                 "below the minimum or above this box's RAM (or given for a checkpoint rather than a container), an "
+                 "unknown expert or one not pinned, a session of another model or of the other kind (chat or text), "
+                 "a session name that is not valid, a routing trace that is not one (convert, plan and tune "
+                 "--trace), a `--memory` the model cannot run in (tune: nothing written)",
     DAEMON_DOWN: "no daemon answers: no socket, a stale socket, or the daemon stopped answering mid-request",
     BUSY: "the daemon is busy (its queue is full) or stopping, also when it stops in the middle of a request: "
           "retry later",

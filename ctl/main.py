@@ -141,9 +141,57 @@ def status(client, as_json):
                     f"{100 * b['experts_share']:.1f} % of the experts, {100 * b['traffic_share']:.1f} % of the "
                     f"traffic, drive {b['disk_gbs']} GB/s, {b['cache_slots']} cache slots a layer"
                     if b["in_use"] else f"OUT: {b.get('out_why')}"))
-            continue
-        click.echo(f"boot      {step}: {json.dumps(got)}")
+        elif step == "drives":
+            for d in got:
+                click.echo(f"drive     {boot_drive_line(d)}")
+        else:
+            click.echo(f"boot      {step}: {boot_line(got)}")
     click.echo(f"requests  {r['requests']['active']} running or queued")
+    rt = r.get("runtime")
+    if rt and rt["changed"]:
+        kept = [f"{k}: {v}" for k, v in rt["changed"].items() if k in rt["kept"]]
+        lost = [f"{k}: {v}" for k, v in rt["changed"].items() if k not in rt["kept"]]
+        if kept:
+            click.echo(f"runtime   {', '.join(kept)}: kept for the next start in {rt['kept_in']}")
+        if lost:
+            click.echo(f"runtime   {', '.join(lost)}: LOST at a restart (cache set / policy set --persist keeps "
+                       "them)")
+    if rt and rt["hand_pins"]:
+        click.echo(f"runtime   pins {' '.join(rt['hand_pins'])}: LOST at a restart (pin them again after one)")
+
+
+def boot_line(got) -> str:
+    """A boot step as a person reads it: "asked X, got Y (fallback)", else its value."""
+    if isinstance(got, dict) and "asked" in got:
+        more = ", ".join(f"{k} {v}" for k, v in got.items() if k not in ("asked", "got"))
+        return f"asked {fmt_value(got['asked'])}, got {fmt_value(got['got'])}" + (f" ({more})" if more else "")
+    return fmt_value(got)
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, list) and all(isinstance(x, int) for x in v):
+        return ",".join(map(str, v)) or "none"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def boot_drive_line(d: dict) -> str:
+    """One drive of boot's report: what it is, how it queues reads, what tuning did."""
+    if d.get("device") is None:
+        return f"{d['path']}: {d.get('why', 'no block device')}"
+    via = f" via {', '.join(d['via'])}" if d.get("via") else ""
+    backing = f" (a loop device over {d['backing_file']})" if d.get("backing_file") else ""
+    text = (f"{d['device']}{via}{backing} ({d.get('model') or 'unknown model'}) under {d['path']}: scheduler "
+            f"{d.get('scheduler')}, read-ahead {d.get('read_ahead_kb')} KiB, queue {d.get('nr_requests')}, "
+            f"{'rotational' if d.get('rotational') else 'solid state'}")
+    if d.get("changed") is not None:
+        steps = [f"{s['what']} {s['from']} -> {s['to']}" + ("" if s["done"] else f" NOT DONE ({s['why']})")
+                 for s in d["changed"]]
+        by = f" ({d['set_by']})" if d.get("set_by") else ""
+        text += f"; set up{by}: {', '.join(steps) or 'nothing to change'}"
+    elif d.get("would_change"):
+        text += ("; tune_drives would set " + ", ".join(f"{s['what']} {s['from']} -> {s['to']}"
+                                                       for s in d["would_change"]))
+    return text
 
 
 @cli.command()
@@ -167,7 +215,8 @@ def stats(client, as_json, watch):
             click.echo(f"experts: {e['hits']} hits, {e['misses']} misses (hit rate {rate}), "
                        f"{e['bytes_read'] / 2**20:.1f} MiB read, {e['evictions']} evictions, "
                        f"batch-union saving x{e.get('union_saving') or 1:.2f}, waiting on I/O {e['io_wait_s']:.2f} s, policy {r.get('policy') or '-'} | requests: "
-                       f"{q['served']} served, {q['failed']} failed, {q['cancelled']} cancelled, {q['tokens']} tokens")
+                       f"{q['served']} served, {q.get('rejected', 0)} rejected, {q['failed']} failed, {q['cancelled']} cancelled, "
+                       f"{q['tokens']} tokens")
             if r.get("history"):
                 click.echo(f"history: {history_line(r['history'])}")
             if r.get("kv"):
@@ -257,21 +306,40 @@ def cache_show(client, as_json):
         show_placement(r)
 
 
+def persist_option(fn):
+    return click.option("--persist", is_flag=True,
+                        help="keep the change for the next start (the daemon's STATE_DIR/runtime.yaml)")(fn)
+
+
+def say_kept(r: dict, persist: bool) -> None:
+    """On stderr: whether a runtime change outlives a restart."""
+    if r.get("persisted"):
+        click.echo(f"[colibri] kept for the next start in {r['persisted']}", err=True)
+    elif persist and r.get("persist_error"):
+        click.echo(f"colictl: applied, but NOT kept for the next start: {r['persist_error']}", err=True)
+    elif not persist:
+        click.echo("[colibri] applied until the daemon restarts (--persist keeps it)", err=True)
+
+
 @cache.command("set")
 @click.option("--experts", "size", metavar="SIZE", help="the expert cache: bytes, KiB/MiB/GiB, min or all")
 @click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts; auto: what the policy's hot "
                                              "set takes (default: unchanged)")
 @click.option("--kv", metavar="SIZE", help="the prefix cache (KV blocks of computed prompts): bytes, KiB/MiB/GiB; "
                                          "0: off")
+@persist_option
 @with_client(operator=True)
-def cache_set(client, size, pinned, kv):
-    """Resize the expert cache or the prefix cache now: no restart, no request dropped."""
+def cache_set(client, size, pinned, kv, persist):
+    """Resize the expert cache or the prefix cache now: no restart, no request dropped.
+    Lost at a restart unless --persist."""
     if size is None and kv is None:
         fail("cache set needs --experts SIZE or --kv SIZE", exitcodes.USAGE)
     if pinned is not None and size is None:
         fail("--pinned is the part of --experts: give both", exitcodes.USAGE)
     fields = {k: v for k, v in (("experts", size), ("pinned", pinned), ("kv", kv)) if v is not None}
-    show_placement(client.call("cache", timeout_ms=None, action="set", **fields))
+    r = client.call("cache", timeout_ms=None, action="set", persist=persist, **fields)
+    show_placement(r)
+    say_kept(r, persist)
 
 
 def expert_ref(value: str) -> tuple[int, int]:
@@ -326,17 +394,21 @@ def policy_show(client, as_json):
 
 @policy.command("set")
 @click.argument("settings", nargs=-1, required=True, metavar="KEY=VALUE...")
+@persist_option
 @with_client(operator=True)
-def policy_set(client, settings):
+def policy_set(client, settings, persist):
     """Change the policy between two steps, e.g. `policy=lru`, `prefetch_reads=8`,
-    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`."""
+    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`. Lost at a restart unless
+    --persist."""
     fields = {}
     for s in settings:
         key, eq, value = text_arg(s, "strict", "a setting").partition("=")
         if not eq or not key:
             fail(f"{s!r} is not KEY=VALUE", exitcodes.USAGE)
         fields[key.strip()] = value.strip()
-    show_policy(client.call("policy", timeout_ms=None, action="set", settings=fields))
+    r = client.call("policy", timeout_ms=None, action="set", settings=fields, persist=persist)
+    show_policy(r)
+    say_kept(r, persist)
 
 
 @cli.command()

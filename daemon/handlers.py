@@ -120,6 +120,7 @@ class Handlers:
         return {"pid": os.getpid(), "uptime_s": round(time.time() - s.t_start, 3), "socket": s.socket_path,
                 "operator_socket": s.operator_path, "model": self.model_summary(), "boot": boot,
                 "requests": {"active": len(s.inflight), "queued": s.inbox.qsize()}, "config": s.cfg.as_dict(),
+                "runtime": s.runtime() if s.model is not None else None,
                 **self.loading()}
 
     def on_stats(self, identity, rid, msg):
@@ -161,13 +162,14 @@ class Handlers:
         """What `colictl tune`'s plan predicts at the budget the cache has now, and the
         decode tok/s a running stream has got (decode-only steps over their time)."""
         s = self.s
-        if s.plan is None or s.control is None:
+        plan = s.current_plan()
+        if plan is None:
             return None
         from .planner import predicted_now
 
         b = s.batcher
         measured = round(b.decode_steps / b.decode_s, 3) if b is not None and b.decode_s > 0 else None
-        return {"made": s.plan.get("made"), "predicted": predicted_now(s.plan, s.control.budget_bytes),
+        return {"made": plan.get("made"), "predicted": predicted_now(plan, s.control.budget_bytes),
                 "measured_tok_s": measured, "decode_steps": b.decode_steps if b is not None else 0}
 
     def on_generate(self, identity, rid, msg):
@@ -188,7 +190,7 @@ class Handlers:
         if session is not None:
             self.session_name(session)
         s.inflight[key] = time.time()
-        s.counters["accepted"] += 1  # each ends as exactly one of served, failed, cancelled
+        s.counters["accepted"] += 1  # each ends as exactly one of served, rejected, failed, cancelled
         s.latency.arrive(key)
         s.inbox.put(Generate(key, msg, self.uid))
         return None  # the engine thread streams and replies
@@ -290,7 +292,7 @@ class Handlers:
                 raise ProtocolError("INVALID_REQUEST", "pinned must be a size in bytes, KiB, MiB or GiB")
         if s.control is None and budget is not None:
             raise ProtocolError("INVALID_REQUEST", RESIDENT)
-        s.inbox.put(Resize((identity, rid), budget, pinned, kv))  # the engine thread resizes between two steps
+        s.inbox.put(Resize((identity, rid), budget, pinned, kv, persist_arg(msg)))  # applied between two steps
         return None
 
     def on_pin(self, identity, rid, msg):
@@ -328,8 +330,16 @@ class Handlers:
             policy = s.control.policy.with_settings(settings)
         except PolicyInvalid as e:
             raise ProtocolError("INVALID_REQUEST", str(e)) from None
-        s.inbox.put(SetPolicy((identity, rid), policy))  # applied between two steps
+        s.inbox.put(SetPolicy((identity, rid), policy, persist_arg(msg)))  # applied between two steps
         return None
+
+
+def persist_arg(msg: dict) -> bool:
+    """A request's `persist` (1.5): keep the change for the next start. Raises ProtocolError."""
+    v = msg.get("persist", False)
+    if not isinstance(v, bool):
+        raise ProtocolError("BAD_MESSAGE", "'persist' must be true or false")
+    return v
 
 
 def size_arg(value, what: str = ""):

@@ -12,7 +12,8 @@ import json
 import logging
 import os
 
-PROTOCOL_VERSION = "1.4"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.5"  # major.minor: minors only add fields and messages
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a daemon's max_message_bytes unless its configuration says otherwise
 
 # numbered errors: (code, name) -> what the client's user can do about it
 ERRORS = {

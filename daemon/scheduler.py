@@ -21,10 +21,14 @@ import zmq
 
 from ..engine.errors import PromptTooLong
 from ..storage.errors import BudgetInvalid, ColibriError, ExpertReadError
+from ..storage.sizes import size_text
 from . import protocol as P
 from .protocol import ProtocolError
 
 log = logging.getLogger("colibri.daemon")
+# the errors that end a request the user can mend (counted `rejected`); the others are
+# colibrid's own failures (MODEL_ERROR, INTERNAL: counted `failed`)
+REJECTED = frozenset({"BAD_MESSAGE", "INVALID_REQUEST", "NOT_FOUND", "BUSY", "TOO_LARGE", "FORBIDDEN"})
 
 Key = tuple[bytes, str]  # (client identity with its socket tag, request id)
 
@@ -60,6 +64,7 @@ class Resize:
     budget: int | str | None  # the expert cache's; None: as before
     pinned: int | str | None  # bytes, "auto", or None: as before
     kv: int | None = None  # the prefix cache's bytes; None: as before
+    persist: bool = False  # keep the change for the next start (STATE_DIR/runtime.yaml)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Pin:
 class SetPolicy:
     reply_to: Key | None  # None: a reload asked it
     policy: object  # storage.policy.Policy
+    persist: bool = False  # keep the change for the next start (STATE_DIR/runtime.yaml)
 
 
 class Scheduler:
@@ -251,8 +257,10 @@ class Scheduler:
         return info
 
     def fail(self, key: Key, name: str, message: str) -> None:
+        """End a request with an error reply, counted as `rejected` when the request could
+        not run as asked (the user's to mend) and as `failed` when colibrid could not serve it."""
         self.out(key, P.error("generate", key[1], name, message))
-        self.d.counters["failed"] += 1
+        self.d.counters["rejected" if name in REJECTED else "failed"] += 1
 
     def step(self) -> None:
         """One forward step of every active request; its events go out."""
@@ -327,18 +335,31 @@ class Scheduler:
     def on_resize(self, m: Resize) -> None:
         def resize():
             d = self.d
+            try:
+                if m.kv is not None and m.budget is None:  # beside the experts' budget as it is
+                    d.room.check("a prefix cache (kv)", m.kv, d.control.arena_bytes if d.control else 0,
+                                 "the expert cache")
+                if m.budget is not None:  # beside the prefix cache's budget, the new one if both change
+                    t0 = time.perf_counter()
+                    beside = d.control.beside
+                    d.control.beside = d.prefix.budget if m.kv is None else m.kv
+                    try:
+                        desc = d.control.resize(m.budget, m.pinned)
+                    except BudgetInvalid:
+                        d.control.beside = beside
+                        raise
+            except BudgetInvalid as e:
+                raise ProtocolError("INVALID_REQUEST", str(e)) from None
             if m.budget is not None:
-                t0 = time.perf_counter()
-                try:
-                    desc = d.control.resize(m.budget, m.pinned)
-                except BudgetInvalid as e:
-                    raise ProtocolError("INVALID_REQUEST", str(e)) from None
                 log.info("expert cache resized to %d bytes in %.2f s", desc["arena_bytes"], time.perf_counter() - t0)
             if m.kv is not None:
+                if d.control is not None:
+                    d.control.beside = m.kv
                 d.prefix.resize(m.kv)
                 log.info("prefix cache budget: %d bytes (%d blocks kept)", m.kv, len(d.prefix.blocks))
+            changed = {k: size_text(v) for k, v in (("expert_cache", m.budget), ("kv_cache", m.kv)) if v is not None}
             return {"placement": d.model.experts.describe(), "experts": d.model.experts.stats.as_dict(),
-                    "kv": d.prefix.describe()}
+                    "kv": d.prefix.describe(), **d.changed_at_runtime(changed, m.persist, m.reply_to is not None)}
 
         self.reply("cache", m.reply_to, resize)
 
@@ -365,7 +386,11 @@ class Scheduler:
             except BudgetInvalid as e:
                 raise ProtocolError("INVALID_REQUEST", str(e)) from None
             log.info("expert cache policy: %s", m.policy.as_dict())
-            return {"policy": desc["policy"], "history": desc["history"]}
+            p = m.policy
+            changed = {"policy": p.name, "hot_set": p.hot_set, "repin_every": p.repin_every,
+                       "repin_margin": p.repin_margin, "prefetch_reads": p.prefetch_reads}
+            return {"policy": desc["policy"], "history": desc["history"],
+                    **self.d.changed_at_runtime(changed, m.persist, m.reply_to is not None)}
 
         self.reply("policy", m.reply_to, set_policy)
 

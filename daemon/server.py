@@ -64,7 +64,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()  # I/O thread -> engine thread
         self.inflight: dict[tuple[bytes, str], float] = {}  # generate requests not yet replied to
         self.gone: set[tuple[bytes, str]] = set()  # of those, the ones whose client vanished
-        self.counters = {"accepted": 0, "served": 0, "failed": 0, "cancelled": 0, "tokens": 0}
+        self.counters = {"accepted": 0, "served": 0, "rejected": 0, "failed": 0, "cancelled": 0, "tokens": 0}
         self.boot: dict = {}
         self.model = None  # set by the engine thread once placed
         self.control = None  # the expert cache's runtime control; None when every expert is resident
@@ -72,6 +72,9 @@ class Server:
 
         self.latency = Latencies()  # time to first token and between tokens (stats, the gateway's /metrics)
         self.plan: dict | None = None  # colictl tune's plan for the container (stats: predicted vs measured)
+        self.plan_stamp: int | None = None  # the plan file's mtime when read (None: there was none)
+        self.runtime_changes: dict = {}  # settings operators changed since start (cache set, policy set)
+        self.runtime_kept: set = set()  # of those, the ones kept for the next start (--persist)
         self.batcher = None  # the engine's, once it runs (stats read its decode counters)
         self.history = None  # the usage history the daemon saves, or None
         self.phase, self.progress = "starting", None  # what loading does now, (done, total) of it
@@ -134,8 +137,8 @@ class Server:
         from ..engine.registry import build_model
         from ..engine.tokenizer import Tokenizer, eos_ids
         from ..storage.checkpoint import load_config
-        from ..storage.container import is_container
         from ..storage.demo import default_demo_path, ensure_demo_container
+        from ..storage.errors import BudgetInvalid
         from ..storage.placement import Placement, faults_from_env, open_model
         from ..storage.sizes import parse_size
 
@@ -146,14 +149,21 @@ class Server:
         t0 = time.perf_counter()
         n = self.cfg.compute_threads or len(os.sched_getaffinity(0))
         history = self.cfg.history
-        placement = Placement(budget=parse_size(self.cfg.expert_cache) if is_container(path) else None,
+        kv = parse_size(self.cfg.kv_cache)
+        placement = Placement(budget=parse_size(self.cfg.expert_cache), beside_bytes=kv,
                               io_threads=self.cfg.io_threads, mlock=self.cfg.mlock, hugetlb=self.cfg.hugepages,
                               policy=self.cfg.cache_policy(), state_dir=state_dir(self.cfg) if history else None,
                               history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
                               verify=self.cfg.verify, drives=tuple(self.cfg.drives), faults=faults_from_env(),
                               coalesce=self.cfg.coalesce_reads, reader=self.cfg.reader,
                               queue_depth=self.cfg.queue_depth, sqpoll_cpu=self.cfg.sqpoll_cpu)
-        placed = open_model(path, placement, build_model, progress=self.set_phase)
+        try:
+            placed = open_model(path, placement, build_model, progress=self.set_phase)
+        except BudgetInvalid as e:  # say where the budget was set: a fragment `colictl tune` wrote, a flag, ...
+            from .config import origin
+
+            raise BudgetInvalid(f"{origin('expert_cache', self.config_path, self.overrides)}: expert_cache = "
+                                f"{self.cfg.expert_cache} (kv_cache = {self.cfg.kv_cache}): {e}") from None
         model = placed.model
         tokenizer = Tokenizer(path)
         self.eos = eos_ids(path, load_config(path), tokenizer)
@@ -173,11 +183,12 @@ class Server:
         self.boot["load_s"] = round(time.perf_counter() - t0, 3)
         self.boot["drives"] = self.set_up_drives(path)
         self.control, self.history = placed.control, placed.history
+        self.room = placed.control.room if placed.control is not None else resident_room(path)
         self.plan = self.load_plan()
         self.sessions = self.session_store(path, model)
         from ..engine.prefix import PrefixCache
 
-        self.prefix = PrefixCache(parse_size(self.cfg.kv_cache))
+        self.prefix = PrefixCache(kv)
         if self.cfg.placement == "ray":
             if self.control is None:
                 raise ColibriError("placement: ray spreads a container's experts: convert the checkpoint first "
@@ -202,26 +213,75 @@ class Server:
     def set_up_drives(self, path: str) -> list[dict]:
         """The drives of the expert files (the model's, the copies'), as boot reports them:
         what each is and how it queues reads, and what tuning changed (tune_drives) or
-        would change."""
-        from ..storage.devices import discover, plan, tune
+        would change. Under the shipped unit the daemon may not write /sys: the privileged
+        `colibrid drives` step did it before the daemon started, and its report (of this
+        boot) is what `changed` shows."""
+        from .boot import drives_report_path, drives_set_at_boot, set_up_drives
 
-        cpus = sorted(os.sched_getaffinity(0))
-        out = []
-        for where in [path, *self.cfg.drives]:
-            d = discover(where)
-            if self.cfg.tune_drives:
-                d["changed"] = tune(d, cpus)
-                for step in d["changed"]:
-                    if step["done"]:
-                        log.info("drive %s: %s %s -> %s", d["device"], step["what"], step["from"], step["to"])
-                    else:
-                        log.warning("drive %s: could not set %s to %s: %s", d["device"], step["what"], step["to"],
-                                    step["why"])
-                d |= {k: v for k, v in discover(where).items() if k in ("scheduler", "read_ahead_kb")}
-            else:
-                d["would_change"] = plan(d, cpus)
-            out.append({k: v for k, v in d.items() if k not in ("sysfs", "schedulers")})
-        return out
+        places, cpus = [path, *self.cfg.drives], sorted(os.sched_getaffinity(0))
+        done = drives_set_at_boot(drives_report_path(state_dir(self.cfg))) if self.cfg.tune_drives else None
+        if done is None:
+            return set_up_drives(places, cpus, self.cfg.tune_drives)
+        now = set_up_drives(places, cpus, False)  # as the drives are now
+        earlier = {d["path"]: d for d in done["drives"]}
+        for d in now:
+            before = earlier.get(d["path"], {})
+            d["changed"] = before.get("changed", [])
+            d["set_by"] = f"colibrid drives at {done['made']}"
+        return now
+
+    def changed_at_runtime(self, keys: dict, persist: bool, by_operator: bool) -> dict:
+        """Note settings an operator changed while running (a reload's changes are the
+        configuration's own, not noted), and with `persist` keep them for the next start.
+        What the reply says of it: {"persisted": the file, or null; "persist_error"}."""
+        if not by_operator:
+            for k in keys:
+                self.runtime_changes.pop(k, None)
+            return {}
+        same = {k for k, v in keys.items() if str(getattr(self.cfg, k)) == str(v)}  # back to the configuration's
+        for k in same:
+            self.runtime_changes.pop(k, None)
+            self.runtime_kept.discard(k)
+        keys = {k: v for k, v in keys.items() if k not in same}
+        self.runtime_changes |= keys
+        if not persist or not keys:
+            return {"persisted": None}
+        from .config import ConfigError
+        from .config import persist as keep
+
+        try:
+            where = keep(self.cfg.state_dir, keys)
+        except (ConfigError, OSError) as e:
+            log.warning("could not keep %s for the next start: %s", ", ".join(keys), getattr(e, "strerror", None) or e)
+            return {"persisted": None, "persist_error": str(getattr(e, "strerror", None) or e)}
+        self.runtime_kept |= set(keys)
+        log.info("kept %s in %s for the next start", ", ".join(f"{k}: {v}" for k, v in keys.items()), where)
+        return {"persisted": where}
+
+    def runtime(self) -> dict:
+        """What changed at runtime and whether a restart keeps it (status)."""
+        from .config import runtime_path
+
+        pins = sorted(f"{il}:{ie}" for il, ie in self.control.hand_pins) if self.control is not None else []
+        lost = [k for k in self.runtime_changes if k not in self.runtime_kept]
+        return {"changed": self.runtime_changes, "kept": sorted(self.runtime_kept & set(self.runtime_changes)),
+                "lost_at_restart": lost + (["pins"] if pins else []), "hand_pins": pins,
+                "kept_in": runtime_path(self.cfg.state_dir)}
+
+    def current_plan(self) -> dict | None:
+        """The plan as `colictl tune` left it: read again when its file changed since the
+        last look (one stat), so a tune's prediction shows at once, without a restart."""
+        if self.control is None:
+            return None
+        from .planner import plan_path
+
+        try:
+            stamp = os.stat(plan_path(state_dir(self.cfg), self.control.c.fingerprint)).st_mtime_ns
+        except OSError:
+            stamp = None
+        if stamp != self.plan_stamp:
+            self.plan = self.load_plan()
+        return self.plan
 
     def load_plan(self) -> dict | None:
         """The plan `colictl tune` kept for this container (daemon/planner.py), or None."""
@@ -233,9 +293,11 @@ class Server:
             return None
         where = plan_path(state_dir(self.cfg), self.control.c.fingerprint)
         try:
+            self.plan_stamp = os.stat(where).st_mtime_ns
             with open(where) as f:
                 plan = json.load(f)
         except FileNotFoundError:
+            self.plan_stamp = None
             return None
         except (OSError, ValueError) as e:
             log.warning("plan %s unreadable (%s): stats show no prediction", where, e)
@@ -509,3 +571,12 @@ def peer_uid(frame: zmq.Frame) -> int | None:
         return int(parts[1]) if len(parts) == 4 else None
     except (zmq.ZMQError, ValueError):
         return None
+
+
+def resident_room(path: str):
+    """The RAM budgets may take beside a checkpoint whose weights are all resident."""
+    import glob
+
+    from ..storage.memory import MemoryRoom
+
+    return MemoryRoom(sum(os.path.getsize(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors"))))

@@ -27,6 +27,7 @@ from . import openai as O
 DONE = object()  # the queue's end
 HEAT = "0123456789abcdefghijklmnopqrstuvwxyz"  # heat 0..1 as one character a cell
 MAP_POLL_S = 0.25  # the live map asks colibrid this often
+WATCH_S = 0.2  # a waiting (non-streamed) request looks at its client's connection this often
 
 
 class Job:
@@ -253,14 +254,20 @@ class Gateway:
         return await self.wait(request, job, kind, rid, model)
 
     async def wait(self, request: Request, job: Job, kind: str, rid: str, model: str) -> Response:
-        """The whole reply; a client that disconnects meanwhile cancels it."""
-        final = None
+        """The whole reply; a client that disconnects meanwhile cancels it. The connection
+        is looked at every WATCH_S whether or not tokens arrive (they arrive all the time
+        while the request runs: a look only when none came was never taken)."""
+        final, looked = None, time.monotonic()
         while True:
             try:
-                item = await asyncio.wait_for(job.queue.get(), 0.25)
+                item = await asyncio.wait_for(job.queue.get(), WATCH_S)
             except TimeoutError:
+                item = None
+            if time.monotonic() - looked >= WATCH_S and not job.cancel.is_set():
+                looked = time.monotonic()
                 if await request.is_disconnected():
                     job.cancel.set()
+            if item is None:
                 continue
             if item is DONE:
                 break

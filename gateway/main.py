@@ -8,6 +8,7 @@ import sys
 import click
 
 EXIT_USAGE = 2
+EXIT_START = 3  # the address cannot be listened on (in use, not this box's)
 
 
 def is_loopback(host: str) -> bool:
@@ -66,8 +67,35 @@ def main(host, port, socket_path, token_file, allow_remote, max_body, trace, log
     except click.UsageError as e:
         click.echo(f"colibri-gateway: {e.message}", err=True)
         sys.exit(EXIT_USAGE)
-    app = make_app(Gateway(socket_path, token, max_body, trace))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    # the address is bound here, before the server starts: a port in use is one line and an
+    # exit code, not "Application startup complete" followed by an error
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:
+        click.echo(f"colibri-gateway: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        sys.exit(EXIT_START)
+    gw = Gateway(socket_path, token, max_body, trace)
+    app = make_app(gw)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    click.echo(f"colibri-gateway: listening on http://{host}:{port} for colibrid at {gw.socket_path}", err=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int):
+    """A TCP socket bound to host:port and listening. Raises OSError (e.g. the port in use)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def families(stats: dict | None) -> list:
     out.append(serving)
     req = stats.get("requests") or {}
     c = CounterMetricFamily("colibri_requests", "generate requests by how they ended", labels=["outcome"])
-    for outcome in ("served", "failed", "cancelled"):
+    for outcome in ("served", "rejected", "failed", "cancelled"):
         c.add_metric([outcome], req.get(outcome, 0))
     out.append(c)
     c = CounterMetricFamily("colibri_requests_accepted", "generate requests accepted")

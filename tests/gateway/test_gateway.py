@@ -185,3 +185,34 @@ def test_a_session_continues_through_the_gateway(served):
     listed = subprocess.run([sys.executable, "-m", "colibri.ctl", "--socket", sock, "session", "list"],
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and "gw-notes" in listed.stdout  # the gateway's user's session
+
+
+def test_a_waiting_client_that_gives_up_cancels_its_request(tmp_path):
+    """A non-streamed request: the gateway watches the connection while the daemon works,
+    and a client that gives up has its request cancelled within a second, counted as such."""
+    from colibri.engine.registry import build_model
+    from colibri.storage.demo import ensure_demo_container
+
+    model = ensure_demo_container(str(tmp_path / "demo"), build_model, lambda phase: None)  # streamed: slower
+    with colibrid(tmp_path, model, "expert_cache: min\n") as sock, gateway(sock) as url:
+        before = colictl(sock, "stats", "--json")["requests"]
+        with pytest.raises(httpx.TimeoutException):  # greedy from "The" runs to the context's end: seconds
+            httpx.post(url + "/v1/completions", timeout=0.5, json={"prompt": "The", "max_tokens": 1000})
+        gave_up = time.monotonic()
+        while time.monotonic() - gave_up < 1.0:
+            now = colictl(sock, "stats", "--json")["requests"]
+            if now["cancelled"] > before["cancelled"]:
+                break
+            time.sleep(0.05)
+        assert now["cancelled"] == before["cancelled"] + 1 and now["served"] == before["served"], now
+
+
+def test_a_port_in_use_is_one_line_before_anything_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "colibri.gateway", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 3 and r.stderr.strip() == \
+        f"colibri-gateway: cannot listen on 127.0.0.1:{port}: Address already in use", r.stderr
