@@ -202,18 +202,23 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
-def rope_parameters(cfg: dict, default_theta: float) -> dict:
+def rope_parameters(cfg: dict, defaults: dict) -> dict:
     """The RoPE settings of a config in either spelling: transformers 5's `rope_parameters`
-    or the hub's top-level `rope_theta` plus `rope_scaling`. Returns a dict with at least
-    rope_type and rope_theta."""
+    or the hub's top-level `rope_theta` plus `rope_scaling`; a config with neither takes
+    the family's `defaults` (its transformers config class's: gpt-oss's is yarn, GLM-4.5's
+    rotates half the head). Returns a dict with at least rope_type and rope_theta."""
     params = dict(cfg.get("rope_parameters") or {})
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+        if not params:
+            params = {k: v for k, v in defaults.items() if k != "rope_theta"}
+        params.setdefault("rope_theta", cfg.get("rope_theta", defaults["rope_theta"]))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    params.setdefault("rope_theta", cfg.get("rope_theta", defaults["rope_theta"]))
     if "partial_rotary_factor" in cfg:  # the hub's spelling (GLM-4.5): at the top level
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if "partial_rotary_factor" in defaults:
+        params.setdefault("partial_rotary_factor", defaults["partial_rotary_factor"])
     return params
 
 

@@ -118,7 +118,8 @@ class MoEModel:
     """A loaded model: dense weights resident, routed experts behind an ExpertSource."""
 
     NAMES: dict[str, str] = {}
-    DEFAULT_THETA = 10000.0
+    # RoPE of a config that sets none: its transformers config class's defaults
+    ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default"}
     ATTENTION = "GQA"  # the attention kind, as doctor and run name it
     # whether a sampled token's cache row (computed alone in its step) is the same bits as
     # the row of the same token in a prompt: then the prefix cache keeps replies too
@@ -136,7 +137,7 @@ class MoEModel:
         self.note = config.get("colibri_demo")  # what the built-in demo says of itself, shown to its users
         self.n_layer = args.num_hidden_layers
         self.head_dim = self.attn_spec.head_dim
-        params = rope_parameters(config, self.DEFAULT_THETA)
+        params = rope_parameters(config, self.ROPE_DEFAULTS)
         if params["rope_type"] not in ("default", "linear", "yarn"):
             raise ConfigInvalid(f"{where}: rope type {params['rope_type']!r} is not supported (default, linear, yarn)")
         self.rope = self.make_rope(params)

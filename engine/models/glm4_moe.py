@@ -51,6 +51,7 @@ NAMES = HF_NAMES | MOE_NAMES
 class Model(GroupedMoE, MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
+    ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}  # half the head
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,

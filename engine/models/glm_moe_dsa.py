@@ -26,6 +26,8 @@ ALIASES = deepseek_v3.ALIASES
 
 @dataclass
 class ModelArgs(deepseek_v3.ModelArgs):  # DeepSeek-V3's fields with GLM-5's defaults, and the indexer's
+    intermediate_size: int = 12288
+    max_position_embeddings: int = 202752
     moe_intermediate_size: int = 2048
     q_lora_rank: int | None = 2048
     v_head_dim: int = 256

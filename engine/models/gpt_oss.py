@@ -166,7 +166,8 @@ class FusedExperts:
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
-    DEFAULT_THETA = 150000.0
+    ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
     EXPERT_KEYS = MoEModel.EXPERT_KEYS + ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
     F32_KEYS = MoEModel.F32_KEYS | {"router_bias"}
 

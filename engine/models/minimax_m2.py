@@ -36,7 +36,7 @@ def route(logits, bias, n_expert_used):
 class Model(mixtral.Model):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
-    DEFAULT_THETA = 5e6
+    ROPE_DEFAULTS = {"rope_theta": 5e6, "rope_type": "default"}
     F32_KEYS = mixtral.Model.F32_KEYS | {"router_bias"}
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):

@@ -19,7 +19,7 @@ class ModelArgs:
     num_attention_heads: int
     vocab_size: int
     intermediate_size: int = 14336
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int | None = 8  # (transformers' default; null: num_attention_heads)
     head_dim: int | None = None
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
@@ -51,7 +51,7 @@ def route(logits: np.ndarray, n_expert_used: int) -> tuple[np.ndarray, np.ndarra
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
-    DEFAULT_THETA = 1e6
+    ROPE_DEFAULTS = {"rope_theta": 1e6, "rope_type": "default"}
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,

@@ -22,7 +22,7 @@ class ModelArgs:
     intermediate_size: int = 5632
     moe_intermediate_size: int = 1408
     shared_expert_intermediate_size: int = 5632
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int | None = 16  # (transformers' default; null: num_attention_heads)
     num_experts: int = 60
     num_experts_per_tok: int = 4
     norm_topk_prob: bool = False

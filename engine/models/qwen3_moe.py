@@ -20,7 +20,7 @@ class ModelArgs:
     vocab_size: int
     intermediate_size: int = 6144
     moe_intermediate_size: int = 768
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int | None = 4  # (transformers' default; null: num_attention_heads)
     head_dim: int | None = None
     num_local_experts: int = 128
     num_experts_per_tok: int = 8

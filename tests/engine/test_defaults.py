@@ -1,0 +1,60 @@
+"""A config.json that leaves a field out means what transformers reads into it: for every
+family, a config of only the fields colibri requires is read by colibri and by the
+family's transformers config class, and every field both know, and the RoPE settings,
+must agree. (A GLM-4.5 config without `partial_rotary_factor` rotated the whole head in
+colibri and half of it in transformers: the tokens differed from the first one.)"""
+
+import dataclasses
+
+import pytest
+from transformers import CONFIG_MAPPING
+
+from colibri.engine.layers import rope_parameters
+from colibri.engine.registry import build_model, family, supported
+
+# small values for the fields colibri requires; 16 heads: a multiple of every family's
+# default number of key/value heads
+REQUIRED = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 16, "vocab_size": 128}
+
+# fields a family keeps apart from transformers on purpose, and why
+APART = {
+    ("deepseek_v3", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
+    ("glm_moe_dsa", "num_key_value_heads"): "MLA has no key/value heads (transformers' 64 is never read)",
+    ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
+    ("qwen3_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
+}
+
+
+def families() -> list[str]:
+    return [mt for mt in supported() if mt in CONFIG_MAPPING]
+
+
+@pytest.mark.parametrize("model_type", families())
+def test_a_config_of_the_required_fields_means_what_transformers_reads(model_type):
+    fam = family(model_type)
+    required = [f.name for f in dataclasses.fields(fam.ModelArgs)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    config = {"model_type": model_type, **{k: REQUIRED[k] for k in required}}
+    theirs = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k != "model_type"})
+    ours = build_model("minimal", config)
+    differ = []
+    for f in dataclasses.fields(fam.ModelArgs):
+        names = (f.name, *getattr(fam, "ALIASES", {}).get(f.name, ()))
+        name = next((n for n in names if hasattr(theirs, n)), None)
+        if name is None or (model_type, f.name) in APART:
+            continue
+        mine, want = getattr(ours.args, f.name), getattr(theirs, name)
+        if mine != want and not (mine is not None and want is None and f.name == "head_dim"):  # (derived alike)
+            differ.append(f"{f.name}: colibri {mine!r}, transformers {want!r}")
+    rope = rope_parameters(config, fam.Model.ROPE_DEFAULTS)
+    want_rope = dict(getattr(theirs, "rope_parameters", None) or {})
+    for key in sorted(set(rope) | set(want_rope)):
+        if rope.get(key) != want_rope.get(key):
+            differ.append(f"rope {key}: colibri {rope.get(key)!r}, transformers {want_rope.get(key)!r}")
+    assert not differ, differ
+
+
+def test_glm4_moe_without_partial_rotary_factor_rotates_half_the_head():
+    config = {"model_type": "glm4_moe", **REQUIRED, "num_key_value_heads": 4}
+    model = build_model("minimal", config)
+    assert 2 * len(model.rope.inv_freq) == model.head_dim // 2, (model.rope.inv_freq.shape, model.head_dim)
