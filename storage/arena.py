@@ -80,14 +80,31 @@ def _reserved_hugepages(n_bytes: int) -> tuple[mmap.mmap | None, str]:
     return mm, f"reserved ({size // HUGEPAGE} x 2 MiB)"
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent hugepage setting (always, madvise, never), or None."""
+    try:
+        with open(THP_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return next((w[1:-1] for w in text.split() if w.startswith("[")), None)
+
+
 def _transparent_hugepages(mm: mmap.mmap) -> str:
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return "transparent hugepages not available"
+    """Ask for transparent hugepages and say what the kernel's setting gives the arena."""
+    mode = thp_mode()
+    if mode is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "transparent hugepages not available (no THP in this kernel)"
+    if mode == "never":
+        return f"no hugepages: transparent hugepages are off ({THP_SETTING}: never)"
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
-        return "transparent (madvise)"
     except OSError as e:
         return f"transparent hugepages refused: {e.strerror}"
+    return f"transparent ({mode})"
 
 
 def _mlock(buf: mmap.mmap) -> str:

@@ -110,6 +110,7 @@ class ExpertReader:
             pool_gbs, pool_work = self.measure(AUTO_PROBE_RECORDS)  # other records: none comes from a cache
             # faster for the engine: more bytes a second, and the engine's own thread not slowed
             # (the binding holds the GIL in some calls; on a small box that can cost more than it saves)
+            self.auto_measured = {"io_uring": (ring_gbs, ring_work), "preadv": (pool_gbs, pool_work)}
             if ring_gbs > pool_gbs and ring_work >= 0.9 * pool_work:
                 self.uring = ring
             else:

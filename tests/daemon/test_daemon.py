@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -384,18 +385,65 @@ def test_reload_applies_what_it_can(tmp_path, container):
         assert "reload refused" in (tmp_path / "colibrid.log").read_text()
 
 
-def test_boot_placement_reports_each_step(tmp_path, container):
+def proc_status(pid: int, key: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(key + ":"))
+
+
+@contextlib.contextmanager
+def reserved_hugepages(n: int):
+    """n more 2 MiB hugepages reserved for the block (as root), as they were after; yields
+    whether the kernel gave them."""
+    path = "/proc/sys/vm/nr_hugepages"
+    before = int(open(path).read())
+    try:
+        with open(path, "w") as f:
+            f.write(str(before + n))
+        got = int(open(path).read()) >= before + n
+    except OSError:
+        got = False
+    try:
+        yield got
+    finally:
+        try:
+            with open(path, "w") as f:
+                f.write(str(before))
+        except OSError:
+            pass
+
+
+def test_boot_placement_reports_what_the_kernel_gave(tmp_path, container):
+    """Each step as the kernel reports it back where this box allows it (CPU affinity, the
+    memory policy, VmLck, hugetlb pages), and a named fallback where it does not."""
+    import ctypes.util
+
     cfg = tmp_path / "colibri.yaml"
     cfg.write_text("numa_node: 0\nhugepages: true\nmlock: true\ncpus: [0]\nio_threads: 3\n")
-    with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
+    root = os.geteuid() == 0  # CAP_IPC_LOCK: mlock beyond RLIMIT_MEMLOCK
+    with reserved_hugepages(16) as have_hugepages, serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
         boot = json.loads(ctl(sock, "status", "--json").stdout)["boot"]
         assert boot["cpus"]["asked"] == [0] and boot["cpus"]["got"] == [0]
         assert os.sched_getaffinity(proc.pid) == {0}  # what the process really has (NUMA must not widen it)
-        assert boot["numa"]["asked"] == 0 and (boot["numa"]["got"] == 0 or "fallback" in boot["numa"])
-        assert boot["io_threads"]["got"] == 3
-        assert boot["mlock_dense"]["got"] == boot["mlock_dense"]["asked"] or "fallback" in boot["mlock_dense"]
+        assert boot["numa"]["asked"] == 0 and boot["io_threads"]["got"] == 3
+        if ctypes.util.find_library("numa"):
+            policies = open(f"/proc/{proc.pid}/numa_maps").read()
+            assert boot["numa"]["got"] == 0 and "prefer:0" in policies, boot["numa"]
+        else:
+            assert boot["numa"]["got"] == "any" and "libnuma" in boot["numa"]["fallback"]
+        locked_kb = int(proc_status(proc.pid, "VmLck").split()[0])
+        if root:  # the dense weights and the expert arena locked, as the kernel counts them
+            assert boot["mlock_dense"]["got"] == boot["mlock_dense"]["asked"] > 0, boot["mlock_dense"]
+            assert boot["mlock_experts"]["got"] == "locked"
+            assert locked_kb * 1024 >= boot["mlock_dense"]["asked"], locked_kb
+        else:
+            assert "RLIMIT_MEMLOCK" in boot["mlock_dense"].get("fallback", "RLIMIT_MEMLOCK")
         assert boot["hugepages"]["asked"] == "reserved"
-        assert boot["hugepages"]["got"].startswith(("reserved", "transparent"))
+        if have_hugepages:
+            huge_kb = sum(int(line.split()[1]) for line in open(f"/proc/{proc.pid}/smaps")
+                          if line.startswith("Private_Hugetlb:"))
+            assert boot["hugepages"]["got"].startswith("reserved") and huge_kb >= 2048, (boot["hugepages"], huge_kb)
+        else:
+            assert "vm.nr_hugepages" in boot["hugepages"]["got"], boot["hugepages"]
         assert ctl(sock, "generate", "--max-tokens", 4, "placed").returncode == 0
 
 
@@ -584,11 +632,24 @@ def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(P.endpoint(sock))
         counts = {"sent": 0, "replies": 0}
+        # a message with a string id must be answered with that id, once; any other one once,
+        # with its id when the daemon could read it, else with a null id
+        by_id, others, answered = Counter(), Counter(), Counter()
+
+        def expect(frame):
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError:
+                msg = None
+            key = json.dumps(msg.get("id"), sort_keys=True) if msg is not None else "null"
+            (by_id if msg is not None and isinstance(msg.get("id"), str) else others)[key] += 1
 
         def drain(timeout_ms=0):
             while dealer.poll(timeout_ms):
-                if P.decode(dealer.recv())["type"].endswith("_reply"):
+                reply = P.decode(dealer.recv())
+                if reply["type"].endswith("_reply"):
                     counts["replies"] += 1
+                    answered[json.dumps(reply.get("id"), sort_keys=True)] += 1
                 timeout_ms = 0
 
         scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True) | st.text(
@@ -611,6 +672,7 @@ def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
         def send(batch):  # ten messages an example: 10,000 in all
             for frame in batch:
                 dealer.send(frame)
+                expect(frame)
                 counts["sent"] += 1
             drain()
 
@@ -620,6 +682,9 @@ def test_fuzzing_the_user_socket_leaves_the_daemon_serving(tmp_path, demo):
         while counts["replies"] < counts["sent"] and time.time() < end:
             drain(200)
         assert counts["sent"] >= 10_000 and counts["replies"] == counts["sent"]  # one reply each, none lost
+        assert {k: answered[k] for k in by_id} == dict(by_id)  # each string id answered as often as sent
+        stray = {k: v for k, v in answered.items() if k not in by_id and k != "null" and v > others[k]}
+        assert not stray, stray  # no reply with an id no message carried, nor more than the messages with it
         assert time.time() - t0 < 300
         dealer.close()
         ctx.term()
