@@ -288,7 +288,8 @@ def _config(path: str) -> dict:
 @click.argument("directory")
 @click.option("--force", is_flag=True, help="replace DIRECTORY if it exists")
 def demo_model(directory, force):
-    """Write the built-in demo model (small, random, deterministic) to DIRECTORY."""
+    """Write the built-in demo model (a tiny trained model, the weights shipped with colibri) to
+    DIRECTORY as a Hugging Face checkpoint."""
     from ..storage.demo import write_demo_model
 
     try:
@@ -494,7 +495,10 @@ def show_plan(p: dict) -> None:
                        f"{budget:>18} {t['hit_rate']:>6.2f} {fmt_bytes(t['bytes_read_per_token']):>11} "
                        f"{t['disk_s']:>8.4f} {t['compute_s']:>9.4f} {t['tok_s']:>7.1f}  {t['bound']}")
     rec = p["recommend"]
-    click.echo(f"recommended: expert_cache: {rec['expert_cache']}, io_threads: {rec['io_threads']}"
+    if not rec["fits"]:
+        click.echo(f"does not fit: {rec['why']}")
+    click.echo(f"recommended: expert_cache: {rec['expert_cache']}"
+               + (f", kv_cache: {rec['kv_cache']}" if "kv_cache" in rec else "") + f", io_threads: {rec['io_threads']}"
                + (f", reader: {rec['reader']}" if "reader" in rec else "")
                + f", precision {rec['precision']} (the model's own): {rec['predicted_tok_s']} tok/s, "
                  f"{rec['bound']}-bound" + (" (* = what fits in memory)" if any(
