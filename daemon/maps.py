@@ -36,10 +36,16 @@ class RoutingLog:
 
     def int4_hits(self, il: int, ids: list[int]):
         # a step the cache serves from its slots (engine/layers.moe) is a routed step too
-        hits = self.inner.int4_hits(il, ids) if hasattr(self.inner, "int4_hits") else None
+        hits = self.inner.int4_hits(il, ids)
         if hits is not None:
             self.log.append((self.step, il, tuple(int(i) for i in ids)))
         return hits
+
+    def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> bool:
+        if self.inner.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped):
+            self.log.append((self.step, il, tuple(int(ie) for ie, _ in rows_of)))  # a routed step too
+            return True
+        return False
 
     def layer_done(self, il: int, routed: int, moe_s: float) -> None:
         self.inner.layer_done(il, routed, moe_s)

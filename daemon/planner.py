@@ -38,7 +38,7 @@ import numpy as np
 from ..storage.cache import min_budget_bytes
 from ..storage.container import ALIGN, round_up
 from ..storage.errors import ColibriError
-from ..storage.experts import ExpertStats, QuantWeight, int4_of
+from ..storage.experts import ExpertStats, LocalSource, QuantWeight, int4_of
 from ..storage.memory import PROCESS_BYTES
 from ..storage.sizes import fmt_bytes
 
@@ -137,7 +137,7 @@ def memory_gbs(mib: int = 256) -> float:
 
 # ---- a decode step of the model, every expert at hand -----------------------------------------
 
-class SampleExperts:
+class SampleExperts(LocalSource):
     """An ExpertSource that hands out a small resident sample of expert records for any
     expert asked for: the same shapes, precision and kernels as the real ones, so a step
     costs what a step with every expert cached costs. For timing only: the values are not

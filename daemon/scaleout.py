@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..storage.errors import ColibriError
+from ..storage.experts import LocalSource
 
 log = logging.getLogger("colibri.daemon")
 CALL_TIMEOUT_S = 30.0  # a box that has not answered a layer-step by then is taken as failed
@@ -190,7 +191,7 @@ class Box:
     counters: dict = field(default_factory=dict)
 
 
-class RayExperts:
+class RayExperts(LocalSource):
     """The head's expert source when boxes share the experts. `local`: the head's expert
     cache (box 0; it also computes what a failing box was sent); `specs`: the other boxes
     (colibri.yaml's ray_boxes), started here; `shares` [L, E]: the routed traffic per expert;
@@ -254,7 +255,7 @@ class RayExperts:
                 box.actor.prefetch.remote(il, theirs, tokens)  # one way: the box reads ahead while the head attends
         return self.local.prefetch(il, mine, tokens) if mine else 0
 
-    def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> None:
+    def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> bool:
         """The step's experts of layer il: each box's by one call, the head's own meanwhile
         (`compute`: moe()'s own path), the boxes' rows written into ys. What a failing box
         was sent is computed here instead, and its experts go to the boxes still in."""
@@ -280,6 +281,7 @@ class RayExperts:
             ys[rows] = vals
             box.latency.append(time.perf_counter() - t0)
             box.rows_sent += len(rows)
+        return True
 
     def _local(self, il: int, parts: list, compute) -> None:
         rows_of = dict(parts)

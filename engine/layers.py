@@ -740,7 +740,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session)
 
     hits = None
-    if ffn is None and team is not None and not any_prompt and hasattr(experts, "int4_hits"):
+    if ffn is None and team is not None and not any_prompt:
         hits = experts.int4_hits(il, union)  # every expert resident: their addresses, no views
     rows_of = [(ie, order[bounds[k] : bounds[k + 1]]) for k, ie in enumerate(union)] if hits is None else []
     rows_by = dict(rows_of)
@@ -748,8 +748,8 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
         if hits is not None:  # one decode job straight from the cache's slots (the rows in union order)
             g4, layouts, addrs = hits
             team.experts_at(x, order, bounds, A, w_flat, addrs, g4, layouts, ys)
-        elif hasattr(experts, "compute_into"):  # a source that computes some experts elsewhere (ffn goes along)
-            experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped)
+        elif experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped):
+            pass  # a source that computed some experts elsewhere (ffn went along)
         else:
             for batch in experts.stream(il, union):  # in any order
                 compute([(rows_by[ie], ew) for ie, ew in batch])

@@ -360,7 +360,5 @@ class MoEModel:
             return self.source_precision
         dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
         fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
-        resident = getattr(self.experts, "experts", None)  # ResidentExperts' {layer: experts} (also when wrapped)
-        first = next(iter(resident.values()), [None])[0] if isinstance(resident, dict) else None
-        experts = first[0].kind if first and isinstance(first[0], QuantWeight) else dt
+        experts = self.experts.describe().get("experts_kind") or dt  # a checkpoint's: all resident
         return {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}

@@ -31,7 +31,7 @@ import numpy as np
 from .arena import Arena, allocate
 from .container import Container
 from .errors import BudgetInvalid, ExpertReadError
-from .experts import ExpertStats
+from .experts import ExpertStats, LocalSource
 from .faults import FaultPlan
 from .history import UsageHistory
 from .memory import MemoryRoom
@@ -57,7 +57,7 @@ def check_min_budget(budget: int, n_moe_layers: int, record_bytes: int) -> None:
             f"({least} bytes: one {fmt_bytes(record_bytes)} expert slot for each of {n_moe_layers} MoE layers)")
 
 
-class ExpertCache:
+class ExpertCache(LocalSource):
     """Experts of `container` under `budget` bytes (or "min"/"all").
 
     Raises BudgetInvalid when the budget cannot hold one slot per MoE layer (the message

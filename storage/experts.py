@@ -28,7 +28,8 @@ from .quant import (
 )
 from .safetensors import bf16_to_f32
 
-__all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "QuantWeight", "ResidentExperts", "TracedSource",
+__all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "LocalSource", "QuantWeight", "ResidentExperts",
+           "TracedSource",
            "bf16_to_f32", "int4_of", "dequantize", "E2M1_VALUES", "E8M0_VALUES", "FP8_VALUES", "FP8_SCALE_LIMIT",
            "BLOCKS", "SCALES", "MX_GROUP", "mxfp4_pair"]  # the published formats' values and MXFP4's checkpoint layout  # the engine's one door into storage: the weights' types come through it too
 
@@ -104,12 +105,36 @@ class ExpertSource(Protocol):
         sequence's own set counted (routed / experts is the batch-union saving), in `moe_s`
         seconds, waiting included."""
 
+    def int4_hits(self, il: int, ids: list[int]) -> tuple | None:
+        """When every one of `ids` (unique) of layer il is resident as int4 without biases:
+        (group size, record layouts, [len(ids), 6] addresses) for the crew's decode job,
+        counted as stream() would count them; else None, and the engine takes stream()."""
+        ...
+
+    def compute_into(self, il: int, rows_of: list, x, w_flat, prompt_rows, A: int, ys, compute, ffn=None,
+                     clamped=None) -> bool:
+        """Compute the step's experts of layer il itself (some of them elsewhere: the Ray
+        boxes), writing their rows of `ys`; `compute` is the engine's own path for the
+        rest. False: the engine streams and computes them all (every local source)."""
+        ...
+
     def describe(self) -> dict:
         """Facts about the placement for status and stats."""
         ...
 
 
-class ResidentExperts:
+class LocalSource:
+    """What an expert source that neither hands out int4 addresses nor computes elsewhere
+    answers (the protocol's optional capabilities, declined)."""
+
+    def int4_hits(self, il: int, ids: list[int]) -> tuple | None:
+        return None
+
+    def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> bool:
+        return False
+
+
+class ResidentExperts(LocalSource):
     """Every routed expert read into RAM at open (the all-resident placement).
 
     `names(il, ie)` gives the tensor names of (gate, up, down) in `src` (a Checkpoint).
@@ -158,14 +183,17 @@ class ResidentExperts:
         return sum(a.nbytes for layer in self.experts.values() for e in layer for a in e)
 
     def describe(self) -> dict:
-        return {"placement": "all resident", "expert_bytes": self.n_bytes}
+        first = next(iter(self.experts.values()), [()])[0]  # a published format's kind (fp8_e4m3, mxfp4), else None
+        kind = first[0].kind if first and isinstance(first[0], QuantWeight) else None
+        return {"placement": "all resident", "expert_bytes": self.n_bytes, "experts_kind": kind}
 
 
-class TracedSource:
+class TracedSource(LocalSource):
     """Wraps a source and writes one JSON line per layer per forward step:
     {"step": i, "layer": l, "experts": [...]} (a prefill step lists the union), with
     "predicted": [...] when the router lookahead predicted that layer's experts (the
-    model computes the prediction whenever it is traced, prefetching or not)."""
+    model computes the prediction whenever it is traced, prefetching or not). Every step
+    goes through stream(), so that the trace sees it (int4_hits declined)."""
 
     lookahead = True
 
