@@ -50,6 +50,7 @@ from dataclasses import replace
 for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
     os.environ.setdefault(var, val)
 
+import provenance  # noqa: E402
 from next_use import NextUse, next_use_split  # noqa: E402
 
 from colibri.storage.policy import POLICIES, Policy  # noqa: E402
@@ -294,7 +295,7 @@ def main():
             out[name] = evaluate(read_trace(trace_path), budgets, top_k)
             out[name + "+warmup"] = evaluate(read_trace(trace_path), budgets, top_k, read_trace(warm_path),
                                              [Policy(name=n) for n in POLICIES if n != "lru"])
-        print(json.dumps({"benchmark": "cache_policy", "library": out, "worst_of_belady": library_table(out)},
+        print(provenance.dumps({"benchmark": "cache_policy", "library": out, "worst_of_belady": library_table(out)},
                          indent=None if a.json else 2))
         return
     if a.make_traces:
@@ -306,7 +307,7 @@ def main():
             out[name] = evaluate(read_trace(trace_path), budgets, top_k)
             out[name + "+warmup"] = evaluate(read_trace(trace_path), budgets, top_k, read_trace(warm_path),
                                              [Policy(name=n) for n in POLICIES if n != "lru"])
-        print(json.dumps(out, indent=None if a.json else 2))
+        print(provenance.dumps(out, indent=None if a.json else 2))
         return
     if not a.trace:
         ap.error("--trace PATH or --make-traces DIR is needed")
@@ -317,7 +318,7 @@ def main():
     top_k = a.top_k or (min(decode) if decode else 1)
     warm = read_trace(a.warmup) if a.warmup else None
     out = evaluate(trace, budgets, top_k, warm)
-    print(json.dumps(out, indent=None if a.json else 2), file=sys.stdout)
+    print(provenance.dumps(out, indent=None if a.json else 2), file=sys.stdout)
 
 
 if __name__ == "__main__":

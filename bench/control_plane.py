@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from synthetic import build  # noqa: E402
 
 from colibri.ctl.client import Client  # noqa: E402
@@ -160,7 +161,7 @@ def main():
         ttft_p = time.perf_counter() - t0
     out["ttft_in_process_s"] = round(ttft_p, 3)
     out["ttft_extra_ms"] = round((out["ttft_daemon_s"] - ttft_p) * 1e3, 3)
-    print(json.dumps(out, indent=2))
+    print(provenance.dumps(out, indent=2))
 
 
 def ttft_daemon(sock: str, prompt: str) -> float:

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from synthetic import PRECISIONS, SHAPES, build, load_model, prompt  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
@@ -184,7 +185,7 @@ def main():
     layers.init()
     path = build(a.workdir, a.expert_gb, family=a.family, precision=a.precision)
     if a.ab:
-        print(json.dumps(ab(a, path), indent=2))
+        print(provenance.dumps(ab(a, path), indent=2))
         return
     results = []
     ids = prompt(np.random.default_rng(7), a.prompt_tokens)
@@ -267,7 +268,7 @@ def main():
         del model
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(json.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
+    print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
                       "n_layer": len(c.moe_layers),
                       "kv_bytes_per_token": kv_bytes, "attention": attention,
                       "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,

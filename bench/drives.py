@@ -36,6 +36,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import numpy as np  # noqa: E402
+import provenance  # noqa: E402
 from decode import disk_gbs, drop_caches, run  # noqa: E402
 from loopdrives import Unavailable, loop_file_system, throttled  # noqa: E402
 from synthetic import build, load_model, prompt  # noqa: E402
@@ -103,7 +104,7 @@ def main():
     best = max(disk + [r["read_gbs"] or 0 for r in rows])
     for r in rows:
         r["io_floor_ratio"] = round(r.pop("bytes_read") / (best * 1e9) / r["wall_s"], 3)
-    print(json.dumps({"benchmark": "drives", "container": path, "n_layer": len(c.moe_layers),
+    print(provenance.dumps({"benchmark": "drives", "container": path, "n_layer": len(c.moe_layers),
                       "record_bytes": c.record_bytes, "budget_fraction": a.budget, "budget_bytes": budget,
                       "tokens": a.tokens, "prompt_tokens": a.prompt_tokens, "io_threads": a.io_threads,
                       "disk_odirect_gbs": round(best, 3), "disk_measurements_gbs": [round(x, 3) for x in disk],
@@ -178,7 +179,7 @@ def two_drives(a, path: str, budget: int, ids) -> None:
     def drives_ratio(two: str, one_: str):
         return ratio(two, one_, lambda name: raw.get(name, {}).get("gbs"))
 
-    print(json.dumps({"benchmark": "drives-two", "container": path, "budget_fraction": a.budget,
+    print(provenance.dumps({"benchmark": "drives-two", "container": path, "budget_fraction": a.budget,
                       "budget_bytes": budget, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
                       "io_threads": a.io_threads, "drive_mbs": a.drive_mbs,
                       "reader_gbs": raw,

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import httpx
+import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["Once upon a time", "The computer said", "Love is", "Never trust a", "A wise man once",
@@ -163,7 +164,7 @@ def main():
                 "tokens": [r[2] for r in rs]}
 
     d, g = summary(rows["direct"]), summary(rows["gateway"])
-    print(json.dumps({"benchmark": "gateway", "model": a.model or "demo", "requests": a.requests,
+    print(provenance.dumps({"benchmark": "gateway", "model": a.model or "demo", "requests": a.requests,
                       "max_tokens": a.tokens, "direct": d, "gateway": g,
                       "overhead": {"tok_s_ratio": round(g["tok_s_p50"] / d["tok_s_p50"], 4),
                                    "ttft_added_ms": round(g["ttft_ms_p50"] - d["ttft_ms_p50"], 3),

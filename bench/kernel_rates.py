@@ -13,7 +13,6 @@ working set far larger than the CPU caches, so every byte comes from DRAM.
 """
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -23,6 +22,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
     os.environ.setdefault(var, val)
 
 import numpy as np  # noqa: E402
+import provenance  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
 
@@ -160,7 +160,7 @@ def main():
     a = ap.parse_args()
     layers.init()
     counts = sorted({int(t) for t in a.threads.split(",")})
-    print(json.dumps({
+    print(provenance.dumps({
         "benchmark": "kernels",
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0))},
         "target_ratio": 0.5,

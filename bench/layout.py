@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from cache_policy import read_trace, replay_cache, shape_container  # noqa: E402
 
 from colibri.storage.container import MANIFEST, open_container  # noqa: E402
@@ -88,7 +89,7 @@ def main():
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"benchmark": "layout", "library": os.path.abspath(a.library), "results": rows}, indent=2))
+    print(provenance.dumps({"benchmark": "layout", "library": os.path.abspath(a.library), "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
+import provenance  # noqa: E402
 from decode import drop_caches, run  # noqa: E402
 from synthetic import build, load_model, prompt  # noqa: E402
 
@@ -86,7 +87,7 @@ def main():
                      "predicted_bytes_per_token": guess["bytes_read_per_token"],
                      "measured_bytes_per_token": int(d.bytes_read / max(1, steps))})
         print(json.dumps(rows[-1]), file=sys.stderr)
-    print(json.dumps({"benchmark": "plan", "container": path, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
+    print(provenance.dumps({"benchmark": "plan", "container": path, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
                       "plan": {k: plan[k] for k in ("disk_gbs", "memory_gbs", "drives", "routing", "recommend",
                                                     "seconds")} | {"compute_s": own["compute_s"],
                                                                    "record_bytes": own["record_bytes"]},

@@ -17,20 +17,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+
+import provenance
 
 
 def colictl(env, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "colibri.ctl", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=600)
-
-
-def provenance() -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit.stdout.strip(), "cpu": cpu,
-            "cpus": len(os.sched_getaffinity(0)), "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
 
 
 def main():
@@ -70,7 +63,7 @@ def main():
         colictl(env, "--socket", sock, "shutdown")
         daemon.wait(60)
     steady = rows[-1]["predicted_over_measured"]
-    print(json.dumps({"benchmark": "plan_demo", **provenance(), "tune_fragment": fragment, "tokens": a.tokens,
+    print(provenance.dumps({"benchmark": "plan_demo", "tune_fragment": fragment, "tokens": a.tokens,
                       "results": rows, "steady_predicted_over_measured": steady,
                       "within_25_percent": steady is not None and abs(steady - 1) <= 0.25}, indent=2))
 

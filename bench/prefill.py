@@ -48,6 +48,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from decode import disk_gbs, drop_caches  # noqa: E402
 from synthetic import SHAPE, build, load_model, prompt  # noqa: E402
 
@@ -213,7 +214,7 @@ def main():
                 print(json.dumps(row), file=sys.stderr)
                 model.experts.close()
                 del model
-    print(json.dumps({"benchmark": "prefill", "model": {"shape": "qwen3_moe", "layers": a.layers, "experts": a.experts,
+    print(provenance.dumps({"benchmark": "prefill", "model": {"shape": "qwen3_moe", "layers": a.layers, "experts": a.experts,
                                                         "hidden": SHAPE["hidden_size"]},
                       "limits": list(limits.values()), "results": out,
                       "targets": {"memory_ratio (<= 64 tokens)": round(1 / 1.5, 3), "fma_ratio (>= 512 tokens)": 0.5,

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from control_plane import start_daemon  # noqa: E402
 from synthetic import build  # noqa: E402
 
@@ -117,7 +118,7 @@ def main():
         run["prefill_chunk"] = chunk
         print(json.dumps(run), file=sys.stderr)
         out["runs"].append(run)
-    print(json.dumps(out, indent=2))
+    print(provenance.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

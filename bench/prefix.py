@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from control_plane import start_daemon  # noqa: E402
 from prefill_gap import one_run as gap_run  # noqa: E402
 from synthetic import build, load_model  # noqa: E402
@@ -171,7 +172,7 @@ def main():
     if "d" in parts:
         out["d_paged"] = paged(path, a.prefix_tokens)
         print(json.dumps(out["d_paged"]), file=sys.stderr)
-    print(json.dumps(out, indent=2))
+    print(provenance.dumps(out, indent=2))
 
 
 def best_of(f, *args, n: int = 15) -> float:

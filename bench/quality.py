@@ -12,7 +12,6 @@ trained model's quality changes).
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from synthetic import load_model  # noqa: E402
 
 from colibri.engine import layers  # noqa: E402
@@ -84,7 +84,7 @@ def main():
                         "max_kl_nats": round(float(np.max(kl[d])), 6),
                         "top1_agreement": round(float(np.mean(agree[d])), 4),
                         "expert_bytes": models[d].experts.c.expert_bytes} for d in ("int8", "int4")]}
-    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
     print()
 
 

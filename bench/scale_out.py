@@ -13,7 +13,6 @@ compute included), and a bare call's latency (the predicted rows use it).
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
+import provenance  # noqa: E402
 from decode import drop_caches, run  # noqa: E402
 from synthetic import build, prompt  # noqa: E402
 
@@ -96,7 +96,7 @@ def main():
     net_bytes = len(m.moe_layers) * (k + 1) * d * 4
     predicted = {link: {"network_s_per_token": round(net_bytes / (gbs * 1e9) + len(m.moe_layers) * lat, 5)}
                  for link, gbs in LINKS_GBS.items()}
-    print(json.dumps({"benchmark": "scale_out", "container": path, "record_bytes": c.record_bytes,
+    print(provenance.dumps({"benchmark": "scale_out", "container": path, "record_bytes": c.record_bytes,
                       "budget_fraction": a.budget, "tokens": a.tokens, "bare_call_latency_s_p50": round(lat, 5),
                       "network_bytes_per_token": net_bytes, "predicted_network_cost": predicted, "results": rows},
                      indent=2))

@@ -23,7 +23,6 @@ socket and reconnects as a new client). It prints one JSON object:
 """
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -33,6 +32,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
 from control_plane import wait_ready  # noqa: E402
 
 from colibri.ctl.client import Client  # noqa: E402
@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    print(json.dumps(out, indent=None if a.json else 2))
+    print(provenance.dumps(out, indent=None if a.json else 2))
     return out
 
 

@@ -103,7 +103,10 @@ def test_budget_limits_and_words(tmp_path):
     with pytest.raises(BudgetInvalid, match=f"minimum is .*{n_moe * rb} bytes"):
         load_model(path, budget=n_moe * rb - 1)
     assert load_model(path, budget="all").experts.n_slots == n_moe * m.n_expert
-    assert load_model(path, budget=10**12).experts.n_slots == n_moe * m.n_expert  # never more than all
+    all_bytes = n_moe * m.n_expert * rb
+    assert load_model(path, budget=3 * all_bytes).experts.n_slots == n_moe * m.n_expert  # never more than all
+    with pytest.raises(BudgetInvalid, match="above this box's limit of .* of RAM less"):  # nor above the RAM
+        load_model(path, budget=10**15)
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("2GiB") == 2 * 2**30
     assert parse_size("100KiB") == 102400 and parse_size("12345") == 12345 and parse_size("min") == "min"
     with pytest.raises(BudgetInvalid, match="cannot read"):
