@@ -186,10 +186,10 @@ def best_of(f, *args, n: int = 15) -> float:
 
 
 def paged(path: str, prefix_tokens: int) -> dict:
-    from colibri.engine import kernels, layers
+    from colibri.engine import attention, kernels
     from colibri.engine.generate import Batcher, Request, SamplingParams
-    from colibri.engine.layers import KV_BLOCK, KVPool
     from colibri.engine.prefix import PrefixCache
+    from colibri.engine.sequence import KV_BLOCK, KVPool
 
     model = load_model(path, budget="all")
     sp = model.attn_spec
@@ -208,9 +208,9 @@ def paged(path: str, prefix_tokens: int) -> dict:
             one, blocks = np.empty((T, Hq, hv), np.float32), np.empty((T, Hq, hv), np.float32)
             scale = np.float32(hd**-0.5)
 
-            a = best_of(kernels.attention, q, k, v, S - T, 0, scale, layers.NO_SINKS, one)
+            a = best_of(kernels.attention, q, k, v, S - T, 0, scale, attention.NO_SINKS, one)
             b = best_of(kernels.attention_paged, q, pool.arrays["k"], pool.arrays["v"], 0, table, KV_BLOCK, S - T, 0,
-                        scale, layers.NO_SINKS, blocks)
+                        scale, attention.NO_SINKS, blocks)
             assert np.array_equal(one, blocks)
             rows.append({"positions": S, "tokens": T, "one_block_ms": round(a * 1e3, 3),
                          "blocks_ms": round(b * 1e3, 3), "ratio": round(b / a, 3)})

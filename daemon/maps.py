@@ -35,7 +35,7 @@ class RoutingLog:
         return self.inner.stream(il, ids)
 
     def int4_hits(self, il: int, ids: list[int]):
-        # a step the cache serves from its slots (engine/layers.moe) is a routed step too
+        # a step the cache serves from its slots (engine/moe.moe) is a routed step too
         hits = self.inner.int4_hits(il, ids)
         if hits is not None:
             self.log.append((self.step, il, tuple(int(i) for i in ids)))

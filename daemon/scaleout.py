@@ -2,7 +2,7 @@
 
 Each expert box runs one ExpertWorker actor: an expert cache (storage/cache.py, the
 daemon's own) over the box's copy of the container, computing the rows of a layer-step
-it is sent with engine/layers.worker_rows (the same crew jobs as the head's moe(), each
+it is sent with engine/moe.worker_rows (the same crew jobs as the head's moe(), each
 row times its routing weight). The head's RayExperts is the model's expert source: it
 streams the experts the head owns from its own cache, and its compute_into() (which moe()
 calls instead of streaming everything) sends each box one call per layer-step with the
@@ -98,7 +98,7 @@ class ExpertWorker:
                 ffn=None, clamped=None) -> tuple[np.ndarray, np.ndarray, dict]:
         """parts [(expert, rows)] of layer il -> (rows, their outputs [n, D], the box's
         counters) (see moe(): ffn, clamped a family's own expert)."""
-        from ..engine.layers import worker_rows
+        from ..engine.moe import worker_rows
 
         rows_of = {ie: np.asarray(r) for ie, r in parts}
         self.cache.begin_step()

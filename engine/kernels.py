@@ -22,6 +22,8 @@ import numpy as np
 from .ir import TILE_LANES, exp_sum, f32_tile, pv_tile, scaled_max, silu_mul_rows
 from .jit import JIT, JIT_FAST
 
+NO_SINKS = np.zeros(0, np.float32)  # attention without sinks (kernels take an empty array)
+
 
 def f16_table() -> np.ndarray:
     """float32 value of every float16 bit pattern, for the f16 matmul kernel."""

@@ -17,18 +17,9 @@ import numpy as np
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, QuantWeight, ResidentExperts
 from .crew import crew_session
-from .layers import (
-    KVCache,
-    KVPool,
-    Rope,
-    Segment,
-    Step,
-    linear,
-    rmsnorm,
-    rope_inv_freq,
-    rope_parameters,
-    to_f32,
-)
+from .layers import linear, rmsnorm, to_f32
+from .rope import Rope, rope_inv_freq, rope_parameters
+from .sequence import KVCache, KVPool, Segment, Step
 
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
 

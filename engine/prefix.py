@@ -3,7 +3,7 @@ request that starts with the same tokens (a shell loop's shared instructions, a 
 resends its conversation) computes only what follows.
 
 A block is BLOCK consecutive positions of one sequence: a block of the model's KV pool
-(engine/layers.KVPool: what the family's cache holds per token: keys and values, the
+(engine/sequence.KVPool: what the family's cache holds per token: keys and values, the
 compressed latent for MLA, the indexer keys for DSA). It is found by a hash chained from the start of
 the sequence, key(block i) = H(key(block i-1), its tokens), so a block stands for its
 whole prefix, not only its own tokens (vLLM's automatic prefix caching; SGLang's radix
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layers import KV_BLOCK as BLOCK  # tokens per block
+from .sequence import KV_BLOCK as BLOCK  # tokens per block
 
 
 @dataclass(eq=False)

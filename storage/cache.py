@@ -369,7 +369,7 @@ class ExpertCache(LocalSource):
         the cache), the step counted exactly as stream() counts a step of hits. None, with
         nothing counted, when one is not resident or reads started ahead for this layer are
         pending: stream() serves the step then. A warm decode step's way past a view per
-        expert (engine/layers.moe): in the decode the Python around the kernels ran from
+        expert (engine/moe.moe): in the decode the Python around the kernels ran from
         memory the weights had just pushed out of the caches, a miss per object touched."""
         table = self.int4_slots
         if table is None or self.prefetched.get(il):

@@ -20,21 +20,11 @@ import numpy as np
 
 from ...storage.experts import QuantWeight
 from .. import kernels
-from ..layers import (
-    NO_SINKS,
-    AttnSpec,
-    Rope,
-    attend,
-    deinterleave,
-    linear,
-    moe,
-    rmsnorm,
-    rope_inv_freq,
-    sigmoid_top_k,
-    swiglu,
-    to_f32,
-)
+from ..attention import NO_SINKS, AttnSpec, attend, deinterleave
+from ..layers import linear, rmsnorm, swiglu, to_f32
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
+from ..moe import moe, sigmoid_top_k
+from ..rope import Rope, rope_inv_freq
 
 MODEL_TYPE = "deepseek_v3"
 ALIASES = {"n_routed_experts": ("num_local_experts",)}
@@ -111,7 +101,7 @@ NAMES = HF_NAMES | MOE_NAMES | {
 def route(logits: np.ndarray, bias: np.ndarray, n_expert_used: int, n_group: int, topk_group: int,
           norm_topk_prob: bool, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     # logits [T, E] f32 -> ids [T, A], weights [T, A]: sigmoid scores, the bias for the choice
-    # only, group-limited top-k (layers.sigmoid_top_k)
+    # only, group-limited top-k (moe.sigmoid_top_k)
     return sigmoid_top_k(logits, bias, n_expert_used, n_group, topk_group, norm_topk_prob, scaling)
 
 

@@ -7,7 +7,8 @@ of a container."""
 
 from dataclasses import dataclass
 
-from ..layers import AttnSpec, attention, rmsnorm
+from ..attention import AttnSpec, attention
+from ..layers import rmsnorm
 from ..model import HF_NAMES, MoEModel
 from .deepseek_v3 import MOE_NAMES, GroupedMoE, check_grouped_moe
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from ..layers import NO_SINKS, attend, deinterleave, linear
+from ..attention import NO_SINKS, attend, deinterleave
+from ..layers import linear
 from ..model import require
 from . import deepseek_v3
 

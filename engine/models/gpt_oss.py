@@ -21,8 +21,10 @@ from functools import partial
 import numpy as np
 
 from ...storage.experts import BLOCKS, MX_GROUP, SCALES, QuantWeight, mxfp4_pair
-from ..layers import AttnSpec, attention, linear, moe, rmsnorm, to_f32
+from ..attention import AttnSpec, attention
+from ..layers import linear, rmsnorm, to_f32
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
+from ..moe import moe
 
 MODEL_TYPE = "gpt_oss"
 ALIASES = {"num_local_experts": ("num_experts",)}

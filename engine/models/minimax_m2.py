@@ -5,7 +5,10 @@ layer MoE, no shared expert) with q/k RMSNorm over the whole projection, partial
 
 from dataclasses import dataclass
 
-from ..layers import AttnSpec, Rope, linear, rope_inv_freq, sigmoid_top_k
+from ..attention import AttnSpec
+from ..layers import linear
+from ..moe import sigmoid_top_k
+from ..rope import Rope, rope_inv_freq
 from . import mixtral
 
 MODEL_TYPE = "minimax_m2"
@@ -29,7 +32,7 @@ NAMES = mixtral.NAMES | {"router_bias": "model.layers.{il}.block_sparse_moe.e_sc
 
 def route(logits, bias, n_expert_used):
     # logits [T, E] f32 -> ids [T, A], weights [T, A]: sigmoid, the bias for the choice only,
-    # top-k, renormalised (layers.sigmoid_top_k with one group and no scaling)
+    # top-k, renormalised (moe.sigmoid_top_k with one group and no scaling)
     return sigmoid_top_k(logits, bias, n_expert_used, 1, 1, True, 1.0)
 
 

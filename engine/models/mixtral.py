@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k
+from ..attention import AttnSpec, attention
+from ..layers import linear, rmsnorm
 from ..model import HF_NAMES, MoEModel, check_moe_args
+from ..moe import moe, softmax_top_k
 
 MODEL_TYPE = "mixtral"
 ALIASES = {"num_local_experts": ("num_experts",)}

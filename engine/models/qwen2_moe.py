@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layers import AttnSpec, attention, linear, moe, rmsnorm, softmax_top_k, swiglu
+from ..attention import AttnSpec, attention
+from ..layers import linear, rmsnorm, swiglu
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
+from ..moe import moe, softmax_top_k
 
 MODEL_TYPE = "qwen2_moe"
 ALIASES = {"num_experts": ("num_local_experts",)}

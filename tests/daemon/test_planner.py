@@ -29,7 +29,7 @@ from colibri.daemon.planner import (
     split_memory,
     trace_accesses,
 )
-from colibri.engine import layers
+from colibri.engine import moe
 from colibri.engine.registry import build_model
 from colibri.storage.cache import min_budget_bytes
 from colibri.storage.experts import int4_of
@@ -86,9 +86,9 @@ def test_an_int4_sample_takes_the_warm_caches_path(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 64)).astype(np.float32)
     chosen, weights = np.array([ids]), rng.random((1, 3)).astype(np.float32)
-    fast = layers.moe(x, chosen, weights, sample, il)
-    assert np.array_equal(fast, layers.moe(x, chosen, weights, ViewsOnly(), il))
-    assert not np.array_equal(fast, layers.moe(x, np.array([[0, 1, 3]]), weights, sample, il))
+    fast = moe.moe(x, chosen, weights, sample, il)
+    assert np.array_equal(fast, moe.moe(x, chosen, weights, ViewsOnly(), il))
+    assert not np.array_equal(fast, moe.moe(x, np.array([[0, 1, 3]]), weights, sample, il))
 
 
 def test_the_prediction_is_the_slower_side_plus_part_of_the_other():

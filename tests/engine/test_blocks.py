@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from colibri.engine import layers
+from colibri.engine import attention, rope, sequence
 from colibri.storage.experts import TracedSource
 
 from hf_models import build, load_model
@@ -37,13 +37,13 @@ def rotate(a, cos, sin, interleaved):
                                                           (16, 32, 12, True, None), (32, 16, 32, False, 0.11)])
 def test_attention_block_follows_the_spec(hd, hv, rot, interleaved, scale):
     T, D, Hq, Hkv = 5, 48, 4, 2
-    spec = layers.AttnSpec(Hq, Hkv, hd, 1e-6, v_head_dim=hv, rope_interleaved=interleaved, scale=scale)
+    spec = attention.AttnSpec(Hq, Hkv, hd, 1e-6, v_head_dim=hv, rope_interleaved=interleaved, scale=scale)
     w = {"q": rand(Hq * hd, D), "k": rand(Hkv * hd, D), "v": rand(Hkv * hv, D), "o": rand(D, Hq * hv)}
-    rope = layers.Rope((1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32), 1.0)
-    cos, sin = rope.table(0, T)
-    cache = layers.KVCache(layers.KVPool({"k": (1, Hkv, hd), "v": (1, Hkv, hv)}), 8)
+    table = rope.Rope((1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32), 1.0)
+    cos, sin = table.table(0, T)
+    cache = sequence.KVCache(sequence.KVPool({"k": (1, Hkv, hd), "v": (1, Hkv, hv)}), 8)
     x = rand(T, D)
-    got = layers.attention(spec, w, x, layers.Step([layers.Segment(cache, 0, T)], cos, sin), 0)
+    got = attention.attention(spec, w, x, sequence.Step([sequence.Segment(cache, 0, T)], cos, sin), 0)
 
     q = rotate((x @ w["q"].T).reshape(T, Hq, hd), cos, sin, interleaved)
     k = rotate((x @ w["k"].T).reshape(T, Hkv, hd), cos, sin, interleaved)

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from transformers import CONFIG_MAPPING
 
-from colibri.engine.layers import rope_parameters
 from colibri.engine.registry import build_model, family, supported
+from colibri.engine.rope import rope_parameters
 
 # small values for the fields colibri requires; 16 heads: a multiple of every family's
 # default number of key/value heads

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from colibri.engine import crew, kernels, layers, qkernels
+from colibri.engine import attention, crew, kernels, layers, moe, qkernels
 from colibri.storage.experts import ExpertStats, ResidentExperts
 from colibri.storage.quant import Expert, int4_facts
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
@@ -207,7 +207,7 @@ def test_rope(T, H, hd):
 def test_partial_rope_turns_only_the_tables_width(factor):
     """partial_rotary_factor: rope_inv_freq makes a narrower table; the kernel must turn
     that many dims and pass the rest (it used to read past the table's end)."""
-    from colibri.engine.layers import rope_inv_freq
+    from colibri.engine.rope import rope_inv_freq
 
     hd, T = 64, 5
     inv_freq, _ = rope_inv_freq({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": factor}, hd, 128)
@@ -228,7 +228,7 @@ def test_attention(T, pos0, Hq, Hkv, hd, window):
     S = pos0 + T
     q, k, v = rand(T, Hq, hd), rand(Hkv, S, hd), rand(Hkv, S, hd)
     out = np.empty_like(q)
-    kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), layers.NO_SINKS, out)
+    kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), attention.NO_SINKS, out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, window, hd**-0.5), rtol=1e-5, atol=1e-5)
     sinks = rand(Hq) * 2  # some above every score, some below
     kernels.attention(q, k, v, pos0, window, np.float32(hd**-0.5), sinks, out)
@@ -242,7 +242,7 @@ def test_attention_is_the_same_bits_parallel_chunked_and_alone(window, sinks):
     # chunks (the key cache then holding the earlier chunks)
     T, Hq, Hkv, hd = 37, 6, 2, 24
     q, k, v = rand(T, Hq, hd), rand(Hkv, T, hd), rand(Hkv, T, hd)
-    s = rand(Hq) * 2 if sinks else layers.NO_SINKS
+    s = rand(Hq) * 2 if sinks else attention.NO_SINKS
     one, par = np.empty_like(q), np.empty_like(q)
     kernels.attention(q, k, v, 0, window, np.float32(0.2), s, one)
     kernels.attention_par(q, k, v, 0, window, np.float32(0.2), s, par)
@@ -259,11 +259,11 @@ def test_attention_is_the_same_bits_parallel_chunked_and_alone(window, sinks):
 def test_attention_over_kv_blocks_in_any_order_is_the_contiguous_bits(window, sinks, hv):
     # a sequence's keys and values in blocks of the pool, in a shuffled order (its table),
     # some shared with another sequence: the same bits as one contiguous cache
-    from colibri.engine.layers import KV_BLOCK, KVPool
+    from colibri.engine.sequence import KV_BLOCK, KVPool
 
     T, Hq, Hkv, hd, L = 45, 6, 2, 24, 2
     q, k, v = rand(T, Hq, hd), rand(Hkv, T, hd), rand(Hkv, T, hv)
-    s = rand(Hq) * 2 if sinks else layers.NO_SINKS
+    s = rand(Hq) * 2 if sinks else attention.NO_SINKS
     pool = KVPool({"k": (L, Hkv, hd), "v": (L, Hkv, hv)}, reserve=64 * KV_BLOCK * L * Hkv * (hd + hv) * 4)
     n = -(-T // KV_BLOCK)
     table = np.random.default_rng(1).permutation(pool.n_blocks)[:n].astype(np.int64)
@@ -289,7 +289,7 @@ def test_attention_with_a_value_head_of_its_own_size(hd, hv):
     T, pos0, Hq, Hkv = 3, 4, 4, 2
     q, k, v = rand(T, Hq, hd), rand(Hkv, pos0 + T, hd), rand(Hkv, pos0 + T, hv)
     out = np.empty((T, Hq, hv), np.float32)
-    kernels.attention(q, k, v, pos0, 0, np.float32(0.3), layers.NO_SINKS, out)
+    kernels.attention(q, k, v, pos0, 0, np.float32(0.3), attention.NO_SINKS, out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, pos0, 0, 0.3), rtol=1e-5, atol=1e-5)
 
 
@@ -326,12 +326,12 @@ def test_moe_dispatch_matches_dense_loop():
     D, I, E, T, A = 12, 8, 5, 6, 2
     experts = [(rand(I, D), rand(I, D), rand(D, I)) for _ in range(E)]
     x = rand(T, D)
-    ids, w = layers.softmax_top_k(rand(T, E), A, renormalise=False)
+    ids, w = moe.softmax_top_k(rand(T, E), A, renormalise=False)
     src = Source(experts)
-    out = layers.moe(x, ids, w, src, il=0)
+    out = moe.moe(x, ids, w, src, il=0)
     assert src.calls == [sorted(set(ids.ravel().tolist()))]  # one request, each expert once
     # the order experts arrive in (cache hits first, reads as they land) changes no bit
-    np.testing.assert_array_equal(layers.moe(x, ids, w, Source(experts, reverse=True), il=0), out)
+    np.testing.assert_array_equal(moe.moe(x, ids, w, Source(experts, reverse=True), il=0), out)
     ref = np.zeros_like(x)
     for t in range(T):
         for a in range(A):
@@ -343,7 +343,7 @@ def test_moe_dispatch_matches_dense_loop():
 
 def test_top_k_order_and_ties():
     probs = np.array([[0.1, 0.3, 0.3, 0.2, 0.1]], np.float32)
-    ids, vals = layers.top_k(probs, 3)
+    ids, vals = moe.top_k(probs, 3)
     assert ids.tolist() == [[1, 2, 3]]
     np.testing.assert_allclose(vals, [[0.3, 0.3, 0.2]])
 
