@@ -18,13 +18,14 @@ def rope_parameters(cfg: dict, defaults: dict) -> dict:
     params = dict(cfg.get("rope_parameters") or {})
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
-        if not params:
-            params = {k: v for k, v in defaults.items() if k != "rope_theta"}
         params.setdefault("rope_theta", cfg.get("rope_theta", defaults["rope_theta"]))
+    given = set(params) | ({"rope_type"} if "type" in params else set())
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", cfg.get("rope_theta", defaults["rope_theta"]))
-    if "partial_rotary_factor" in cfg:  # the hub's spelling (GLM-4.5): at the top level
+    if cfg.get("partial_rotary_factor") is not None:  # the hub's spelling (GLM-4.5): at the top level
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if not given - {"rope_theta"}:  # the config sets no RoPE type: the family's whole default
+        params |= {k: v for k, v in defaults.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if "partial_rotary_factor" in defaults:
         params.setdefault("partial_rotary_factor", defaults["partial_rotary_factor"])
     return params

@@ -58,3 +58,21 @@ def test_glm4_moe_without_partial_rotary_factor_rotates_half_the_head():
     config = {"model_type": "glm4_moe", **REQUIRED, "num_key_value_heads": 4}
     model = build_model("minimal", config)
     assert 2 * len(model.rope.inv_freq) == model.head_dim // 2, (model.rope.inv_freq.shape, model.head_dim)
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("gpt_oss", {"rope_theta": 20000.0}),  # a theta alone keeps the family's yarn
+    ("glm4_moe", {"rope_theta": 20000.0}),
+    ("glm4_moe", {"rope_theta": 20000.0, "partial_rotary_factor": 0.75}),  # the hub's top-level spelling wins
+    ("glm4_moe", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ("mixtral", {"rope_theta": 5e5}),
+])
+def test_a_hub_configs_rope_means_what_transformers_reads(model_type, extra):
+    fam = family(model_type)
+    config = {"model_type": model_type, **REQUIRED, **extra}
+    theirs = CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k != "model_type"})
+    want = dict(theirs.rope_parameters)
+    want.pop("type", None)
+    got = rope_parameters(config, fam.Model.ROPE_DEFAULTS)
+    got.pop("type", None)
+    assert got == want, (got, want)
