@@ -8,6 +8,7 @@ import time
 
 import click
 
+from ..storage.policy import POLICIES
 from . import exitcodes
 from .options import BadInput, NoPrompt, input_errors_option, read_prompt, sampling_options, text_arg
 
@@ -122,7 +123,7 @@ def resolve_model(model: str | None) -> str:
               help="write the experts each layer used at each step as JSON lines")
 @click.option("--prefetch", type=click.IntRange(0, 1024), default=8, show_default=True, metavar="N",
               help="router lookahead: start up to N reads per token of the step for the next layer's predicted experts (0: off)")
-@click.option("--policy", type=click.Choice(["lru", "lru+pinned", "learned", "learned-opt"]), default="learned", show_default=True,
+@click.option("--policy", type=click.Choice(POLICIES), default="learned", show_default=True,
               help="expert cache policy (README: The expert cache policy)")
 @click.option("--history", "history_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="keep the usage history in DIR/history (read at start, written at the end); default: none")

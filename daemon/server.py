@@ -1,6 +1,7 @@
 """colibrid: the model placed once, served to many clients. This module is the daemon's
-lifecycle and sockets; the requests are answered by handlers.py, the engine thread's loop
-is scheduler.py, and every wire message is built by protocol.py.
+lifecycle and sockets; the model is placed by loading.py, the requests are answered by
+handlers.py, the engine thread's loop is scheduler.py, and every wire message is built by
+protocol.py.
 
 Sockets: a user socket (generate, chat, status, stats, ping, cancel) and an operator
 socket (everything, including cache, pins, policy, reload and shutdown), each a socket
@@ -131,104 +132,23 @@ class Server:
         return self.phase
 
     def load(self) -> None:
-        """On the engine thread: the model placed, its kernels compiled. Raises the model's
-        errors (ColibriError, OSError), Stopped."""
-        from ..engine import layers
-        from ..engine.registry import build_model
-        from ..engine.tokenizer import Tokenizer, eos_ids
-        from ..storage.checkpoint import load_config
-        from ..storage.demo import default_demo_path, ensure_demo_container
-        from ..storage.errors import BudgetInvalid
-        from ..storage.placement import Placement, faults_from_env, open_model
-        from ..storage.sizes import parse_size
+        """On the engine thread: the model placed (daemon/loading.py), then served from here
+        on. Raises the model's errors (ColibriError, OSError), Stopped."""
+        from .loading import place
 
-        path = self.cfg.model or default_demo_path(state_dir(self.cfg))
-        if self.cfg.model is None:
-            ensure_demo_container(path, build_model, self.set_phase)
-        self.set_phase("checking the model's files")
-        t0 = time.perf_counter()
-        n = self.cfg.compute_threads or len(os.sched_getaffinity(0))
-        history = self.cfg.history
-        kv = parse_size(self.cfg.kv_cache)
-        placement = Placement(budget=parse_size(self.cfg.expert_cache), beside_bytes=kv,
-                              io_threads=self.cfg.io_threads, mlock=self.cfg.mlock, hugetlb=self.cfg.hugepages,
-                              policy=self.cfg.cache_policy(), state_dir=state_dir(self.cfg) if history else None,
-                              history_read_only=history == "read-only", history_half_life=self.cfg.history_half_life,
-                              verify=self.cfg.verify, drives=tuple(self.cfg.drives), faults=faults_from_env(),
-                              coalesce=self.cfg.coalesce_reads, reader=self.cfg.reader,
-                              queue_depth=self.cfg.queue_depth, sqpoll_cpu=self.cfg.sqpoll_cpu)
-        try:
-            placed = open_model(path, placement, build_model, progress=self.set_phase)
-        except BudgetInvalid as e:  # say where the budget was set: a fragment `colictl tune` wrote, a flag, ...
-            from .config import origin
-
-            raise BudgetInvalid(f"{origin('expert_cache', self.config_path, self.overrides)}: expert_cache = "
-                                f"{self.cfg.expert_cache} (kv_cache = {self.cfg.kv_cache}): {e}") from None
-        model = placed.model
-        tokenizer = Tokenizer(path)
-        self.eos = eos_ids(path, load_config(path), tokenizer)
-        layers.init(n, self.set_phase)
-        self.tokenizer, self.model_path = tokenizer, path
-        self.boot["compute_threads"] = {"asked": self.cfg.compute_threads or "all", "got": n}
-        experts = model.experts.describe()
-        if "mlock" in experts:
-            self.boot["mlock_experts"] = {"asked": self.cfg.mlock, "got": experts["mlock"]}
-            self.boot["hugepages"] = {"asked": "reserved" if self.cfg.hugepages else "transparent",
-                                      "got": experts.get("hugepages")}
-        if self.cfg.mlock:
-            from .boot import lock_arrays
-
-            dense = list(model.glob.values()) + [a for L in model.layers for a in L.values()]
-            self.boot["mlock_dense"] = lock_arrays(dense, "dense weights")
-        self.boot["load_s"] = round(time.perf_counter() - t0, 3)
-        self.boot["drives"] = self.set_up_drives(path)
-        self.control, self.history = placed.control, placed.history
-        self.room = placed.control.room if placed.control is not None else resident_room(path)
+        got = place(self.cfg, self.config_path, self.overrides, self.set_phase)
+        self.boot |= got.boot
+        self.tokenizer, self.eos, self.model_path = got.tokenizer, got.eos, got.path
+        self.control, self.history, self.room = got.control, got.history, got.room
+        self.sessions, self.prefix = got.sessions, got.prefix
         self.plan = self.load_plan()
-        self.sessions = self.session_store(path, model)
-        from ..engine.prefix import PrefixCache
-
-        self.prefix = PrefixCache(kv)
-        if self.cfg.placement == "ray":
-            if self.control is None:
-                raise ColibriError("placement: ray spreads a container's experts: convert the checkpoint first "
-                                   "(colictl convert)")
-            from .scaleout import place_on_ray
-
-            self.set_phase("starting the expert boxes on Ray")
-            model.experts = place_on_ray(model, self.control, self.history, self.cfg.ray_address, self.cfg.ray_boxes,
-                                         self.cfg.ray_head_weight, placement.budget, self.cfg.io_threads)
-            self.boot["boxes"] = model.experts.describe_boxes()
-        from .maps import RoutingLog
-
-        model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
         # the model, tokenizer and libraries live as long as the process: frozen, the cyclic
         # collector's full passes skip them (one took ~50 ms, a step's time, at a random step)
         gc.collect()
         gc.freeze()
-        self.model = model  # the I/O thread serves requests that need it from here on
+        self.model = got.model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
-        log.info("model %s placed in %.2f s", path, self.boot["load_s"])
-
-    def set_up_drives(self, path: str) -> list[dict]:
-        """The drives of the expert files (the model's, the copies'), as boot reports them:
-        what each is and how it queues reads, and what tuning changed (tune_drives) or
-        would change. Under the shipped unit the daemon may not write /sys: the privileged
-        `colibrid drives` step did it before the daemon started, and its report (of this
-        boot) is what `changed` shows."""
-        from .boot import drives_report_path, drives_set_at_boot, set_up_drives
-
-        places, cpus = [path, *self.cfg.drives], sorted(os.sched_getaffinity(0))
-        done = drives_set_at_boot(drives_report_path(state_dir(self.cfg))) if self.cfg.tune_drives else None
-        if done is None:
-            return set_up_drives(places, cpus, self.cfg.tune_drives)
-        now = set_up_drives(places, cpus, False)  # as the drives are now
-        earlier = {d["path"]: d for d in done["drives"]}
-        for d in now:
-            before = earlier.get(d["path"], {})
-            d["changed"] = before.get("changed", [])
-            d["set_by"] = f"colibrid drives at {done['made']}"
-        return now
+        log.info("model %s placed in %.2f s", got.path, self.boot["load_s"])
 
     def changed_at_runtime(self, keys: dict, persist: bool, by_operator: bool) -> dict:
         """Note settings an operator changed while running (a reload's changes are the
@@ -308,19 +228,6 @@ class Server:
         log.info("plan of %s: made %s, predicted %s tok/s at its recommended settings", where, plan.get("made"),
                  plan.get("recommend", {}).get("predicted_tok_s"))
         return plan
-
-    def session_store(self, path: str, model):
-        from ..storage.sessions import fingerprints
-        from ..storage.sizes import parse_size
-        from .sessions import SessionStore
-
-        store = SessionStore(os.path.join(state_dir(self.cfg), "sessions"), fingerprints(path), model.args.vocab_size,
-                             parse_size(self.cfg.sessions_bytes), self.cfg.sessions_age_days)
-        try:
-            store.expire()
-        except OSError as e:
-            log.warning("could not apply the session budgets in %s: %s", store.root, e.strerror)
-        return store
 
     def bind(self, ctx: zmq.Context, path: str, group: str | None) -> zmq.Socket:
         """A ROUTER on `path`, mode 0660, of `group` (None: the daemon's). Raises
@@ -571,12 +478,3 @@ def peer_uid(frame: zmq.Frame) -> int | None:
         return int(parts[1]) if len(parts) == 4 else None
     except (zmq.ZMQError, ValueError):
         return None
-
-
-def resident_room(path: str):
-    """The RAM budgets may take beside a checkpoint whose weights are all resident."""
-    import glob
-
-    from ..storage.memory import MemoryRoom
-
-    return MemoryRoom(sum(os.path.getsize(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors"))))
