@@ -11,10 +11,17 @@ import logging
 import os
 import time
 
-from ..storage.errors import ColibriError
+from .. import __version__
+from ..storage.errors import BudgetInvalid, ColibriError
+from ..storage.policy import PolicyInvalid
+from ..storage.sizes import parse_size
 from . import protocol as P
+from .config import ConfigError
+from .maps import snapshot
+from .planner import predicted_now
 from .protocol import ProtocolError
 from .scheduler import Cancel, Generate, Pin, Resize, SetPolicy
+from .sessions import NAME, NAME_RULE, SessionInUse
 
 log = logging.getLogger("colibri.daemon")
 
@@ -103,8 +110,6 @@ class Handlers:
         if not P.compatible(msg.get("protocol")):
             raise ProtocolError("VERSION_MISMATCH", f"client speaks protocol {msg.get('protocol')}, "
                                                     f"colibrid {P.PROTOCOL_VERSION}")
-        from .. import __version__
-
         return {"protocol": P.PROTOCOL_VERSION, "server": f"colibrid {__version__}", "model": self.model_summary(),
                 "max_message_bytes": self.s.cfg.max_message_bytes, **self.loading()}
 
@@ -144,8 +149,6 @@ class Handlers:
         since = msg.get("since")
         if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
             raise ProtocolError("BAD_MESSAGE", "'since' must be an integer (a step)")
-        from .maps import snapshot
-
         return snapshot(self.s.model, self.s.model.experts, since)
 
     def memory(self) -> dict:
@@ -165,8 +168,6 @@ class Handlers:
         plan = s.current_plan()
         if plan is None:
             return None
-        from .planner import predicted_now
-
         b = s.batcher
         measured = round(b.decode_steps / b.decode_s, 3) if b is not None and b.decode_s > 0 else None
         return {"made": plan.get("made"), "predicted": predicted_now(plan, s.control.budget_bytes),
@@ -204,8 +205,6 @@ class Handlers:
 
     def session_name(self, name) -> str:
         """A session name of a request from a peer whose uid is known. Raises ProtocolError."""
-        from .sessions import NAME, NAME_RULE
-
         if not isinstance(name, str):
             raise ProtocolError("BAD_MESSAGE", "'session' must be a string")
         if not NAME.fullmatch(name):
@@ -221,8 +220,6 @@ class Handlers:
         return self.uid
 
     def on_session(self, identity, rid, msg):
-        from .sessions import SessionInUse
-
         store, action = self.s.sessions, msg.get("action")
         if action not in ("list", "show", "rm"):
             raise ProtocolError("BAD_MESSAGE", "'action' must be \"list\", \"show\" or \"rm\"")
@@ -255,8 +252,6 @@ class Handlers:
         return {"stopping": True}
 
     def on_reload(self, identity, rid, msg):
-        from .config import ConfigError
-
         try:
             return self.s.reload()
         except ConfigError as e:
@@ -311,8 +306,6 @@ class Handlers:
         return None
 
     def on_policy(self, identity, rid, msg):
-        from ..storage.policy import PolicyInvalid
-
         s = self.s
         action = msg.get("action")
         if action not in ("show", "set"):
@@ -344,9 +337,6 @@ def persist_arg(msg: dict) -> bool:
 
 def size_arg(value, what: str = ""):
     """A size from a request (bytes, KiB/MiB/GiB, min, all). Raises ProtocolError."""
-    from ..storage.errors import BudgetInvalid
-    from ..storage.sizes import parse_size
-
     try:
         return parse_size(str(value))
     except BudgetInvalid as e:

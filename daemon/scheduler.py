@@ -8,6 +8,10 @@ step, its prompt a `prefill_chunk` at a time while others decode. An idle engine
 request waits `batch_window_ms` for those sent with it. Budget, pin and policy changes
 run between two steps, so a running request sees them only in its speed. A request that
 continues a session takes it (open_turn) and writes it back when it completes (end_turn).
+
+The engine (engine.generate) is imported inside the methods that run on the engine
+thread: the server imports this module before it binds its sockets, and the engine's
+import (numba) takes about a second that the sockets should not wait for.
 """
 
 import logging
@@ -21,9 +25,11 @@ import zmq
 
 from ..engine.errors import PromptTooLong
 from ..storage.errors import BudgetInvalid, ColibriError, ExpertReadError
+from ..storage.sessions import SessionMismatch
 from ..storage.sizes import size_text
 from . import protocol as P
 from .protocol import ProtocolError
+from .sessions import Saved, SessionInUse
 
 log = logging.getLogger("colibri.daemon")
 # the errors that end a request the user can mend (counted `rejected`); the others are
@@ -202,9 +208,6 @@ class Scheduler:
         """(new token ids, prior conversation or None) of a request that continues a
         session; the session is taken (in use) until end_turn. Raises ProtocolError."""
         from ..engine.generate import Conversation
-        from ..storage.sessions import SessionMismatch
-        from .sessions import SessionInUse
-
         d, msg, name = self.d, g.msg, g.msg["session"]
         mode = "chat" if "messages" in msg else "text"
         try:
@@ -236,8 +239,6 @@ class Scheduler:
     def end_turn(self, key: Key, conversation=None, text: str = "") -> dict | None:
         """Release the request's session (writing it when the turn completed, with the
         `conversation` after it); what the reply says about it, or None without a session."""
-        from .sessions import Saved
-
         turn = self.turns.pop(key, None)
         if turn is None:
             return None

@@ -25,6 +25,8 @@ get LOADING. READY=1 goes to systemd once the model is placed.
 """
 
 import gc
+import grp
+import json
 import logging
 import os
 import queue
@@ -35,11 +37,17 @@ import time
 import zmq
 
 from ..storage.errors import ColibriError
+from ..storage.sizes import parse_size
 from . import protocol as P
-from .config import Config, state_dir
+from .boot import set_cpus, set_numa
+from .config import Config, ConfigError, load, runtime_path, state_dir
+from .config import persist as keep
 from .handlers import Handlers
+from .logs import setup_logging
+from .metrics import Latencies
 from .notify import notify, watchdog_interval_s
-from .scheduler import Cancel, Resize, SetPolicy
+from .planner import PLAN_VERSION, plan_path
+from .scheduler import Cancel, Resize, Scheduler, SetPolicy
 
 log = logging.getLogger("colibri.daemon")
 
@@ -69,8 +77,6 @@ class Server:
         self.boot: dict = {}
         self.model = None  # set by the engine thread once placed
         self.control = None  # the expert cache's runtime control; None when every expert is resident
-        from .metrics import Latencies
-
         self.latency = Latencies()  # time to first token and between tokens (stats, the gateway's /metrics)
         self.plan: dict | None = None  # colictl tune's plan for the container (stats: predicted vs measured)
         self.plan_stamp: int | None = None  # the plan file's mtime when read (None: there was none)
@@ -94,8 +100,6 @@ class Server:
 
     def place(self) -> None:
         """Boot-time placement before the model loads: CPUs, NUMA node (daemon/boot.py)."""
-        from .boot import set_cpus, set_numa
-
         # the node first: numa_run_on_node sets the affinity to all of the node's CPUs, which
         # would undo the CPUs asked for if it came second
         self.boot["numa"] = set_numa(self.cfg.numa_node)
@@ -134,7 +138,7 @@ class Server:
     def load(self) -> None:
         """On the engine thread: the model placed (daemon/loading.py), then served from here
         on. Raises the model's errors (ColibriError, OSError), Stopped."""
-        from .loading import place
+        from .loading import place  # (the engine's import takes a second: after the sockets are bound)
 
         got = place(self.cfg, self.config_path, self.overrides, self.set_phase)
         self.boot |= got.boot
@@ -166,9 +170,6 @@ class Server:
         self.runtime_changes |= keys
         if not persist or not keys:
             return {"persisted": None}
-        from .config import ConfigError
-        from .config import persist as keep
-
         try:
             where = keep(self.cfg.state_dir, keys)
         except (ConfigError, OSError) as e:
@@ -180,8 +181,6 @@ class Server:
 
     def runtime(self) -> dict:
         """What changed at runtime and whether a restart keeps it (status)."""
-        from .config import runtime_path
-
         pins = sorted(f"{il}:{ie}" for il, ie in self.control.hand_pins) if self.control is not None else []
         lost = [k for k in self.runtime_changes if k not in self.runtime_kept]
         return {"changed": self.runtime_changes, "kept": sorted(self.runtime_kept & set(self.runtime_changes)),
@@ -193,8 +192,6 @@ class Server:
         last look (one stat), so a tune's prediction shows at once, without a restart."""
         if self.control is None:
             return None
-        from .planner import plan_path
-
         try:
             stamp = os.stat(plan_path(state_dir(self.cfg), self.control.c.fingerprint)).st_mtime_ns
         except OSError:
@@ -205,10 +202,6 @@ class Server:
 
     def load_plan(self) -> dict | None:
         """The plan `colictl tune` kept for this container (daemon/planner.py), or None."""
-        import json
-
-        from .planner import PLAN_VERSION, plan_path
-
         if self.control is None:
             return None
         where = plan_path(state_dir(self.cfg), self.control.c.fingerprint)
@@ -245,8 +238,6 @@ class Server:
         router.bind(P.endpoint(path))
         os.chmod(path, 0o660)
         if group:
-            import grp
-
             try:
                 os.chown(path, -1, grp.getgrnam(group).gr_gid)
             except (KeyError, PermissionError) as e:
@@ -372,9 +363,6 @@ class Server:
         """Read the configuration again (flags still override it) and apply what can change
         while running; say what needs a restart. A bad file changes nothing.
         Raises ConfigError."""
-        from .config import load
-        from .logs import setup_logging
-
         new = load(self.config_path, self.overrides)
         old = self.cfg
         changed = [k for k in new.as_dict() if getattr(new, k) != getattr(old, k)]
@@ -384,19 +372,13 @@ class Server:
         if "log_level" in applied:
             setup_logging(new.log_level)
         if self.sessions is not None:
-            from ..storage.sizes import parse_size
-
             self.sessions.max_bytes = parse_size(new.sessions_bytes)
             self.sessions.max_age_s = new.sessions_age_days * 86400
         if set(applied) & set(self.POLICY_KEYS) and self.control is not None:
             self.inbox.put(SetPolicy(None, new.cache_policy()))
         if "expert_cache" in applied and self.control is not None:
-            from ..storage.sizes import parse_size
-
             self.inbox.put(Resize(None, parse_size(new.expert_cache), None))
         if "kv_cache" in applied and self.prefix is not None:
-            from ..storage.sizes import parse_size
-
             self.inbox.put(Resize(None, None, None, parse_size(new.kv_cache)))
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
@@ -442,8 +424,6 @@ class Server:
 
     def engine_loop(self, ctx: zmq.Context) -> None:
         """Place the model, then run the scheduler until the daemon stops."""
-        from .scheduler import Scheduler
-
         try:
             self.load()
         except Stopped:
