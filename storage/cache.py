@@ -48,13 +48,21 @@ def min_budget_bytes(n_moe_layers: int, record_bytes: int) -> int:
     return n_moe_layers * record_bytes
 
 
-def check_min_budget(budget: int, n_moe_layers: int, record_bytes: int) -> None:
-    """Raises BudgetInvalid, saying the minimum, when `budget` bytes are below it."""
+def budget_bytes(budget: int | str, n_moe_layers: int, n_expert: int, record_bytes: int,
+                 room: MemoryRoom | None = None, beside: int = 0) -> int:
+    """An expert budget (bytes, "min" or "all") in bytes, checked as placing a model and
+    resizing its cache check it: within `room` (None: unchecked) beside `beside` bytes of
+    the prefix cache, and not below the minimum. Raises BudgetInvalid saying which."""
     least = min_budget_bytes(n_moe_layers, record_bytes)
-    if budget < least:
+    what = "every expert (expert_cache all)" if budget == "all" else "an expert cache"
+    n = least if budget == "min" else n_moe_layers * n_expert * record_bytes if budget == "all" else int(budget)
+    if room is not None:
+        room.check(what, n, beside, "the prefix cache")
+    if n < least:
         raise BudgetInvalid(
-            f"expert cache of {fmt_bytes(budget)} is too small: the minimum is {fmt_bytes(least)} "
+            f"expert cache of {fmt_bytes(n)} is too small: the minimum is {fmt_bytes(least)} "
             f"({least} bytes: one {fmt_bytes(record_bytes)} expert slot for each of {n_moe_layers} MoE layers)")
+    return n
 
 
 class ExpertCache(LocalSource):
@@ -98,16 +106,8 @@ class ExpertCache(LocalSource):
         """(slots per MoE layer, bytes asked) for a budget. Raises BudgetInvalid below the
         minimum, or above the RAM the box has for it (`room`)."""
         rb, n_moe, n_expert = self.record_bytes, len(self.c.moe_layers), self.c.n_expert
-        min_bytes = min_budget_bytes(n_moe, rb)
-        what = "every expert (expert_cache all)" if budget == "all" else "an expert cache"
-        if budget == "min":
-            budget = min_bytes
-        elif budget == "all":
-            budget = n_moe * n_expert * rb
-        if self.room is not None:
-            self.room.check(what, int(budget), self.beside, "the prefix cache")
-        check_min_budget(budget, n_moe, rb)
-        return min(budget // rb // n_moe, n_expert), int(budget)
+        total = budget_bytes(budget, n_moe, n_expert, rb, self.room, self.beside)
+        return min(total // rb // n_moe, n_expert), total
 
     def _place(self, budget: int | str, pinned_bytes: int | None = None) -> None:
         """Make the arena for `budget`, of which `pinned_bytes` (None: what the policy's

@@ -167,18 +167,14 @@ def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0) ->
     other budgets (the prefix cache), as open_model checks it, without reading a weight.
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
-    from .cache import check_min_budget, min_budget_bytes
+    from .cache import budget_bytes
 
     if not is_container(path):
         check_resident(path, open_checkpoint(path), budget, beside_bytes)
         return
     c = open_container(path)
-    n_moe = len(c.moe_layers)
-    asked = default_budget(c) if budget is None else min_budget_bytes(n_moe, c.record_bytes) if budget == "min" \
-        else c.expert_bytes if budget == "all" else int(budget)
-    check_min_budget(asked, n_moe, c.record_bytes)
-    room_for(c).check("every expert (expert_cache all)" if budget == "all" else "an expert cache", asked,
-                      beside_bytes, "the prefix cache")
+    budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert, c.record_bytes,
+                 room_for(c), beside_bytes)
 
 
 def check_resident(path: str, checkpoint, budget, beside_bytes: int) -> None:
