@@ -89,9 +89,9 @@ def fp8_codes(v: np.ndarray) -> np.ndarray:
     exponent field (|v| < 2 ** -6, one weight in ~10^4 of real checkpoints) decodes through a
     subnormal float32, which the CPU multiplies slowly, so uniformly random codes (1 in 16
     such) understate the kernel."""
-    from colibri.storage.quant import FP8_VALUES
+    from colibri.storage.formats import FORMATS
 
-    table = FP8_VALUES["fp8_e4m3"][:0x7F]  # the non-negative codes 0 .. 126, increasing
+    table = FORMATS["fp8_e4m3"].values[:0x7F]  # the non-negative codes 0 .. 126, increasing
     a = np.minimum(np.abs(v), table[-1])
     i = np.clip(np.searchsorted(table, a), 1, len(table) - 1)
     i -= (a - table[i - 1]) < (table[i] - a)

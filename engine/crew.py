@@ -16,21 +16,13 @@ from contextlib import contextmanager
 import numba as nb
 import numpy as np
 
-from ..storage.experts import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, bf16_to_f32, int4_of
-from .fpkernels import f8_rows, mx4_rows
-from .ir import (
-    atomic_add,
-    atomic_load,
-    clamped_rows,
-    f32_at,
-    i8_at,
-    i64_at,
-    q4_matmul,
-    silu_mul_rows,
-    u8_at,
-    u16_at,
-    yield_cpu,
-)
+from ..storage.experts import FORMATS, PLAIN_CODES, QuantWeight, bf16_to_f32, int4_of
+from .atomics import atomic_add, atomic_load, f32_at, i8_at, i64_at, u8_at, u16_at, yield_cpu
+from .formats.fp8 import f8_rows
+from .formats.int4 import q4_matmul, q4_rows_32, q4_rows_64, q4_rows_128, q4_split_row
+from .formats.int8 import q8_rows
+from .formats.mxfp4 import mx4_rows
+from .ir_rows import clamped_rows, silu_mul_rows
 from .jit import JIT
 from .kernels import (
     BF16_DIRECT_TOKENS,
@@ -46,7 +38,6 @@ from .kernels import (
     tiles,
     u16_rows,
 )
-from .qkernels import q4_rows_32, q4_rows_64, q4_rows_128, q4_split_row, q8_rows
 
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
 # did; then each job's descriptor
@@ -62,9 +53,12 @@ CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wa
 
 N_ADDRS = 9  # per expert: gate q, scales, up q, scales, down q, scales, then its biases (0: none)
 ACT_SILU, ACT_CLAMPED = 0, 1  # an expert job's activation: SwiGLU; gpt-oss's clamped one (params alpha, limit)
-# a JOB_MOE_TOK job's weights: what widen_rows turns into float32 rows
-W_BF16, W_F16, W_INT8, W_INT4, W_FP8, W_MXFP4, W_F32 = 0, 1, 2, 3, 4, 5, 6
-TOK_KINDS = {"int8": W_INT8, "int4": W_INT4, "fp8_e4m3": W_FP8, "fp8_e5m2": W_FP8, "mxfp4": W_MXFP4}
+# a JOB_MOE_TOK job's weights, by their format's one code (storage/formats): what widen_rows
+# turns into float32 rows
+W_BF16, W_F16, W_F32 = PLAIN_CODES["bf16"], PLAIN_CODES["f16"], PLAIN_CODES["f32"]
+W_INT8, W_INT4, W_MXFP4 = FORMATS["int8"].code, FORMATS["int4"].code, FORMATS["mxfp4"].code
+W_E4M3, W_E5M2 = FORMATS["fp8_e4m3"].code, FORMATS["fp8_e5m2"].code
+DTYPE_CODES = {np.dtype(np.uint16): W_BF16, np.dtype(np.float16): W_F16, np.dtype(np.float32): W_F32}
 N_TABLE = 16 + 256  # a JOB_MOE_TOK job's value table: FP8's 256 values, or MXFP4's 16 (e2m1) then 256 (e8m0)
 
 
@@ -129,7 +123,7 @@ def widen_rows(wkind, qa, sa, N, K, bn, bk, table, f16_lut, n0, nr, wb):
             q4_rows_128(q, scales, f16_lut, n0, nr, wb)
     elif wkind == W_INT8:
         q8_rows(nb.carray(i8_at(qa), (N, K)), nb.carray(u16_at(sa), (N, K // bk)), bk, f16_lut, n0, nr, wb)
-    elif wkind == W_FP8:
+    elif wkind == W_E4M3 or wkind == W_E5M2:
         f8_rows(nb.carray(u8_at(qa), (N, K)), nb.carray(f32_at(sa), ((N + bn - 1) // bn, (K + bk - 1) // bk)),
                 bn, bk, table[:256], n0, nr, wb)
     else:
@@ -198,7 +192,7 @@ def weigh(out, db, rows, wts, ys, i_lo, i_hi, d_lo, d_hi):
 
 
 def _make_crew(g: int):
-    # the crew kernel for int4 experts of group g (a constant, as in qkernels._make_q4)
+    # the crew kernel for int4 experts of group g (a constant, as in formats/int4.py _make_q4)
     half = g // 2
 
     @nb.njit(**JIT)
@@ -578,10 +572,11 @@ class Crew:
         blocks = (1, 1, 1, 1)
         if isinstance(gate, QuantWeight):
             blocks = (gate.row_block, gate.group_size, down.row_block, down.group_size)
-            if wkind == W_FP8:
-                table[:256] = FP8_VALUES[gate.kind]
-            elif wkind == W_MXFP4:
-                table[:16], table[16:] = E2M1_VALUES, E8M0_VALUES
+            fmt = FORMATS[gate.kind]
+            if fmt.values is not None:  # FP8's 256 values; MXFP4's 16, then its scales' 256
+                table[: len(fmt.values)] = fmt.values
+            if fmt.scale_values is not None:
+                table[16:] = fmt.scale_values
         if self.work.size < n_work:
             self.work = empty_aligned(max(n_work, 2 * self.work.size))
         work = self.work[:n_work]
@@ -615,9 +610,9 @@ def tok_kind(gate, up, down) -> int | None:
     kinds = set()
     for w in (gate, up, down):
         if isinstance(w, QuantWeight) and w.q.flags.c_contiguous and w.scales.flags.c_contiguous:
-            kinds.add(TOK_KINDS.get(w.kind, -1))
+            kinds.add(FORMATS[w.kind].code if w.kind in FORMATS else -1)
         elif isinstance(w, np.ndarray) and w.ndim == 2 and w.flags.c_contiguous:
-            kinds.add({np.dtype(np.uint16): W_BF16, np.dtype(np.float16): W_F16, np.dtype(np.float32): W_F32}.get(w.dtype, -1))
+            kinds.add(DTYPE_CODES.get(w.dtype, -1))
         else:
             return None
     if len(kinds) != 1 or -1 in kinds:

@@ -7,8 +7,9 @@ registers) and never make a float32 copy of a matrix. Every kernel is `nogil`, s
 computes, and `cache=True`, so a process compiles it once per machine (jit.py says where).
 
 This file holds the dense kernels (float32, float16 and bf16 weights, norms, RoPE,
-attention); qkernels.py the quantized ones (int8, int4), ir.py the pieces written in LLVM
-IR, crew.py the thread crew that shares a forward step's parallel work.
+attention); formats/ a module per number format (int8, int4, FP8, MXFP4); ir.py,
+ir_rows.py and atomics.py the pieces written in LLVM IR; crew.py the thread crew that
+shares a forward step's parallel work.
 
 The numpy references these are tested against live in tests/engine/test_kernels.py.
 """
@@ -19,7 +20,8 @@ import math
 import numba as nb
 import numpy as np
 
-from .ir import TILE_LANES, exp_sum, f32_tile, pv_tile, scaled_max, silu_mul_rows
+from .ir import TILE_LANES, f32_tile
+from .ir_rows import exp_sum, pv_tile, scaled_max, silu_mul_rows
 from .jit import JIT, JIT_FAST
 
 NO_SINKS = np.zeros(0, np.float32)  # attention without sinks (kernels take an empty array)

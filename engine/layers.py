@@ -12,7 +12,8 @@ import os
 import numpy as np
 
 from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of
-from . import crew, fpkernels, kernels, qkernels
+from . import crew, kernels
+from .formats import KERNELS, int4
 from .kernels import NO_SINKS, f16_lut
 from .sequence import KV_BLOCK, KVPool
 
@@ -56,23 +57,17 @@ def init(n_threads: int | None = None, progress=None) -> None:
         for u16 in (np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
             kernels.matmul_u16_par(x, u16.view(np.uint16), u16.dtype == np.uint16, f16_lut(), np.empty((1, 2), np.float32))
         kernels.matmul_f32_par(x, np.ones((2, 4), np.float32), np.empty((1, 2), np.float32))
-        for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16),
-                  QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)):
+        for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
             linear(x, w)
-        qlinear(x, QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2), prompt=True)
 
     def experts(g):
         q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
         swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
         swiglu(x64, q4, q4, q4, prompt=True)
 
-    def published():  # FP8 and MXFP4, the decode and the prompt path
-        weights = [QuantWeight(kind, np.ones((2, 64), np.uint8), np.ones((1, 1), np.float32), 64, 2)
-                   for kind in fpkernels.FP8_FORMATS]
-        weights.append(QuantWeight("mxfp4", np.ones((2, 32), np.uint8), np.full((2, 2), 127, np.uint8), 32))
-        for w in weights:
-            for prompt in (False, True):
-                qlinear(np.ones((1, 64), np.float32), w, prompt)
+    def formats():  # every number format's decode and prompt path (int4's: the crew's above)
+        for module in dict.fromkeys(KERNELS.values()):
+            module.warm()
 
     def attention():
         for norm in (kernels.rmsnorm, kernels.rmsnorm_par):
@@ -90,7 +85,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
                        np.empty((1, 1, hv), np.float32))
         kernels.silu_mul(x, x, np.empty_like(x))
 
-    steps = [dense, *(functools.partial(experts, g) for g in qkernels.LINEAR_Q4), published, attention]
+    steps = [dense, *(functools.partial(experts, g) for g in int4.GROUPS), formats, attention]
     assert len(steps) == len(COMPILE_SHARES)
     for i, step in enumerate(steps):
         if progress:
@@ -101,7 +96,7 @@ def init(n_threads: int | None = None, progress=None) -> None:
 
 init.done = False
 # each kernel group's part of a first compile (seconds measured on the 2-core box: dense 12,
-# int4 experts 9, 5, 5, published formats 4, attention 64), for an estimate while it runs
+# int4 experts 9, 5, 5, the formats 4, attention 64), for an estimate while it runs
 COMPILE_SHARES = (0.12, 0.09, 0.05, 0.05, 0.04, 0.65)
 
 
@@ -118,25 +113,7 @@ def qlinear(x: np.ndarray, w: QuantWeight, prompt: bool = False) -> np.ndarray:
     # prompt's, taken by the prompt-token kernel where the format has one (each row's result
     # the same alone or batched on either path; the two differ in rounding only)
     y = np.empty((x.shape[0], w.q.shape[0]), np.float32)
-    if w.kind in fpkernels.FP8_FORMATS:
-        fmt = fpkernels.FP8_FORMATS[w.kind]
-        if prompt:
-            fpkernels.LINEAR_F8_TOK[fmt](x, w.q, w.scales, w.row_block, w.group_size, fpkernels.FP8_VALUES[w.kind], y)
-        else:
-            fpkernels.LINEAR_F8[fmt](x, w.q, w.scales, w.row_block, w.group_size, y)
-    elif w.kind == "mxfp4":
-        if prompt:
-            fpkernels.linear_mx4_tok(x, w.q, w.scales, fpkernels.E8M0_VALUES, fpkernels.E2M1_VALUES, y)
-        else:
-            fpkernels.linear_mx4(x, w.q, w.scales, fpkernels.E8M0_VALUES, y)
-    elif w.kind == "int8" and prompt:
-        qkernels.linear_q8_tok(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), y)
-    elif w.kind == "int8":
-        qkernels.matmul_q8(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), y)
-    elif prompt:
-        qkernels.LINEAR_Q4_TOK[w.group_size](x, w.q, w.scales.view(np.uint16), f16_lut(), y)
-    else:
-        qkernels.LINEAR_Q4[w.group_size](x, w.q, w.scales.view(np.uint16), f16_lut(), y)
+    KERNELS[w.kind].linear(x, w, y, prompt)
     return y
 
 

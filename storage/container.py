@@ -24,8 +24,9 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .checksum import crc32  # noqa: F401 (the records' checksum; cache, convert and doctor take it from here)
 from .errors import CheckpointError, ConfigInvalid, DenseChecksumMismatch, read_json
+from .formats import FORMATS
 from .fpformats import quant_config
-from .quant import PUBLISHED_DTYPES, Expert, QuantWeight
+from .quant import Expert, from_record
 from .safetensors import DTYPES, SafetensorsFile
 
 FORMAT = "colibri-container"
@@ -178,20 +179,9 @@ class Container:
         matrices (biases stay float), as an Expert."""
         parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
         biases = tuple(parts[(n, "weight")] for n in BIAS_PARTS if (n, "weight") in parts)
-        if self.expert_dtype in ("int8", "int4"):
-            out = []
-            for n in PARTS:
-                q, scales = parts[(n, "weight")], parts[(n, "scales")]
-                cols = q.shape[1] * (2 if self.expert_dtype == "int4" else 1)
-                out.append(QuantWeight(self.expert_dtype, q, scales, cols // scales.shape[1]))
-            return Expert(tuple(out) + biases)
-        if self.expert_dtype in PUBLISHED_DTYPES:  # block None: one scale per matrix
-            out = []
-            for n in PARTS:
-                q = parts[(n, "weight")]
-                rows, cols = self.block or q.shape
-                out.append(QuantWeight(self.expert_dtype, q, parts[(n, "scales")], cols, rows))
-            return Expert(tuple(out) + biases)
+        if self.expert_dtype in FORMATS:  # block None: one scale per matrix (published formats)
+            return Expert(tuple(from_record(self.expert_dtype, parts[(n, "weight")], parts[(n, "scales")], self.block)
+                                for n in PARTS) + biases)
         return Expert(tuple(parts[(n, "weight")] for n in PARTS) + biases)
 
     @property

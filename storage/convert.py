@@ -32,21 +32,15 @@ from .container import (
     write_manifest,
 )
 from .errors import ColibriError
+from .formats import FORMATS, PUBLISHED_DTYPES, QUANT_DTYPES
 from .fpformats import FP8_DTYPES, scale_name
-from .quant import (
-    PUBLISHED_DTYPES,
-    QUANT_DTYPES,
-    QuantWeight,
-    check_group,
-    dequantize,
-    quantize,
-    quantized_shapes,
-)
+from .quant import QuantWeight, check_group, dequantize, quantize, quantized_shapes
 from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
 
 FLOAT_DTYPES = ("bf16", "f16", "f32")
 ST_NAME = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 OUR_NAME = {v: k for k, v in ST_NAME.items()}
+CODE_DTYPES = {f.code_dtype for f in FORMATS.values()}  # how a record's codes are typed (read back as bytes)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "chat_template.jinja")
 
@@ -148,7 +142,7 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     # the three matrices' shapes, then the biases' when the family has them (gpt-oss)
     shapes = [src.entry(n).shape for n in plan.names(plan.moe_layers[0], 0)] if plan.moe_layers else []
     if quant:
-        group_size = group_size or (64 if expert_dtype == "int4" else None)
+        group_size = group_size or FORMATS[expert_dtype].default_group
         for part, shape in zip(PARTS, shapes):
             why = check_group(expert_dtype, shape, group_size or shape[1])
             if why:
@@ -237,10 +231,10 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         for part, shape in zip(PARTS, shapes):
             g = group_size or shape[1]
             qshape, sshape = quantized_shapes(expert_dtype, shape, g)
-            parts += [(part, "weight", "I8" if expert_dtype == "int8" else "U8", qshape), (part, "scales", "F16", sshape)]
+            parts += [(part, "weight", FORMATS[expert_dtype].code_dtype, qshape), (part, "scales", "F16", sshape)]
     elif quant := expert_dtype in PUBLISHED_DTYPES:  # as the checkpoint has them: codes, then scales
         first = [src.read_weight(n) for n in plan.names(plan.moe_layers[0], 0)[:len(PARTS)]]
-        code_dtype = {v: k for k, v in FP8_DTYPES.items()}.get(expert_dtype, "U8")
+        code_dtype = FORMATS[expert_dtype].code_dtype
         parts = []
         for part, qw in zip(PARTS, first):
             parts += [(part, "weight", code_dtype, qw.q.shape), (part, "scales", dtype_name(qw.scales), qw.scales.shape)]
@@ -272,7 +266,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                 for p in layout:
                     if p.part == part:
                         v = np.ascontiguousarray(values[p.tensor])
-                        assert dtype_name(v) == p.dtype or p.dtype in ("I8", "U8", "F8_E4M3", "F8_E5M2")
+                        assert dtype_name(v) == p.dtype or p.dtype in CODE_DTYPES
                         record[p.offset : p.offset + p.n_bytes] = v.reshape(-1).view(np.uint8)
             w.write(record)
             index.append({"layer": il, "expert": ie, "file": file, "offset": w.data_begin + pos * record_bytes,

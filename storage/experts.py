@@ -14,24 +14,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from .formats import FORMATS, PLAIN_CODES, fp8, mxfp4
 from .fpformats import BLOCKS, SCALES, mxfp4_pair
-from .quant import (
-    E2M1_VALUES,
-    E8M0_VALUES,
-    FP8_SCALE_LIMIT,
-    FP8_VALUES,
-    MX_GROUP,
-    Expert,
-    QuantWeight,
-    dequantize,
-    int4_of,
-)
+from .quant import Expert, QuantWeight, dequantize, int4_of
 from .safetensors import bf16_to_f32
 
+# the engine's one door into storage: the weights' types and their formats come through it too
 __all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "LocalSource", "QuantWeight", "ResidentExperts",
-           "TracedSource",
-           "bf16_to_f32", "int4_of", "dequantize", "E2M1_VALUES", "E8M0_VALUES", "FP8_VALUES", "FP8_SCALE_LIMIT",
-           "BLOCKS", "SCALES", "MX_GROUP", "mxfp4_pair"]  # the published formats' values and MXFP4's checkpoint layout  # the engine's one door into storage: the weights' types come through it too
+           "TracedSource", "bf16_to_f32", "int4_of", "dequantize", "FORMATS", "PLAIN_CODES", "fp8", "mxfp4",
+           "BLOCKS", "SCALES", "mxfp4_pair"]
 
 # (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see
 # bf16_to_f32), or QuantWeight

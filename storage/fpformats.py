@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigInvalid, NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
-from .quant import E8M0_VALUES, FP8_SCALE_LIMIT, MX_GROUP, QuantWeight
+from .formats import FORMATS, fp8, mxfp4
+from .quant import QuantWeight
 from .safetensors import bf16_to_f32
 
 METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
-FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}  # safetensors dtype -> kind
+FP8_DTYPES = {f.code_dtype: f.name for f in fp8.FORMATS}  # safetensors dtype -> kind
 SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # what an FP8 weight's scales may be stored as
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv (DeepSeek's name: the factor that undoes the quantization)
 BLOCKS, SCALES = "_blocks", "_scales"  # MXFP4: X -> X_blocks, X_scales
@@ -99,7 +100,7 @@ def scales_f32(a: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return bf16_to_f32(a)
     if dtype == "F8_E8M0":
-        return E8M0_VALUES[a]
+        return mxfp4.E8M0_VALUES[a]
     return a.astype(np.float32)
 
 
@@ -114,9 +115,9 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
     s_entry = ckpt.entry(scale_name(name))
     s = scales_f32(ckpt.read(s_entry.name), s_entry.dtype)
     s = np.ascontiguousarray(s.reshape(fp8_scale_shape(ckpt.quant, e.shape)))
-    if not np.all(np.abs(s) < FP8_SCALE_LIMIT[kind]):
+    if not np.all(np.abs(s) < fp8.SCALE_LIMIT[kind]):
         raise ScalesMismatch(f"{ckpt.file_of(s_entry.name)}: {s_entry.name!r} holds scales of {float(np.abs(s).max()):g}; "
-                             f"{kind} scales must be finite and below {FP8_SCALE_LIMIT[kind]:g}")
+                             f"{kind} scales must be finite and below {fp8.SCALE_LIMIT[kind]:g}")
     n, k = e.shape
     bn, bk = ckpt.quant.block or (n, k)
     return QuantWeight(kind, q, s, bk, bn)
@@ -125,8 +126,7 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
 def check_finite(codes: np.ndarray, kind: str, where: str) -> None:
     # FP8 codes that are NaN or infinity: a damaged checkpoint (the kernels decode every code
     # as a finite value, so they are refused here)
-    mag = codes & 0x7F
-    bad = (mag == 0x7F) if kind == "fp8_e4m3" else (mag >= 0x7C)
+    bad = ~np.isfinite(FORMATS[kind].values)[codes]
     if bad.any():
         raise NonFiniteWeights(f"{where}: {int(bad.sum())} NaN or infinity codes in {kind} weights")
 
@@ -136,8 +136,8 @@ def mxfp4_pair(ckpt, base: str, shape: tuple) -> None:
     TensorMissing (through entry), ScalesMismatch."""
     blocks, scales = ckpt.entry(base + BLOCKS), ckpt.entry(base + SCALES)
     *lead, n, k = shape
-    want_b, want_s = (*lead, n, k // MX_GROUP, 16), (*lead, n, k // MX_GROUP)
-    if k % MX_GROUP or blocks.dtype != "U8" or tuple(blocks.shape) != want_b:
+    want_b, want_s = (*lead, n, k // mxfp4.GROUP, 16), (*lead, n, k // mxfp4.GROUP)
+    if k % mxfp4.GROUP or blocks.dtype != "U8" or tuple(blocks.shape) != want_b:
         raise ScalesMismatch(f"{ckpt.file_of(blocks.name)}: {blocks.name!r} is {blocks.dtype} {list(blocks.shape)}; "
                              f"an MXFP4 weight {list(shape)} needs U8 {list(want_b)}")
     if scales.dtype not in ("U8", "F8_E8M0") or tuple(scales.shape) != want_s:

@@ -20,7 +20,7 @@ from functools import partial
 
 import numpy as np
 
-from ...storage.experts import BLOCKS, MX_GROUP, SCALES, QuantWeight, mxfp4_pair
+from ...storage.experts import BLOCKS, SCALES, QuantWeight, mxfp4, mxfp4_pair
 from ..attention import AttnSpec, attention
 from ..layers import linear, rmsnorm, to_f32
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
@@ -148,7 +148,7 @@ class FusedExperts:
         blocks, scales = self._fused(il, key + BLOCKS)[ie], self._fused(il, key + SCALES)[ie]  # [N', G, 16], [N', G]
         rows = slice(0 if which == "gate" else 1, None, 2) if key == "gate_up" else slice(None)
         q = np.ascontiguousarray(blocks[rows].reshape(-1, blocks.shape[1] * 16))  # [N, K/2]
-        return QuantWeight("mxfp4", q, np.ascontiguousarray(scales[rows]), MX_GROUP)
+        return QuantWeight("mxfp4", q, np.ascontiguousarray(scales[rows]), mxfp4.GROUP)
 
     def read(self, name: str) -> np.ndarray:
         if name not in self.virtual:

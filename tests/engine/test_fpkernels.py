@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from colibri.engine import fpkernels
+from colibri.engine.formats import fp8, mxfp4
 from colibri.engine.kernels import ROW_BLOCK
+from colibri.storage.formats import FORMATS
+from colibri.storage.formats.mxfp4 import E2M1_VALUES, E8M0_VALUES
 from colibri.storage.fpformats import check_finite
-from colibri.storage.quant import E2M1_VALUES, E8M0_VALUES, FP8_VALUES, QuantWeight, dequantize
+from colibri.storage.quant import QuantWeight, dequantize
 
 RTOL = 2e-6  # of the largest output: float32 sums in another order than float64's
 
@@ -18,7 +20,7 @@ RTOL = 2e-6  # of the largest output: float32 sums in another order than float64
 @pytest.mark.parametrize("kind,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
 def test_fp8_values_are_torchs(kind, dtype):
     ref = torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy()
-    assert np.array_equal(FP8_VALUES[kind], ref, equal_nan=True)
+    assert np.array_equal(FORMATS[kind].values, ref, equal_nan=True)
 
 
 def test_e8m0_and_e2m1_values():
@@ -30,7 +32,7 @@ def test_e8m0_and_e2m1_values():
 
 def finite_codes(rng, kind, shape):
     q = rng.integers(0, 256, shape).astype(np.uint8)
-    bad = ~np.isfinite(FP8_VALUES[kind][q])
+    bad = ~np.isfinite(FORMATS[kind].values[q])
     q[bad] &= 0x70  # a finite code instead
     check_finite(q, kind, "test")
     return q
@@ -59,14 +61,14 @@ def test_fp8_matches_dequantized(kind, N, K, bn, bk):
     w = QuantWeight(kind, q, s, bk, bn)
     W = dequantize(w)
     assert W.shape == (N, K)
-    fmt = fpkernels.FP8_FORMATS[kind]
+    fmt = FORMATS[kind].code
 
     def run(x, prompt):
         out = np.empty((x.shape[0], N), np.float32)
         if prompt:
-            fpkernels.LINEAR_F8_TOK[fmt](x, q, s, bn, bk, FP8_VALUES[kind], out)
+            fp8.LINEAR_F8_TOK[fmt](x, q, s, bn, bk, FORMATS[kind].values, out)
         else:
-            fpkernels.LINEAR_F8[fmt](x, q, s, bn, bk, out)
+            fp8.LINEAR_F8[fmt](x, q, s, bn, bk, out)
         return out
 
     check_against_reference(run, W, K, rng)
@@ -84,9 +86,9 @@ def test_mxfp4_matches_dequantized(N, K):
     def run(x, prompt):
         out = np.empty((x.shape[0], N), np.float32)
         if prompt:
-            fpkernels.linear_mx4_tok(x, q, s, E8M0_VALUES, E2M1_VALUES, out)
+            mxfp4.linear_mx4_tok(x, q, s, E8M0_VALUES, E2M1_VALUES, out)
         else:
-            fpkernels.linear_mx4(x, q, s, E8M0_VALUES, out)
+            mxfp4.linear_mx4(x, q, s, E8M0_VALUES, out)
         return out
 
     check_against_reference(run, W, K, rng)
@@ -96,9 +98,9 @@ def test_shapes_that_do_not_match_are_refused():
     q, s = np.zeros((4, 64), np.uint8), np.ones((1, 1), np.float32)
     out = np.empty((1, 4), np.float32)
     with pytest.raises(ValueError, match="fp8 kernel"):
-        fpkernels.LINEAR_F8[0](np.zeros((1, 64), np.float32), q, s, 2, 64, out)  # 2 row blocks, 1 scale row
+        fp8.LINEAR_F8[FORMATS["fp8_e4m3"].code](np.zeros((1, 64), np.float32), q, s, 2, 64, out)  # 2 row blocks, 1 scale row
     with pytest.raises(ValueError, match="mxfp4 kernel"):
-        fpkernels.linear_mx4(np.zeros((1, 60), np.float32), np.zeros((4, 30), np.uint8), np.zeros((4, 2), np.uint8),
+        mxfp4.linear_mx4(np.zeros((1, 60), np.float32), np.zeros((4, 30), np.uint8), np.zeros((4, 2), np.uint8),
                              E8M0_VALUES, out)
 
 
@@ -112,15 +114,15 @@ def test_fp8_decode_path_holds_for_activations_of_any_size(kind):
     q = finite_codes(rng, kind, (N, K))
     s = (rng.random((1, -(-K // 128))) * 0.01 + 1e-3).astype(np.float32)
     W = dequantize(QuantWeight(kind, q, s, 128, N)).astype(np.float64)
-    fmt = fpkernels.FP8_FORMATS[kind]
+    fmt = FORMATS[kind].code
     x = rng.standard_normal((5, K)).astype(np.float32) * np.array([[1.0], [2.0**70], [2.0**-90], [0.0], [1e-3]], np.float32)
     x[4, 7] = 2.0**40  # one large activation among small ones
     out = np.empty((5, N), np.float32)
-    fpkernels.LINEAR_F8[fmt](x, q, s, N, 128, out)
+    fp8.LINEAR_F8[fmt](x, q, s, N, 128, out)
     ref = x.astype(np.float64) @ W.T
     for t in range(5):
         assert np.abs(out[t] - ref[t]).max() <= RTOL * np.abs(ref[t]).max(), t
         alone = np.empty((1, N), np.float32)
-        fpkernels.LINEAR_F8[fmt](x[t : t + 1], q, s, N, 128, alone)
+        fp8.LINEAR_F8[fmt](x[t : t + 1], q, s, N, 128, alone)
         assert np.array_equal(alone[0], out[t]), t
     assert not out[3].any()

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from colibri.engine import attention, crew, kernels, layers, moe, qkernels
+from colibri.engine import attention, crew, kernels, layers, moe
+from colibri.engine.formats import int4
 from colibri.storage.experts import ExpertStats, ResidentExperts
 from colibri.storage.quant import Expert, int4_facts
 from colibri.storage.safetensors import bf16_to_f32, f32_to_bf16
@@ -159,7 +160,7 @@ def test_clamped_activation():
     element's bits the same in a lane or in the tail."""
     import numba as nb
 
-    from colibri.engine.ir import clamped_rows
+    from colibri.engine.ir_rows import clamped_rows
 
     @nb.njit
     def act(h, u, gb, ub, alpha, limit, i_lo, i_hi, n_lo, n_hi):
@@ -351,7 +352,8 @@ def test_top_k_order_and_ties():
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("T,N,D,g", [(1, 5, 64, 32), (4, 33, 256, 64), (2, 7, 384, 128), (3, 9, 96, 96)])
 def test_quantized_matmul(kind, T, N, D, g):
-    from colibri.storage.quant import INT4_GROUPS, check_group, dequantize, quantize
+    from colibri.storage.formats.int4 import GROUPS as INT4_GROUPS
+    from colibri.storage.quant import check_group, dequantize, quantize
 
     if kind == "int4" and g not in INT4_GROUPS:  # no int4 kernel for it: the converter refuses it by name
         assert "int4 group size must be one of 32, 64, 128" in check_group(kind, (N, D), g)
@@ -409,7 +411,7 @@ def test_int4_expert_both_paths(T, D, I, g):
         layers.linear(x, down)
     odd = quantize(rand(kernels.ROW_BLOCK + 7, D), "int4", g)  # a last block of rows that is not full
     y = np.empty((T, odd.q.shape[0]), np.float32)
-    qkernels.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), kernels.f16_lut(), y)
+    int4.LINEAR_Q4_TOK[g](x, odd.q, odd.scales.view(np.uint16), kernels.f16_lut(), y)
     np.testing.assert_allclose(y, x.astype(np.float64) @ dequantize(odd).T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
 

@@ -1,0 +1,21 @@
+"""The kernels of each number format, one module per format (int8, int4, fp8, mxfp4), the
+format's layout and reference in the storage module of the same name (storage/formats/).
+Each module says which formats it computes on (KINDS) and has
+
+- `linear(x, w, out, prompt)`: out [T, N] = x [T, D] @ w.T for a QuantWeight w, by the
+  decode-path kernel, or with prompt the prompt-path one (each row's result the same alone
+  or batched on either path; the two differ in rounding only);
+- `warm(weight)`: one call of each kernel on tiny arrays, so that compiling happens at start;
+- the row widening the thread crew's prompt-path expert job calls for that format
+  (engine/crew.py widen_rows, by the format's code).
+
+KERNELS registers each module once, by format name.
+"""
+
+from ...storage.experts import FORMATS
+from . import fp8, int4, int8, mxfp4
+
+KERNELS = {kind: module for module in (int8, int4, fp8, mxfp4) for kind in module.KINDS}
+assert set(KERNELS) == set(FORMATS), "every number format has its kernels, registered once"
+
+__all__ = ["KERNELS", "fp8", "int4", "int8", "mxfp4"]
