@@ -35,12 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..storage.cache import min_budget_bytes
 from ..storage.container import ALIGN, round_up
 from ..storage.errors import ColibriError
 from ..storage.experts import ExpertStats, LocalSource, QuantWeight, int4_of
 from ..storage.memory import PROCESS_BYTES
+from ..storage.placement import quant_group, resident_cache, sample_experts
 from ..storage.sizes import fmt_bytes
+from ..storage.slots import min_budget_bytes
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)  # expert budgets the table shows, as fractions of the experts
 THREADS = (1, 2, 4)  # read threads tried
@@ -190,76 +191,6 @@ class SampleExperts(LocalSource):
 
 def _nbytes(w) -> int:
     return w.nbytes if isinstance(w, QuantWeight | np.ndarray) else 0
-
-
-def sample_layers(record_bytes: int, k: int, n_moe: int) -> int:
-    """How many MoE layers of k experts a sample holds: all, or as many as SAMPLE_BYTES takes."""
-    return max(1, min(n_moe, SAMPLE_BYTES // max(1, k * record_bytes)))
-
-
-def container_sample(c, k: int) -> SampleExperts:
-    """k records of each of the container's first MoE layers, read into RAM, in its precision."""
-    n = sample_layers(c.record_bytes, k, len(c.moe_layers))
-    layers = []
-    for il in c.moe_layers[:n]:
-        recs = [c.records[(il, ie)] for ie in range(min(k, c.n_expert))]
-        experts = []
-        for r in recs:
-            buf = np.empty(r.length, np.uint8)
-            with open(r.file, "rb") as f:
-                f.seek(r.offset)
-                f.readinto(buf)
-            experts.append(c.expert_views(buf))
-        layers.append(experts)
-    return SampleExperts(layers, c.group_size if c.expert_dtype == "int4" else None)
-
-
-def int4_group(src, names: list[str]) -> int | None:
-    """The int4 group size convert would take for these matrices (64, else 32 when 64 does
-    not divide their columns), or None when neither does."""
-    cols = [src.entry(n).shape[1] for n in names]
-    return next((g for g in (64, 32) if all(c % g == 0 for c in cols)), None)
-
-
-def checkpoint_sample(src, model, k: int, dtype: str | None) -> SampleExperts:
-    """k experts of the checkpoint's first MoE layers in `dtype` (None: as published;
-    int8/int4 quantized as convert would: int8 a scale per row, int4 int4_group)."""
-    from ..storage.convert import expert_values
-
-    first = model.expert_names(model.moe_layers[0], 0)
-    group = int4_group(src, first[:3]) if dtype == "int4" else None
-    per = sum(int(np.prod(src.entry(n).shape)) for n in first[:3]) * (2 if dtype is None else 1)
-    n = sample_layers(per, k, len(model.moe_layers))
-    layers = []
-    for il in model.moe_layers[:n]:
-        experts = []
-        for ie in range(min(k, model.n_expert)):
-            names = model.expert_names(il, ie)
-            mats = []
-            for name in names[:3]:
-                if dtype in ("int8", "int4"):
-                    g = group or src.entry(name).shape[1]
-                    v = expert_values(src, name, dtype, g)
-                    cols = v["weight"].shape[1] * (2 if dtype == "int4" else 1)
-                    mats.append(QuantWeight(dtype, v["weight"], v["scales"], cols // v["scales"].shape[1]))
-                else:
-                    mats.append(src.read_weight(name))
-            experts.append(tuple(mats) + tuple(src.read_weight(b) for b in names[3:]))
-        layers.append(experts)
-    return SampleExperts(layers, group)
-
-
-def warm_cache(c, k: int):
-    """The container's experts behind the real expert cache, every one read in (a small
-    model: all fit in a sample)."""
-    from ..storage.cache import ExpertCache
-    from ..storage.policy import Policy
-
-    cache = ExpertCache(c, "all", top_k=k, policy=Policy())
-    for il in c.moe_layers:
-        for _ in cache.stream(il, list(range(c.n_expert))):
-            pass
-    return cache
 
 
 def decode_seconds(model, sample, tokens: int = 32, tokenizer=None, context: int = CONTEXT_TOKENS) -> float:
@@ -430,7 +361,8 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
             c.expert_dtype
         # a container whose experts all fit in a sample is timed on the real cache, warm: its
         # own work a step (the lookahead's router, the bookkeeping) is then in the figure
-        samples = {own: (lambda: warm_cache(c, k)) if c.expert_bytes <= SAMPLE_BYTES else lambda: container_sample(c, k)}
+        samples = {own: (lambda: resident_cache(c, k)) if c.expert_bytes <= SAMPLE_BYTES
+                   else lambda: SampleExperts(*sample_experts(c, model, k, SAMPLE_BYTES))}
         precision = c.precision()
     else:
         c, fingerprint, precision = None, None, None
@@ -439,9 +371,10 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
         files = sorted(os.path.join(path, f) for f in dense_src.files)
         own = own_precision(dense_src, model)
         wanted = precisions or ((own, "int8", "int4") if own in ("bf16", "f16", "f32") else (own,))
-        if "int4" in wanted and int4_group(dense_src, model.expert_names(model.moe_layers[0], 0)[:3]) is None:
+        if "int4" in wanted and quant_group(dense_src, model.expert_names(model.moe_layers[0], 0)[:3]) is None:
             wanted = tuple(p for p in wanted if p != "int4")  # (no group size divides the matrices)
-        samples = {p: (lambda p=p: checkpoint_sample(dense_src, model, k, None if p == own else p))
+        samples = {p: (lambda p=p: SampleExperts(*sample_experts(dense_src, model, k, SAMPLE_BYTES,
+                                                                 None if p == own else p)))
                    for p in wanted}
     say("reading a sample of experts")
     first = next(iter(samples))

@@ -10,6 +10,9 @@ Storage knows no model family: `build(path, config)` is the engine's registry, a
 model it returns offers what placement needs (ModelShape). The engine then sees only the
 ExpertSource protocol (experts.py); the runtime control of the cache (resize, pins,
 policy, history) is the separate `control`, None when every expert is resident.
+
+`colictl plan` takes its experts here too: `sample_experts` (a resident sample, in the
+precision the model would run in) and `resident_cache` (every expert behind the real cache).
 """
 
 import logging
@@ -18,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, TextIO
 
+import numpy as np
+
 from .checkpoint import load_config, open_checkpoint
-from .container import ContainerInvalid, is_container, open_container
+from .container import Container, ContainerInvalid, is_container, open_container
 from .errors import BudgetInvalid, ColibriError
 from .experts import ExpertSource, TracedSource
+from .formats import QUANT_DTYPES
 from .memory import MemoryRoom
 from .policy import Policy
 from .sizes import fmt_bytes
@@ -167,7 +173,7 @@ def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0) ->
     other budgets (the prefix cache), as open_model checks it, without reading a weight.
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
-    from .cache import budget_bytes
+    from .slots import budget_bytes
 
     if not is_container(path):
         check_resident(path, open_checkpoint(path), budget, beside_bytes)
@@ -239,6 +245,74 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
     cache.warm_start(progress)
     return Placed(model, cache, history)
+
+
+def quant_group(src, names: list[str]) -> int | None:
+    """The int4 group size a plan tries for these checkpoint matrices (64, else 32 when 64
+    does not divide their columns), or None when neither does."""
+    cols = [src.entry(n).shape[1] for n in names]
+    return next((g for g in (64, 32) if all(c % g == 0 for c in cols)), None)
+
+
+def sample_experts(store, model: ModelShape, k: int, max_bytes: int,
+                   dtype: str | None = None) -> tuple[list[list[tuple]], int | None]:
+    """A resident sample of experts, for timing a step without the disk (colictl plan): k
+    experts of each of the model's first MoE layers, as many layers as `max_bytes` holds
+    (at least one), as the engine gets them when placed. `store` a container (its records,
+    in its precision; `dtype` ignored) or the model's checkpoint source (its matrices as
+    published, or int8/int4 quantized as convert would: int8 a scale per row, int4
+    quant_group). Returns (layers [sample layer][expert] of (gate, up, down, biases...),
+    the int4 group size or None)."""
+    from .convert import expert_values
+    from .quant import from_record
+
+    if isinstance(store, Container):
+        c = store
+        n = max(1, min(len(c.moe_layers), max_bytes // max(1, k * c.record_bytes)))
+        layers = []
+        for il in c.moe_layers[:n]:
+            experts = []
+            for ie in range(min(k, c.n_expert)):
+                r = c.records[(il, ie)]
+                buf = np.empty(r.length, np.uint8)
+                with open(r.file, "rb") as f:
+                    f.seek(r.offset)
+                    f.readinto(buf)
+                experts.append(c.expert_views(buf))
+            layers.append(experts)
+        return layers, c.group_size if c.expert_dtype == "int4" else None
+    first = model.expert_names(model.moe_layers[0], 0)
+    group = quant_group(store, first[:3]) if dtype == "int4" else None
+    per = sum(int(np.prod(store.entry(n).shape)) for n in first[:3]) * (2 if dtype is None else 1)
+    n = max(1, min(len(model.moe_layers), max_bytes // max(1, k * per)))
+    layers = []
+    for il in model.moe_layers[:n]:
+        experts = []
+        for ie in range(min(k, model.n_expert)):
+            names = model.expert_names(il, ie)
+            mats = []
+            for name in names[:3]:
+                if dtype in QUANT_DTYPES:
+                    v = expert_values(store, name, dtype, group or store.entry(name).shape[1])
+                    mats.append(from_record(dtype, v["weight"], v["scales"]))
+                else:
+                    mats.append(store.read_weight(name))
+            experts.append(tuple(mats) + tuple(store.read_weight(b) for b in names[3:]))
+        layers.append(experts)
+    return layers, group
+
+
+def resident_cache(container, top_k: int):
+    """The container's experts behind the real expert cache (every one read in, policy
+    `learned`), for timing a warm step with the cache's own work in it (a small model's
+    plan)."""
+    from .cache import ExpertCache
+
+    cache = ExpertCache(container, "all", top_k=top_k, policy=Policy())
+    for il in container.moe_layers:
+        for _ in cache.stream(il, list(range(container.n_expert))):
+            pass
+    return cache
 
 
 def faults_from_env() -> str | None:

@@ -12,11 +12,11 @@ import pytest
 
 from colibri.ctl import exitcodes
 from colibri.ctl.client import Client
-from colibri.storage.cache import min_budget_bytes
 from colibri.storage.container import open_container
 from colibri.storage.demo import write_demo_model
 from colibri.storage.memory import ram_bytes
 from colibri.storage.sizes import parse_size
+from colibri.storage.slots import min_budget_bytes
 
 DAEMON_START = 3  # colibrid's exit codes (daemon/main.py)
 DAEMON_CONFIG = 2

@@ -15,8 +15,9 @@ from colibri.daemon.config import ConfigError, load
 from colibri.daemon.planner import (
     DAEMON_STEP_S,
     OVERLAP,
+    SAMPLE_BYTES,
+    SampleExperts,
     Shape,
-    container_sample,
     hit_at,
     hit_curve,
     lru_hits,
@@ -31,11 +32,12 @@ from colibri.daemon.planner import (
 )
 from colibri.engine import moe
 from colibri.engine.registry import build_model
-from colibri.storage.cache import min_budget_bytes
 from colibri.storage.experts import int4_of
 from colibri.storage.layout import TraceInvalid
 from colibri.storage.memory import PROCESS_BYTES
+from colibri.storage.placement import sample_experts
 from colibri.storage.sizes import parse_size
+from colibri.storage.slots import min_budget_bytes
 
 from hf_models import build, build_container
 
@@ -67,7 +69,7 @@ def test_an_int4_sample_takes_the_warm_caches_path(tmp_path):
     experts' addresses, no views), and that path computes what the views' path computes."""
     q4 = build_container(tmp_path, "qwen3_moe", "basic", seed=5, convert_kw={"expert_dtype": "int4", "group_size": 32},
                          hidden_size=64, moe_intermediate_size=32)
-    sample = container_sample(q4, 3)
+    sample = SampleExperts(*sample_experts(q4, None, 3, SAMPLE_BYTES))  # (a container needs no model)
     il, ids = q4.moe_layers[1], [0, 4, 5]  # 4 and 5 wrap onto the sample's experts 1 and 2
     g, layouts, addrs = sample.int4_hits(il, ids)
     (batch,) = list(sample.stream(il, ids))
