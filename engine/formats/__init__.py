@@ -5,9 +5,9 @@ Each module says which formats it computes on (KINDS) and has
 - `linear(x, w, out, prompt)`: out [T, N] = x [T, D] @ w.T for a QuantWeight w, by the
   decode-path kernel, or with prompt the prompt-path one (each row's result the same alone
   or batched on either path; the two differ in rounding only);
-- `warm(weight)`: one call of each kernel on tiny arrays, so that compiling happens at start;
+- `warm()`: one call of each kernel on tiny arrays, so that compiling happens at start;
 - the row widening the thread crew's prompt-path expert job calls for that format
-  (engine/crew.py widen_rows, by the format's code).
+  (engine/jobs.py widen_rows, by the format's code).
 
 KERNELS registers each module once, by format name.
 """

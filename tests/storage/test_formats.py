@@ -8,7 +8,14 @@ import pytest
 from colibri.engine import crew
 from colibri.engine.formats import KERNELS
 from colibri.storage.formats import FORMATS, PLAIN_CODES, PUBLISHED_DTYPES, QUANT_DTYPES
-from colibri.storage.quant import QuantWeight, check_group, dequantize, from_record, quantize, quantized_shapes
+from colibri.storage.quant import (
+    QuantWeight,
+    check_group,
+    dequantize,
+    from_record,
+    quantize,
+    quantized_shapes,
+)
 
 
 def test_every_format_has_one_code_and_its_kernels():
