@@ -29,3 +29,21 @@ def test_every_benchmark_stamps_what_it_prints():
             continue
         text = open(path).read()
         assert "provenance.dumps(" in text, f"{os.path.basename(path)} prints a result without its provenance"
+
+
+def test_every_readme_figure_names_a_json_that_says_where_it_comes_from():
+    """Each row of the README's figures table names its JSON in bench/results, and that JSON
+    carries its date, machine and command (stamped, or reconstructed from
+    docs/benchmarks.md for a run before bench/provenance.py, and saying so)."""
+    root = os.path.join(BENCH, "..")
+    readme = open(os.path.join(root, "README.md")).read()
+    table = readme[readme.index("| what | figure | target |"):]
+    rows = [r for r in table.split("\n\n")[0].splitlines()[2:] if r.startswith("|")]
+    assert len(rows) >= 15
+    for row in rows:
+        names = re.findall(r"`(\d{4}-\d\d-\d\d-[\w.-]+\.json)`", row)
+        assert names, f"a README figure without its JSON: {row[:80]}"
+        for name in names:
+            d = json.load(open(os.path.join(BENCH, "results", name)))
+            p = d.get("provenance") or {"date": d.get("date"), "command": d.get("command"), "cpu": d.get("machine")}
+            assert p["date"] and p["command"] and p["cpu"], name
