@@ -1,20 +1,30 @@
-"""colictl: the command line. Client commands talk to colibrid through ctl/client.py and
-import nothing heavy: generate, chat, session, status, stats, ping on the user socket; cache, pin,
-unpin, policy, reload, shutdown on the operator socket. The commands that need no daemon
-(run, convert, demo-model in ctl/offline.py, doctor in ctl/doctor.py) are imported only
-when called, so the client path never loads numpy or numba."""
+"""colictl: the command line. Client commands talk to colibrid through ctl/client.py and import
+nothing heavy: generate, chat, session, status, stats, ping, drives status on the user
+socket here; cache, pin, unpin, policy, reload, shutdown on the operator socket in ops.py;
+connect.py how a command reaches the daemon, lines.py how its reports print. The commands
+that need no daemon (run, convert, demo-model in ctl/offline.py, doctor in ctl/doctor.py)
+are imported only when called, so the client path never loads numpy or numba."""
 
-import functools
 import json
 import sys
 import time
 
 import click
 
-from . import exitcodes
+from . import exitcodes, ops
+from .connect import fail, with_client
+from .lines import (
+    boot_drive_line,
+    boot_line,
+    drive_line,
+    history_line,
+    kv_line,
+    phase_line,
+    plan_line,
+    session_line,
+)
 from .options import (
     BadInput,
-    NoPrompt,
     input_errors_option,
     read_prompt,
     sampling_fields,
@@ -55,50 +65,6 @@ def cli(ctx, socket_path, operator_path):
     ctx.obj = {"socket": socket_path, "operator": operator_path}
     if ctx.invoked_subcommand is None:  # bare colictl: the help, not an error
         click.echo(ctx.get_help())
-
-
-def fail(message: str, code: int):
-    click.echo(f"colictl: {message}", err=True)
-    raise SystemExit(code)
-
-
-START_WAIT_S = 60  # --wait: how long a daemon may take to bind its socket
-
-
-def with_client(fn=None, operator: bool = False):
-    """Give the command a Client (to the operator socket with `operator`; it connects at its first request);
-    daemon down, permission denied and error replies become one line and an exit code."""
-    if fn is None:
-        return functools.partial(with_client, operator=operator)
-
-    @functools.wraps(fn)
-    @click.pass_context
-    def wrapper(ctx, *args, **kwargs):
-        from .client import BadSocket, Client, DaemonDown, PermissionDenied, ReplyError, TooLarge
-
-        client = Client(ctx.obj["socket"], operator=operator, operator_path=ctx.obj["operator"])
-        client.wait_s = START_WAIT_S if kwargs.get("wait") else 0
-        try:  # the client connects at its first request: a command checks its input before that
-            return fn(client, *args, **kwargs)
-        except BadSocket as e:
-            fail(str(e), exitcodes.USAGE)
-        except (NoPrompt, BadInput) as e:
-            fail(str(e), exitcodes.USAGE if isinstance(e, NoPrompt) else exitcodes.BAD_REQUEST)
-        except DaemonDown as e:
-            fail(str(e), exitcodes.DAEMON_DOWN)
-        except PermissionDenied as e:
-            fail(str(e), exitcodes.PERMISSION)
-        except TooLarge as e:
-            fail(f"TOO_LARGE: {e}", exitcodes.BAD_REQUEST)
-        except ReplyError as e:
-            fail(f"{e.name}: {e}", exitcodes.FROM_ERROR.get(e.name, exitcodes.INTERNAL))
-        except BrokenPipeError:
-            sys.stderr.close()
-            raise SystemExit(exitcodes.OK) from None
-        finally:
-            client.close()
-
-    return wrapper
 
 
 @cli.command()
@@ -160,40 +126,6 @@ def status(client, as_json):
         click.echo(f"runtime   pins {' '.join(rt['hand_pins'])}: LOST at a restart (pin them again after one)")
 
 
-def boot_line(got) -> str:
-    """A boot step as a person reads it: "asked X, got Y (fallback)", else its value."""
-    if isinstance(got, dict) and "asked" in got:
-        more = ", ".join(f"{k} {v}" for k, v in got.items() if k not in ("asked", "got"))
-        return f"asked {fmt_value(got['asked'])}, got {fmt_value(got['got'])}" + (f" ({more})" if more else "")
-    return fmt_value(got)
-
-
-def fmt_value(v) -> str:
-    if isinstance(v, list) and all(isinstance(x, int) for x in v):
-        return ",".join(map(str, v)) or "none"
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def boot_drive_line(d: dict) -> str:
-    """One drive of boot's report: what it is, how it queues reads, what tuning did."""
-    if d.get("device") is None:
-        return f"{d['path']}: {d.get('why', 'no block device')}"
-    via = f" via {', '.join(d['via'])}" if d.get("via") else ""
-    backing = f" (a loop device over {d['backing_file']})" if d.get("backing_file") else ""
-    text = (f"{d['device']}{via}{backing} ({d.get('model') or 'unknown model'}) under {d['path']}: scheduler "
-            f"{d.get('scheduler')}, read-ahead {d.get('read_ahead_kb')} KiB, queue {d.get('nr_requests')}, "
-            f"{'rotational' if d.get('rotational') else 'solid state'}")
-    if d.get("changed") is not None:
-        steps = [f"{s['what']} {s['from']} -> {s['to']}" + ("" if s["done"] else f" NOT DONE ({s['why']})")
-                 for s in d["changed"]]
-        by = f" ({d['set_by']})" if d.get("set_by") else ""
-        text += f"; set up{by}: {', '.join(steps) or 'nothing to change'}"
-    elif d.get("would_change"):
-        text += ("; tune_drives would set " + ", ".join(f"{s['what']} {s['from']} -> {s['to']}"
-                                                       for s in d["would_change"]))
-    return text
-
-
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per sample")
 @click.option("--watch", type=float, metavar="SECONDS", default=None, is_flag=False, flag_value=2.0,
@@ -232,192 +164,6 @@ def stats(client, as_json, watch):
             time.sleep(watch)
         except KeyboardInterrupt:
             return
-
-
-def plan_line(p: dict) -> str:
-    """colictl tune's prediction at the current budget against the measured decode rate."""
-    g = p["predicted"]
-    got = (f"measured {p['measured_tok_s']:.2f} tok/s over {p['decode_steps']} decode steps"
-           if p["measured_tok_s"] else "nothing decoded yet")
-    return (f"plan: predicted {g['tok_s']:.2f} tok/s at a {100 * g['budget_fraction']:.0f} % expert budget "
-            f"({g['bound']}-bound, hit rate {g['hit_rate']:.2f}), {got} (plan made {p['made']})")
-
-
-def phase_line(r: dict) -> str:
-    """`serving`, or what loading does now and how far it is."""
-    phase, p = r.get("phase", "serving"), r.get("progress")
-    if phase == "serving":
-        return "serving"
-    return f"loading: {phase}" + (f" ({p['done']}/{p['total']})" if p else "")
-
-
-def history_line(h: dict) -> str:
-    saved = f"saved {h['saved_age_s']:.0f} s ago" if h.get("saved_age_s") is not None else "not saved yet"
-    where = h["path"] or "in memory only"
-    size = f", {h['file_bytes'] / 1024:.0f} KiB" if h.get("file_bytes") else ""
-    opt = h.get("optimum")
-    taught = (f", learning from the optimum ({opt['trained']} reuses replayed, "
-              f"{opt['optimum_kept'] or 0:.0%} kept, {opt['capacity']} slots)") if opt else ""
-    return (f"{h['steps']} steps ({h['steps_loaded']} from before this start), age {h['age_s'] / 3600:.1f} h, "
-            f"{h['experts_seen']} experts seen, {saved}{', read-only' if h['read_only'] else ''} ({where}{size})"
-            f"{taught}")
-
-
-@cli.group()
-def cache():
-    """Show or resize the expert cache of the running daemon."""
-
-
-def kv_line(kv: dict) -> str:
-    return (f"kv: {kv['blocks']} blocks of {kv['block_tokens']} tokens, {kv['bytes'] / 2**20:.1f} of "
-            f"{kv['budget_bytes'] / 2**20:.1f} MiB ({kv['held_blocks']} held by running requests), "
-            f"{kv['hit_requests']} of {kv['lookups']} requests reused a prefix, {kv['saved_prefill_tokens']} prompt "
-            f"tokens not computed again, {kv['evicted_blocks']} blocks evicted")
-
-
-def show_placement(r: dict) -> None:
-    p, e = r["placement"], r["experts"]
-    if r.get("kv"):
-        click.echo(kv_line(r["kv"]))
-    if "slots" not in p:
-        click.echo(f"experts all resident ({p.get('expert_bytes', 0) / 2**20:.1f} MiB)")
-        return
-    click.echo(f"budget {p['budget_bytes'] / 2**20:.1f} MiB ({p['pinned_bytes'] / 2**20:.1f} MiB pinned: "
-               f"{' '.join(p['pinned']) or 'none'}): arena {p['arena_bytes'] / 2**20:.1f} MiB, "
-               f"{p['slots_per_layer']} slots per layer of {p['record_bytes'] / 2**10:.0f} KiB, "
-               f"{'O_DIRECT' if p['o_direct'] else 'buffered'} reads, {p['io_threads']} I/O threads, "
-               f"mlock: {p['mlock']}, hugepages: {p['hugepages']}")
-    rate = f"{100 * e['hit_rate']:.1f} %" if e["hit_rate"] is not None else "-"
-    click.echo(f"hits {e['hits']}, misses {e['misses']} (hit rate {rate}), evictions {e['evictions']}")
-    if "policy" in p:
-        click.echo(f"policy {p['policy']['name']}: {p['learned_pins']} learned pins, pinned part sized by "
-                   f"{p['pinned_size_by']}, {e.get('repins', 0)} repins")
-
-
-@cache.command("show")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object: placement and counters")
-@with_client(operator=True)
-def cache_show(client, as_json):
-    """The budget, the arena and the counters."""
-    r = client.call("cache", action="show")
-    if as_json:
-        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"], "kv": r.get("kv")}))
-    else:
-        show_placement(r)
-
-
-def persist_option(fn):
-    return click.option("--persist", is_flag=True,
-                        help="keep the change for the next start (the daemon's STATE_DIR/runtime.yaml)")(fn)
-
-
-def say_kept(r: dict, persist: bool) -> None:
-    """On stderr: whether a runtime change outlives a restart."""
-    if r.get("persisted"):
-        click.echo(f"[colibri] kept for the next start in {r['persisted']}", err=True)
-    elif persist and r.get("persist_error"):
-        click.echo(f"colictl: applied, but NOT kept for the next start: {r['persist_error']}", err=True)
-    elif not persist:
-        click.echo("[colibri] applied until the daemon restarts (--persist keeps it)", err=True)
-
-
-@cache.command("set")
-@click.option("--experts", "size", metavar="SIZE", help="the expert cache: bytes, KiB/MiB/GiB, min or all")
-@click.option("--pinned", metavar="SIZE", help="the part of it for pinned experts; auto: what the policy's hot "
-                                             "set takes (default: unchanged)")
-@click.option("--kv", metavar="SIZE", help="the prefix cache (KV blocks of computed prompts): bytes, KiB/MiB/GiB; "
-                                         "0: off")
-@persist_option
-@with_client(operator=True)
-def cache_set(client, size, pinned, kv, persist):
-    """Resize the expert cache or the prefix cache now: no restart, no request dropped.
-    Lost at a restart unless --persist."""
-    if size is None and kv is None:
-        fail("cache set needs --experts SIZE or --kv SIZE", exitcodes.USAGE)
-    if pinned is not None and size is None:
-        fail("--pinned is the part of --experts: give both", exitcodes.USAGE)
-    fields = {k: v for k, v in (("experts", size), ("pinned", pinned), ("kv", kv)) if v is not None}
-    r = client.call("cache", timeout_ms=None, action="set", persist=persist, **fields)
-    show_placement(r)
-    say_kept(r, persist)
-
-
-def expert_ref(value: str) -> tuple[int, int]:
-    try:
-        layer, expert = (int(v) for v in value.split(":"))
-        return layer, expert
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not LAYER:EXPERT, e.g. 3:17") from None
-
-
-def pin_command(kind: str, doc: str):
-    @cli.command(kind, help=doc)
-    @click.argument("ref", metavar="LAYER:EXPERT")
-    @with_client(operator=True)
-    def command(client, ref):
-        il, ie = expert_ref(ref)
-        r = client.call(kind, timeout_ms=None, layer=il, expert=ie)
-        click.echo(f"pinned: {' '.join(r['pinned']) or 'none'}")
-
-    return command
-
-
-pin = pin_command("pin", "Keep an expert in RAM until unpinned (it uses the cache's pinned part).")
-unpin = pin_command("unpin", "Let a pinned expert be evicted again.")
-
-
-@cli.group()
-def policy():
-    """Show or change the expert cache policy of the running daemon."""
-
-
-def show_policy(r: dict) -> None:
-    if r["history"] is None:
-        click.echo("policy  none: every expert is resident (a checkpoint); convert it to a container to stream "
-                   "experts under a policy")
-        return
-    click.echo("policy  " + ", ".join(f"{k}={v}" for k, v in r["policy"].items()))
-    click.echo(f"history {history_line(r['history'])}")
-
-
-@policy.command("show")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object: the policy and the usage history")
-@with_client(operator=True)
-def policy_show(client, as_json):
-    """The policy in use and its usage history."""
-    r = client.call("policy", action="show")
-    if as_json:
-        click.echo(json.dumps({"policy": r["policy"], "history": r["history"]}))
-    else:
-        show_policy(r)
-
-
-@policy.command("set")
-@click.argument("settings", nargs=-1, required=True, metavar="KEY=VALUE...")
-@persist_option
-@with_client(operator=True)
-def policy_set(client, settings, persist):
-    """Change the policy between two steps, e.g. `policy=lru`, `prefetch_reads=8`,
-    `hot_set=0.3`, `repin_every=64`, `repin_margin=0.5`. Lost at a restart unless
-    --persist."""
-    fields = {}
-    for s in settings:
-        key, eq, value = text_arg(s, "strict", "a setting").partition("=")
-        if not eq or not key:
-            fail(f"{s!r} is not KEY=VALUE", exitcodes.USAGE)
-        fields[key.strip()] = value.strip()
-    r = client.call("policy", timeout_ms=None, action="set", settings=fields, persist=persist)
-    show_policy(r)
-    say_kept(r, persist)
-
-
-@cli.command()
-@with_client(operator=True)
-def reload(client):
-    """Re-read the daemon's configuration and apply what can change while it runs."""
-    r = client.call("reload")
-    click.echo(f"applied: {', '.join(r['applied']) or 'nothing'}; needs a restart: "
-               f"{', '.join(r['restart_needed']) or 'nothing'}")
 
 
 @cli.command()
@@ -530,14 +276,6 @@ def ready(client, wait: bool) -> dict:
 
 
 @cli.command()
-@with_client(operator=True)
-def shutdown(client):
-    """Stop the daemon (it cancels running requests and exits)."""
-    client.call("shutdown")
-    click.echo("colibrid is stopping", err=True)
-
-
-@cli.command()
 @sampling_options(max_tokens=128)
 @click.option("--stop", multiple=True, metavar="STR", help="stop when this string is generated (repeatable)")
 @click.option("--chat", is_flag=True, help="wrap the prompt as one user message in the model's chat template")
@@ -594,12 +332,6 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, se
                f"finish: {msg['finish_reason']}{lossy}", err=True)
     if "session" in msg:
         click.echo(f"[colibri] {session_line(msg['session'])}", err=True)
-
-
-def session_line(info: dict) -> str:
-    kept = (f"turn {info['turns']} kept, {info['tokens']} tokens" if info.get("saved")
-            else "this turn was NOT kept (see colibrid's log)")
-    return f"session {info['name']}: {info['reused_tokens']} tokens reused from its cache, {kept}"
 
 
 @cli.group()
@@ -659,18 +391,6 @@ def drives():
     copy (verify), and show how the running daemon shares its reads among them (status)."""
 
 
-def drive_line(d: dict) -> str:
-    """One drive of the rotation, as `drives status` and `stats` show it."""
-    state = "in rotation" if d["in_rotation"] else f"OUT for {d['back_in_s']:.0f} s more ({d['out_why']})"
-    measured = f"measured {d['measured_gbs']:.2f} GB/s" if d["measured_gbs"] else "not measured (one drive)"
-    lat = (f", latency p50 {d['latency_ms_p50']:.2f} ms p99 {d['latency_ms_p99']:.2f} ms"
-           if d["latency_ms_p50"] is not None else "")
-    left = f", {len(d['left_out'])} file(s) not used" if d["left_out"] else ""
-    return (f"drive {d['drive']}: {d['path']}, {d['files']}/{d['of_files']} expert files{left}, {state}, {measured}; "
-            f"{d['bytes'] / 2**20:.1f} MiB in {d['reads']} reads ({100 * d['share']:.1f} % of the bytes){lat}, "
-            f"{d['errors']} errors, out of rotation {d['times_out']} times")
-
-
 @drives.command("status")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per drive")
 @with_client
@@ -687,6 +407,10 @@ def drives_status(client, as_json):
         if not as_json:
             for name, why in d["left_out"].items():
                 click.echo(f"  not used: {name}: {why}")
+
+
+for _command in ops.COMMANDS:
+    cli.add_command(_command)
 
 
 def main():
