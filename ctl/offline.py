@@ -203,7 +203,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     if not as_json:
         click.echo(f"[colibri] {info['model_type']} from {path}: {info['n_layer']} layers, {info['n_expert']} "
                    f"experts, {info['attention']} attention ({fmt_bytes(info['kv_bytes_per_token'])} of KV cache "
-                   f"per token), {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
+                   f"per token{state_text(info)}), {describe_precision(info['precision'])}, {describe_placement(info['experts'])}, "
                    f"loaded in {load_s:.2f} s", err=True)
     if info.get("note"):
         click.echo(f"[colibri] {info['note']}", err=True)
@@ -253,6 +253,12 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
                        f"{e['prefetch_wasted']} not chosen (precision {100 * (e['prefetch_precision'] or 0):.0f} %)",
                        err=True)
     sys.stdout.flush()
+
+
+def state_text(info: dict) -> str:
+    """", and N of recurrent state per sequence" for a hybrid's linear layers, else nothing."""
+    n = info.get("state_bytes_per_sequence") or 0
+    return f" and {fmt_bytes(n)} of recurrent state per sequence" if n else ""
 
 
 def describe_precision(p: dict) -> str:

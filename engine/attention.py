@@ -23,6 +23,7 @@ class AttnSpec:
     v_head_dim: int | None = None  # the value head size, when it is not head_dim
     rope_interleaved: bool = False  # rotary pairs (2i, 2i+1), taken apart before the rotation, as transformers does
     scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    output_gate: bool = False  # q's projection also gives, per head, a gate: the output times its sigmoid (Qwen3-Next)
 
     @property
     def hv(self) -> int:
@@ -40,10 +41,15 @@ def deinterleave(x: np.ndarray, half: int) -> np.ndarray:
 
 def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, window: int = 0):
     # x [T, D] (normed) -> [T, D]; w: a layer's weights by key (q, k, v, o; optional q_bias,
-    # k_bias, v_bias, o_bias, q_norm, k_norm); writes each sequence's keys/values at its cache.n_pos
+    # k_bias, v_bias, o_bias, q_norm, k_norm); writes each sequence's keys/values at its
+    # cache.n_pos, as layer `il` of the cache's arrays
     T = x.shape[0]
     Hq, Hkv, hd, hv = spec.n_head, spec.n_kv_head, spec.head_dim, spec.hv
-    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*hd]
+    q = linear(x, w["q"], w.get("q_bias"))  # [T, Hq*hd] ([T, Hq*2hd] with an output gate)
+    gate = None
+    if spec.output_gate:  # per head: its query, then its gate
+        qg = q.reshape(T, Hq, 2 * hd)
+        q, gate = qg[..., :hd].reshape(T, Hq * hd), qg[..., hd:].reshape(T, Hq * hd)
     k = linear(x, w["k"], w.get("k_bias"))  # [T, Hkv*hd]
     v = linear(x, w["v"], w.get("v_bias"))  # [T, Hkv*hv]
     if spec.qk_norm == "full":
@@ -68,7 +74,10 @@ def attention(spec: AttnSpec, w: dict, x: np.ndarray, step: Step, il: int, windo
         cache.write("k", il, pos0, k[rows])  # [n, Hkv, hd]
         cache.write("v", il, pos0, v[rows])
         attend(q[rows], cache, il, "k", "v", window, scale, sinks, out[rows])
-    return linear(out.reshape(T, Hq * hv), w["o"], w.get("o_bias"))
+    out = out.reshape(T, Hq * hv)
+    if gate is not None:
+        out = out * (1.0 / (1.0 + np.exp(-gate)))  # [T, Hq*hv]
+    return linear(out, w["o"], w.get("o_bias"))
 
 
 def attend(q, cache: KVCache, il: int, k: str, v: str, window: int, scale, sinks, out) -> None:

@@ -330,7 +330,7 @@ class Batcher:
     def add(self, req: Request) -> None:
         req.t_start = time.perf_counter()
         req.stats0 = self.model.experts.stats.copy()
-        if self.prefix is not None:
+        if self.prefix is not None and req.cache.shareable:  # (a recurrent state cannot start from a prefix's blocks)
             req.use_prefix(self.prefix)
         self.active.append(req)
 

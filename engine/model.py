@@ -249,7 +249,8 @@ class MoEModel:
         D, sp = self.args.hidden_size, self.attn_spec
         q, kv = sp.n_head * sp.head_dim, sp.n_kv_head * sp.head_dim
         vo, kvv = sp.n_head * sp.hv, sp.n_kv_head * sp.hv  # value and output sizes (value heads may differ)
-        s = {"in_norm": (D,), "post_norm": (D,), "q": (q, D), "k": (kv, D), "v": (kvv, D), "o": (D, vo)}
+        s = {"in_norm": (D,), "post_norm": (D,), "q": (q * (2 if sp.output_gate else 1), D), "k": (kv, D),
+             "v": (kvv, D), "o": (D, vo)}
         if sp.qk_norm == "head":
             s |= {"q_norm": (sp.head_dim,), "k_norm": (sp.head_dim,)}
         elif sp.qk_norm == "full":
@@ -278,8 +279,17 @@ class MoEModel:
         shapes, views, _ = self.kv_layout()
         return KVPool(shapes, views)
 
+    def state_layout(self) -> dict[str, tuple]:
+        # what one sequence keeps of fixed size whatever its length (KVCache.state: name ->
+        # shape): nothing for attention; a hybrid's linear layers keep their recurrent state
+        return {}
+
+    def state_bytes_per_sequence(self) -> int:
+        """What one sequence's recurrent state takes, however long it is (0: attention only)."""
+        return sum(int(np.prod(shape)) * 4 for shape in self.state_layout().values())
+
     def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache(self.kv_pool, min(n_ctx, self.n_ctx), self.kv_layout()[2])
+        return KVCache(self.kv_pool, min(n_ctx, self.n_ctx), self.kv_layout()[2], self.state_layout())
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         # ids [T] int -> logits [T, V] (all_logits) or [1, V] (the last position)
@@ -335,6 +345,7 @@ class MoEModel:
             "model_type": self.MODEL_TYPE,
             "attention": self.ATTENTION,
             "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "state_bytes_per_sequence": self.state_bytes_per_sequence(),
             "n_layer": self.n_layer,
             "n_expert": self.n_expert,
             "n_moe_layer": len(self.moe_layers),

@@ -8,7 +8,8 @@ import pkgutil
 from ..storage.errors import ConfigInvalid, UnsupportedModelType
 from .model import MoEModel, parse_args
 
-MODEL_REMAPPING: dict[str, str] = {"kimi_k2": "deepseek_v3"}  # model_type -> family file, where a name shares another's code
+# model_type -> family file, where a name shares another's code
+MODEL_REMAPPING: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def supported() -> list[str]:
@@ -36,5 +37,7 @@ def build_model(path: str, cfg: dict) -> MoEModel:
         raise ConfigInvalid(f"{path}/config.json: no model_type")
     fam = family(cfg["model_type"])
     where = f"{path}/config.json"
-    args = parse_args(fam.ModelArgs, cfg, getattr(fam, "ALIASES", None), where=where)
+    # an image-text model's family reads its text model's config (fam.text_config)
+    text = fam.text_config(cfg) if hasattr(fam, "text_config") else cfg
+    args = parse_args(fam.ModelArgs, text, getattr(fam, "ALIASES", None), where=where)
     return fam.Model(args, cfg, where)

@@ -2,8 +2,9 @@
 (every sequence's state in blocks of KV_BLOCK positions, shared by the prefix cache), a
 sequence's cache over it (KVCache: its block table and position), and a forward step's
 segments (one per sequence: its rows of the batch). Attention reads and writes a sequence
-through its KVCache; the next wave's recurrent state (a fixed-size state and a short
-convolution's last inputs) is one more kind of what a sequence keeps."""
+through its KVCache; a hybrid family's linear-attention layers keep a fixed-size recurrent
+state per sequence beside it (KVCache.state: the state matrices and a short convolution's
+last inputs, engine/recurrent.py), which moves only forward."""
 
 import mmap
 import os
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KV_BLOCK = 16  # positions a KV block holds (the prefix cache shares whole blocks)
+STATE = "state:"  # a snapshot's names of the recurrent state's arrays begin with it
 
 
 class KVExhausted(MemoryError):
@@ -90,13 +92,27 @@ class KVCache:
     position order (the attention kernels read the blocks through it). Positions are only
     ever appended, so a block once full never changes: the prefix cache can share it."""
 
-    def __init__(self, pool: KVPool, n_ctx: int, flat: frozenset = frozenset()):
-        # flat: names whose saved form has no heads axis (take/put; DSA's indexer keys)
+    def __init__(self, pool: KVPool, n_ctx: int, flat: frozenset = frozenset(),
+                 state: dict[str, tuple] | None = None):
+        # flat: names whose saved form has no heads axis (take/put; DSA's indexer keys);
+        # state: name -> shape of the sequence's fixed-size recurrent state (zeros at start)
         self.pool, self.n_ctx, self.flat = pool, n_ctx, flat
+        self.state = {name: np.zeros(shape, np.float32) for name, shape in (state or {}).items()}
         self.n_pos = 0  # positions filled
         self.table = np.zeros(-(-n_ctx // KV_BLOCK), np.int64)  # its blocks, in position order
         self.blocks: list[int] = []  # the same, as held (released when the cache goes)
         weakref.finalize(self, pool.drop, self.blocks)
+
+    @property
+    def shareable(self) -> bool:
+        """Whether the sequence's whole state is its KV blocks, so that another sequence can
+        start from a prefix of them (the prefix cache). A recurrent state holds every
+        position it has seen and cannot be cut back to a shorter prefix."""
+        return not self.state
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for a in self.state.values())
 
     def cover(self, n: int) -> None:
         """Blocks for the first n positions."""
@@ -154,13 +170,23 @@ class KVCache:
                 self.write(name, il, start, x[il].transpose(1, 0, 2))
 
     def snapshot(self) -> dict[str, np.ndarray]:
-        """Copies of the filled positions of every array (a session keeps them)."""
-        return self.take(0, self.n_pos)
+        """Copies of the filled positions of every array, and of the recurrent state (under
+        STATE + its name) (a session keeps them)."""
+        return self.take(0, self.n_pos) | {STATE + name: a.copy() for name, a in self.state.items()}
 
     def restore(self, state: dict[str, np.ndarray], n_pos: int | None = None) -> None:
         """Fill the first n_pos positions (None: all of them) of this fresh cache from a
         snapshot of a cache of the same model. Raises ValueError when its arrays do not fit
-        this cache or hold fewer positions."""
+        this cache or hold fewer positions (or, with a recurrent state, other positions than
+        it saw: the state cannot be cut back)."""
+        recurrent = {k[len(STATE):]: v for k, v in state.items() if k.startswith(STATE)}
+        state = {k: v for k, v in state.items() if not k.startswith(STATE)}
+        if set(recurrent) != set(self.state):
+            raise ValueError(f"the saved recurrent state holds {sorted(recurrent)}, this model's {sorted(self.state)}")
+        for name, a in recurrent.items():
+            if a.shape != self.state[name].shape or a.dtype != np.float32:
+                raise ValueError(f"the saved {name} state is {a.dtype}{list(a.shape)}, this model's "
+                                 f"float32{list(self.state[name].shape)}")
         shapes = self.pool.shapes
         if set(state) != set(shapes):
             raise ValueError(f"the saved cache holds {sorted(state)}, this model's holds {sorted(shapes)}")
@@ -172,6 +198,8 @@ class KVCache:
         n_pos = saved if n_pos is None else n_pos
         if n_pos > saved:
             raise ValueError(f"the saved cache holds {saved} positions, fewer than the {n_pos} its tokens need")
+        if recurrent and n_pos != saved:
+            raise ValueError(f"the saved recurrent state has seen {saved} positions, not the {n_pos} asked for")
         if n_pos > self.n_ctx:
             raise ValueError("the saved cache's positions do not fit this cache")
         for name, (L, H, d) in shapes.items():
@@ -180,6 +208,8 @@ class KVCache:
                 raise ValueError(f"the saved {name} is {state[name].dtype}{list(state[name].shape)}, this model's "
                                  f"float32{list(want)}")
         self.put({name: along(state[name], axis[name], 0, n_pos) for name in shapes}, 0)
+        for name, a in recurrent.items():
+            self.state[name][...] = a
         self.n_pos = n_pos
 
 

@@ -53,6 +53,8 @@ class ModelShape(Protocol):
 
     def kv_bytes_per_token(self) -> int: ...
 
+    def state_bytes_per_sequence(self) -> int: ...
+
     def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None): ...
 
 
@@ -133,7 +135,9 @@ def check_model(path: str, build: Build, report=None):
     try:
         model = build(path, load_config(path))
         report(name, f"{path}: {model.MODEL_TYPE}, {model.n_layer} layers, {model.n_expert} experts per MoE layer, "
-                     f"{model.ATTENTION} attention, {fmt_bytes(model.kv_bytes_per_token())} of KV cache per token")
+                     f"{model.ATTENTION} attention, {fmt_bytes(model.kv_bytes_per_token())} of KV cache per token"
+                     + (f", {fmt_bytes(s)} of recurrent state per sequence" if (s := model.state_bytes_per_sequence())
+                        else ""))
         if is_container(path):
             name = "container"
             store = open_container(path)

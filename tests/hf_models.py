@@ -142,6 +142,37 @@ CASES = {
                                                             "factor": 8.0, "original_max_position_embeddings": 512,
                                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
     ],
+    # hybrids: Gated DeltaNet layers beside full attention; value heads a multiple of key heads
+    "qwen3_next": [
+        ("basic_three_to_one", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                    shared_expert_intermediate_size=20, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                    linear_value_head_dim=6, linear_conv_kernel_dim=4)),
+        ("odd_mix_sparse_tied", dict(vocab_size=83, hidden_size=44, intermediate_size=30, moe_intermediate_size=18,
+                                     shared_expert_intermediate_size=14, num_hidden_layers=5, num_attention_heads=3,
+                                     num_key_value_heads=1, head_dim=12, num_experts=7, num_experts_per_tok=3,
+                                     norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3],
+                                     layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                  "full_attention", "linear_attention"],
+                                     linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=10,
+                                     linear_value_head_dim=7, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                      "partial_rotary_factor": 0.5})),
+    ],
+    "qwen3_5_moe": [
+        ("basic_three_to_one", dict(vocab_size=101, hidden_size=48, moe_intermediate_size=24,
+                                    shared_expert_intermediate_size=20, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                    linear_value_head_dim=6, linear_conv_kernel_dim=4)),
+        ("odd_mix_tied", dict(vocab_size=83, hidden_size=44, moe_intermediate_size=18, shared_expert_intermediate_size=14,
+                              num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=12,
+                              num_experts=7, num_experts_per_tok=3,
+                              layer_types=["linear_attention", "full_attention", "linear_attention"],
+                              linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=10,
+                              linear_value_head_dim=9, linear_conv_kernel_dim=2, tie_word_embeddings=True)),
+    ],
 }
 
 CLASSES = {
@@ -154,6 +185,8 @@ CLASSES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]

@@ -1,4 +1,4 @@
-"""Imports flow one way (DESIGN.md's table), module by module: storage imports nothing
+"""Imports flow one way (docs/architecture.md's floors), module by module: storage imports nothing
 of ours; the engine reaches storage only through the ExpertSource module (and the named
 errors every floor shares); the daemon imports the engine and storage; ctl's client path
 imports the protocol module and nothing else of ours, while its offline commands (run,

@@ -21,7 +21,8 @@ PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), 
     ("deepseek_v3", "q_lora_groups_interleaved", None), ("glm_moe_dsa", "full_shared_topk4", None),
     ("glm4_moe", "odd_no_norm_two_shared", None), ("minimax_m2", "rotary_dim_half", None),
     ("gpt_oss", "sinks_sliding_clamped", None),
-    ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4")])
+    ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),
+    ("qwen3_next", "odd_mix_sparse_tied", None), ("qwen3_5_moe", "basic_three_to_one", None)])
 def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precision):
     hf = tmp_path / "hf"
     if precision:  # at its published precision, kept by convert
@@ -46,3 +47,11 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert status["model"]["type"] == family
         if precision:
             assert precision in json.dumps(status["model"])
+        if family.startswith("qwen3_"):  # hybrids: requests of different lengths at once, each its own state
+            prompts = ["a", "several words of a longer prompt than the other one, past one KV block"]
+            alone = [json.loads(subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--json",
+                                                "--max-tokens", "10", p], capture_output=True, text=True,
+                                               timeout=300).stdout)["token_ids"] for p in prompts]
+            procs = [subprocess.Popen([*colictl, "--socket", sock, "generate", "--json", "--max-tokens", "10", p],
+                                      stdout=subprocess.PIPE, text=True) for p in prompts]
+            assert [json.loads(p.communicate(timeout=120)[0])["token_ids"] for p in procs] == alone

@@ -1,0 +1,85 @@
+"""Linear attention with a recurrent state, as hybrid families' linear layers compute it: the
+causal depthwise short convolution (its last inputs kept per sequence), and the gated delta
+rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), a fixed-size state per value head that decays,
+is corrected toward each token's value and read by its query.
+
+Both run token by token (the sequential form), for a prompt as for a decode step: a token's
+outputs and the state after it are the same bits whether the prompt comes in one step or in
+chunks of any size, alone or batched (each sequence's rows are computed on their own, in
+order). transformers computes a prompt in chunks of 64 (a different order of the same sums:
+rounding apart) and a decode step this way. The state is float32 throughout."""
+
+import math
+
+import numba as nb
+import numpy as np
+
+from .jit import JIT
+
+
+@nb.njit(**JIT)
+def short_conv(x, w, state, out):
+    # x [T, C] f32, w [C, K] f32 (channel c's taps, oldest first), state [C, K-1] f32 (the
+    # sequence's last K-1 inputs, oldest first; updated), out [T, C] = silu(conv(x)):
+    # out[t, c] = silu(sum_j w[c, j] * x_ext[t + j, c]), x_ext = the state's inputs, then x
+    T, C = x.shape
+    K = w.shape[1]
+    for t in range(T):
+        for c in range(C):
+            acc = np.float32(0.0)
+            for j in range(K):
+                src = t + j - (K - 1)
+                xv = x[src, c] if src >= 0 else state[c, K - 1 + src]
+                acc += w[c, j] * xv
+            out[t, c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
+    for c in range(C):  # the last K-1 inputs of x_ext
+        for j in range(K - 1):
+            src = T - (K - 1) + j
+            state[c, j] = x[src, c] if src >= 0 else state[c, j + T]
+
+
+@nb.njit(**JIT)
+def gated_delta_rule(q, k, v, g, beta, state, out):
+    # q, k [T, Hk, dk] f32 (q/k L2-normed, q times dk ** -0.5), v [T, Hv, dv], g, beta [T, Hv]
+    # (the log decay and the write strength), state [Hv, dk, dv] f32 (updated), out [T, Hv, dv].
+    # Value head h reads key head h // (Hv / Hk). Per token and head, as transformers'
+    # recurrent form: S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; out = S^T q
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    r = Hv // Hk
+    kv = np.empty(dv, np.float32)
+    for t in range(T):
+        for h in range(Hv):
+            S = state[h]
+            hk = h // r
+            decay = np.float32(math.exp(g[t, h]))
+            for j in range(dv):
+                kv[j] = 0.0
+            for i in range(dk):
+                ki = k[t, hk, i]
+                for j in range(dv):
+                    S[i, j] *= decay
+                    kv[j] += S[i, j] * ki
+            b = beta[t, h]
+            for j in range(dv):
+                kv[j] = (v[t, h, j] - kv[j]) * b  # delta
+                out[t, h, j] = 0.0
+            for i in range(dk):
+                ki, qi = k[t, hk, i], q[t, hk, i]
+                for j in range(dv):
+                    S[i, j] += ki * kv[j]
+                    out[t, h, j] += S[i, j] * qi
+
+
+def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    # x [..., d] f32 -> x / sqrt(sum(x * x) + eps) along the last axis (as transformers' l2norm)
+    return x * (np.float32(1.0) / np.sqrt((x * x).sum(axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    # log(1 + exp(x)), x itself above 20 (torch's threshold)
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (np.float32(1.0) / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
