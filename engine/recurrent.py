@@ -1,7 +1,8 @@
 """Linear attention with a recurrent state, as hybrid families' linear layers compute it: the
 causal depthwise short convolution (its last inputs kept per sequence), and the gated delta
-rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), a fixed-size state per value head that decays,
-is corrected toward each token's value and read by its query.
+rule, a fixed-size state per value head that decays, is corrected toward each token's value
+and read by its query: Gated DeltaNet (Qwen3-Next, Qwen3.5) decays a head's state by one
+rate, Kimi Delta Attention (Kimi Linear) each key channel's row by its own.
 
 Both run token by token (the sequential form), for a prompt as for a decode step: a token's
 outputs and the state after it are the same bits whether the prompt comes in one step or in
@@ -40,10 +41,11 @@ def short_conv(x, w, state, out):
 
 @nb.njit(**JIT)
 def gated_delta_rule(q, k, v, g, beta, state, out):
-    # q, k [T, Hk, dk] f32 (q/k L2-normed, q times dk ** -0.5), v [T, Hv, dv], g, beta [T, Hv]
-    # (the log decay and the write strength), state [Hv, dk, dv] f32 (updated), out [T, Hv, dv].
-    # Value head h reads key head h // (Hv / Hk). Per token and head, as transformers'
-    # recurrent form: S *= exp(g); delta = (v - S^T k) * beta; S += k delta^T; out = S^T q
+    # q, k [T, Hk, dk] f32 (q/k L2-normed, q scaled), v [T, Hv, dv], g [T, Hv, 1] (the log
+    # decay of a head) or [T, Hv, dk] (of each key channel), beta [T, Hv] (the write
+    # strength), state [Hv, dk, dv] f32 (updated), out [T, Hv, dv]. Value head h reads key
+    # head h // (Hv / Hk). Per token and head, as transformers' recurrent forms: S *= exp(g)
+    # (row i by channel i's); delta = (v - S^T k) * beta; S += k delta^T; out = S^T q
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     r = Hv // Hk
@@ -52,11 +54,13 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
         for h in range(Hv):
             S = state[h]
             hk = h // r
-            decay = np.float32(math.exp(g[t, h]))
+            decay = np.float32(math.exp(g[t, h, 0]))
             for j in range(dv):
                 kv[j] = 0.0
             for i in range(dk):
                 ki = k[t, hk, i]
+                if g.shape[2] > 1:
+                    decay = np.float32(math.exp(g[t, h, i]))
                 for j in range(dv):
                     S[i, j] *= decay
                     kv[j] += S[i, j] * ki
@@ -71,9 +75,20 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
                     out[t, h, j] += S[i, j] * qi
 
 
-def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    # x [..., d] f32 -> x / sqrt(sum(x * x) + eps) along the last axis (as transformers' l2norm)
-    return x * (np.float32(1.0) / np.sqrt((x * x).sum(axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)))
+def layer_slots(layer_types: list[str]) -> tuple[dict[int, int], int, int]:
+    """A hybrid's layers' rows in a sequence's cache: full-attention layers in the KV pool,
+    linear ones in the recurrent state, each kind numbered apart. Returns (layer -> its row,
+    full layers, linear layers)."""
+    full = [il for il, t in enumerate(layer_types) if t == "full_attention"]
+    lin = [il for il, t in enumerate(layer_types) if t == "linear_attention"]
+    return {il: i for i, il in enumerate(full)} | {il: i for i, il in enumerate(lin)}, len(full), len(lin)
+
+
+def l2norm(x: np.ndarray, eps: float = 1e-6, divide: bool = False) -> np.ndarray:
+    # x [..., d] f32 -> x / sqrt(sum(x * x) + eps) along the last axis: times the reciprocal
+    # (Qwen's l2norm), or divided by the root (`divide`: Kimi Linear's, as its Triton kernel)
+    root = np.sqrt((x * x).sum(axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return x / root if divide else x * (np.float32(1.0) / root)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:

@@ -173,6 +173,26 @@ CASES = {
                               linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=10,
                               linear_value_head_dim=9, linear_conv_kernel_dim=2, tie_word_embeddings=True)),
     ],
+    "kimi_linear": [
+        ("q_lora_groups_mixed", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                     n_shared_experts=1, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8,
+                                     qk_nope_head_dim=12, v_head_dim=10, n_group=2, topk_group=1,
+                                     num_experts_per_tok=2, num_local_experts=8, linear_head_dim=8,
+                                     linear_num_heads=3, linear_conv_kernel_dim=4,
+                                     layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                  "full_attention"],
+                                     mlp_layer_types=["sparse", "dense", "sparse", "sparse"])),
+        ("odd_no_q_lora_two_shared", dict(vocab_size=83, hidden_size=44, intermediate_size=30, moe_intermediate_size=18,
+                                          num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                                          n_shared_experts=2, kv_lora_rank=14, q_lora_rank=None, qk_rope_head_dim=6,
+                                          qk_nope_head_dim=10, v_head_dim=14, n_group=1, topk_group=1,
+                                          num_experts_per_tok=3, num_local_experts=9, norm_topk_prob=False,
+                                          routed_scaling_factor=1.5, linear_head_dim=10, linear_num_heads=2,
+                                          linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                                          layer_types=["full_attention", "linear_attention", "linear_attention"],
+                                          mlp_layer_types=["dense", "sparse", "sparse"])),
+    ],
 }
 
 CLASSES = {
@@ -187,6 +207,7 @@ CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]

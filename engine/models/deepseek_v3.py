@@ -153,6 +153,11 @@ class Model(GroupedMoE, MoEModel):
     NAMES = NAMES
     ATTENTION = "MLA"
     F32_KEYS = GroupedMoE.F32_KEYS | {"q_a_norm", "kv_a_norm", "q_a_bias", "kv_a_bias"}
+    ROTARY = True  # the shared key's and the queries' rotary part is rotated (Kimi Linear's MLA: not, NoPE)
+
+    def kv_row(self, il: int) -> int:
+        # layer il's row in the KV pool's arrays (a hybrid keeps rows for its attention layers only)
+        return il
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         a = args
@@ -202,6 +207,8 @@ class Model(GroupedMoE, MoEModel):
         a = self.args
         H, nope, hv, lat = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         for L in self.layers:
+            if "kv_b" not in L:  # (a hybrid's layers without MLA)
+                continue
             kv_b = L.pop("kv_b")
             if isinstance(kv_b, QuantWeight):  # FP8: absorbed per head, its values in float32 (exact;
                 kv_b = to_f32(kv_b)  # a head's slice does not fall on the scale blocks in general)
@@ -216,7 +223,8 @@ class Model(GroupedMoE, MoEModel):
         out = np.empty(qa.shape[:2] + (self.args.kv_lora_rank,), np.float32)  # [T, H, latent]
         for sg in step.segments:
             rows = slice(sg.start, sg.start + sg.n)
-            attend(qa[rows], sg.cache, il, "k", "v", 0, np.float32(self.attn_spec.scale), NO_SINKS, out[rows])
+            attend(qa[rows], sg.cache, self.kv_row(il), "k", "v", 0, np.float32(self.attn_spec.scale), NO_SINKS,
+                   out[rows])
         return self.lift(il, out)
 
     def absorbed_queries(self, il, x, step):
@@ -236,17 +244,18 @@ class Model(GroupedMoE, MoEModel):
         latent = rmsnorm(ckv[:, :lat], L["kv_a_norm"], a.rms_norm_eps)  # [T, latent]
         q_rot = np.ascontiguousarray(q[:, :, nope:])  # [T, H, rope]
         k_rot = np.ascontiguousarray(ckv[:, None, lat:])  # [T, 1, rope]
-        if sp.rope_interleaved:
-            q_rot, k_rot = deinterleave(q_rot, rope // 2), deinterleave(k_rot, rope // 2)
-        kernels.rope(q_rot, step.cos, step.sin)
-        kernels.rope(k_rot, step.cos, step.sin)
+        if self.ROTARY:
+            if sp.rope_interleaved:
+                q_rot, k_rot = deinterleave(q_rot, rope // 2), deinterleave(k_rot, rope // 2)
+            kernels.rope(q_rot, step.cos, step.sin)
+            kernels.rope(k_rot, step.cos, step.sin)
         qa = np.empty((T, H, lat + rope), np.float32)  # [T, H, latent + rope]
         for h in range(H):
             qa[:, h, :lat] = linear(q[:, h, :nope], L["kv_b_k"][h])  # [T, latent]
         qa[:, :, lat:] = q_rot
         for sg in step.segments:
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
-            cache.write("k", il, pos0, np.concatenate([latent[rows], k_rot[rows, 0]], axis=1)[:, None])  # [n, 1, L]
+            cache.write("k", self.kv_row(il), pos0, np.concatenate([latent[rows], k_rot[rows, 0]], axis=1)[:, None])
         return qa, q_resid
 
     def lift(self, il, out):

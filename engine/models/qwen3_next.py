@@ -16,7 +16,7 @@ from ..attention import AttnSpec, attention
 from ..layers import linear, rmsnorm, swiglu
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 from ..moe import moe, softmax_top_k
-from ..recurrent import gated_delta_rule, l2norm, short_conv, sigmoid, softplus
+from ..recurrent import gated_delta_rule, l2norm, layer_slots, short_conv, sigmoid, softplus
 
 MODEL_TYPE = "qwen3_next"
 ALIASES = {"num_experts": ("num_local_experts",)}
@@ -99,10 +99,7 @@ class Model(MoEModel):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                                   args.rms_norm_eps, qk_norm="head", output_gate=True)
         self.n_expert = args.num_experts
-        full = [il for il, t in enumerate(args.layer_types) if t == "full_attention"]
-        lin = [il for il, t in enumerate(args.layer_types) if t == "linear_attention"]
-        self.slot = {il: i for i, il in enumerate(full)} | {il: i for i, il in enumerate(lin)}  # its row in the cache
-        self.n_full, self.n_lin = len(full), len(lin)
+        self.slot, self.n_full, self.n_lin = layer_slots(args.layer_types)  # a layer's row in the cache
         Hk, Hv = args.linear_num_key_heads, args.linear_num_value_heads
         dk, dv, r = args.linear_key_head_dim, args.linear_value_head_dim, Hv // Hk
         self.key_dim, self.value_dim = Hk * dk, Hv * dv
@@ -201,7 +198,7 @@ class Model(MoEModel):
             q = l2norm(conv[rows, : self.key_dim].reshape(sg.n, Hk, dk)) / np.float32(dk**0.5)
             k = l2norm(conv[rows, self.key_dim : 2 * self.key_dim].reshape(sg.n, Hk, dk))
             v = np.ascontiguousarray(conv[rows, 2 * self.key_dim :].reshape(sg.n, Hv, dv))
-            gated_delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows]),
+            gated_delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows, :, None]),
                              np.ascontiguousarray(beta[rows]), sg.cache.state["delta"][s], core[rows])
         out = rmsnorm(core, L["lin_norm"], a.rms_norm_eps) * (z * sigmoid(z))  # the gated norm, per value head
         return linear(out.reshape(T, Hv * dv), L["lin_out"])

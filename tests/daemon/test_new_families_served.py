@@ -22,7 +22,8 @@ PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), 
     ("glm4_moe", "odd_no_norm_two_shared", None), ("minimax_m2", "rotary_dim_half", None),
     ("gpt_oss", "sinks_sliding_clamped", None),
     ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),
-    ("qwen3_next", "odd_mix_sparse_tied", None), ("qwen3_5_moe", "basic_three_to_one", None)])
+    ("qwen3_next", "odd_mix_sparse_tied", None), ("qwen3_5_moe", "basic_three_to_one", None),
+    ("kimi_linear", "q_lora_groups_mixed", None)])
 def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precision):
     hf = tmp_path / "hf"
     if precision:  # at its published precision, kept by convert
@@ -47,7 +48,7 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert status["model"]["type"] == family
         if precision:
             assert precision in json.dumps(status["model"])
-        if family.startswith("qwen3_"):  # hybrids: requests of different lengths at once, each its own state
+        if family in ("qwen3_next", "qwen3_5_moe", "kimi_linear"):  # hybrids: requests of different lengths at once, each its own state
             prompts = ["a", "several words of a longer prompt than the other one, past one KV block"]
             alone = [json.loads(subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--json",
                                                 "--max-tokens", "10", p], capture_output=True, text=True,

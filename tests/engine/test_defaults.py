@@ -20,6 +20,8 @@ REQUIRED = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 16
 APART = {
     ("deepseek_v3", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
     ("glm_moe_dsa", "num_key_value_heads"): "MLA has no key/value heads (transformers' 64 is never read)",
+    ("kimi_linear", "num_key_value_heads"): "MLA has no key/value heads (transformers' 32 is never read)",
+    ("kimi_linear", "rope"): "no rotary anywhere (NoPE): colibri's rotary table is never read, transformers has none",
     ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
     ("qwen3_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
 }
@@ -49,11 +51,14 @@ def test_a_config_of_the_required_fields_means_what_transformers_reads(model_typ
         mine, want = getattr(ours.args, f.name), getattr(theirs, name)
         if mine != want and not (mine is not None and want is None and f.name == "head_dim"):  # (derived alike)
             differ.append(f"{f.name}: colibri {mine!r}, transformers {want!r}")
-    rope = rope_parameters(config, fam.Model.ROPE_DEFAULTS)
-    want_rope = dict(getattr(theirs, "rope_parameters", None) or {})
-    for key in sorted(set(rope) | set(want_rope)):
-        if rope.get(key) != want_rope.get(key):
-            differ.append(f"rope {key}: colibri {rope.get(key)!r}, transformers {want_rope.get(key)!r}")
+    if (model_type, "rope") in APART:
+        assert not ours.ROTARY
+    else:
+        rope = rope_parameters(config, fam.Model.ROPE_DEFAULTS)
+        want_rope = dict(getattr(theirs, "rope_parameters", None) or {})
+        for key in sorted(set(rope) | set(want_rope)):
+            if rope.get(key) != want_rope.get(key):
+                differ.append(f"rope {key}: colibri {rope.get(key)!r}, transformers {want_rope.get(key)!r}")
     assert not differ, differ
 
 

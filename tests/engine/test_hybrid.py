@@ -15,7 +15,7 @@ from colibri.engine.prefix import PrefixCache
 
 from hf_models import CASES, build, load_model
 
-HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe") for name, _ in CASES[fam]]
+HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear") for name, _ in CASES[fam]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,3 +158,26 @@ def test_an_image_text_checkpoint_runs_its_text_model_and_never_reads_the_vision
         n.startswith("model.language_model.") or n == "lm_head.weight" for n in names)
     placed = load_model(str(tmp_path / "c"))
     assert np.array_equal(placed.forward(ids, placed.new_cache(32), all_logits=True), got)
+
+
+def test_kimi_linear_config_as_the_hub_spells_it_loads_the_same(tmp_path):
+    """The hub's Kimi Linear config keeps its linear layers in `linear_attn_config` (1-indexed
+    `kda_layers` / `full_attn_layers`, `head_dim`, `num_heads`, `short_conv_kernel_size`)."""
+    from hf_models import rewrite_config
+
+    build("kimi_linear", "q_lora_groups_mixed", tmp_path / "v5", seed=2)
+    build("kimi_linear", "q_lora_groups_mixed", tmp_path / "hub", seed=2)
+
+    def hub(cfg):
+        types = cfg.pop("layer_types")
+        cfg["linear_attn_config"] = {
+            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+            "head_dim": cfg.pop("linear_head_dim"), "num_heads": cfg.pop("linear_num_heads"),
+            "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim")}
+
+    rewrite_config(tmp_path / "hub", hub)
+    a, b = (load_model(str(tmp_path / d)) for d in ("v5", "hub"))
+    assert b.args.layer_types == a.args.layer_types and b.args.linear_head_dim == 8
+    ids = np.random.default_rng(1).integers(0, 64, 9)
+    assert np.array_equal(a.forward(ids, a.new_cache(16), all_logits=True), b.forward(ids, b.new_cache(16), all_logits=True))
