@@ -100,7 +100,8 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
                                      cfg.ray_head_weight, placement.budget, cfg.io_threads)
         boot["boxes"] = model.experts.describe_boxes()
     model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
-    return Loaded(model, tokenizer, eos, path, control, history, room, PrefixCache(kv), sessions, boot)
+    prefix = PrefixCache(kv, cfg.state_snapshot_tokens)
+    return Loaded(model, tokenizer, eos, path, control, history, room, prefix, sessions, boot)
 
 
 def drives_at_start(cfg: Config, path: str) -> list[dict]:

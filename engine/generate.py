@@ -194,18 +194,21 @@ class Request:
         self.prefix = None  # the batcher's prefix cache, when it has one
         self.held: list = []  # its blocks this request started from (held until it ends)
         self.cached = 0  # prompt tokens taken from the prefix cache, not computed
+        self.pauses: list[int] = []  # a hybrid's prompt positions where a step ends, its state kept there
 
     def use_prefix(self, prefix) -> None:
         """Start from the longest prefix of the prompt that `prefix` (engine/prefix.py) holds,
         and give it this request's blocks as they are computed. A continued conversation
         (prior) already starts from its own cache and is left alone."""
-        from .prefix import load_blocks
+        from .prefix import load_blocks, pause_points
 
         self.prefix = prefix
         if self.prior is None:
-            self.held = prefix.match(self.prompt_ids, self.cache.pool)
+            self.held = prefix.match(self.prompt_ids, self.cache.pool, bool(self.cache.state))
             load_blocks(self.cache, self.held)
             self.fed = self.cached = self.cache.n_pos
+            if self.cache.state:
+                self.pauses = [p for p in pause_points(len(self.prompt_ids), prefix.snapshot_tokens) if p > self.fed]
 
     def close(self, model) -> None:
         """The request ends: its blocks go to the prefix cache (its prompt's, and its
@@ -232,6 +235,8 @@ class Request:
         if not self.prefilling:
             return [self.last]
         end = len(self.prompt_ids) if limit is None else min(self.fed + limit, len(self.prompt_ids))
+        if self.pauses:  # (a hybrid's state is kept where its prompt pauses: the step ends there)
+            end = min(end, next((p for p in self.pauses if p > self.fed), end))
         return self.prompt_ids[self.fed : end]
 
     def advance(self, logits: np.ndarray, n_fed: int) -> list[Event]:
@@ -240,6 +245,8 @@ class Request:
         if self.prefilling:
             self.fed += n_fed
             if self.fed < len(self.prompt_ids):
+                if self.fed in self.pauses and self.prefix is not None:  # its blocks and its state here
+                    self.prefix.insert(self.prompt_ids[: self.fed], self.cache, self.cache.n_pos)
                 return []
             if self.prefix is not None and self.prior is None:  # the prompt is in: others may start from it
                 self.prefix.insert(self.prompt_ids, self.cache, self.cache.n_pos)
@@ -330,7 +337,7 @@ class Batcher:
     def add(self, req: Request) -> None:
         req.t_start = time.perf_counter()
         req.stats0 = self.model.experts.stats.copy()
-        if self.prefix is not None and req.cache.shareable:  # (a recurrent state cannot start from a prefix's blocks)
+        if self.prefix is not None:
             req.use_prefix(self.prefix)
         self.active.append(req)
 

@@ -24,6 +24,16 @@ Exactness: a position's keys and values do not depend on which positions shared 
 (the kernels compute every row on its own), so a prefix restored from blocks continues as
 computed afresh. The blocks come from prompt rows; rows of sampled tokens are kept too
 where the family's decode rows are the same bits as prompt rows (Model.DECODE_ROWS_EXACT).
+
+Hybrids: a linear-attention layer's recurrent state covers every position it has seen and
+cannot be cut back, so a block may carry a snapshot of the sequence's state right after
+it (Block.state, its bytes counted in the budget). A request of a model with a state
+starts from the deepest matched block that has one: the KV blocks of its full-attention
+layers up to there, and the state restored from the snapshot. Snapshots are taken where a
+prompt's computation is made to pause (Request.feed): every `snapshot_tokens` positions
+and at the last block boundary of each prompt, so a request that resends a conversation or
+shares a long system prompt resumes from near its end (the recurrent kernels give the
+same bits in chunks as in one step: pausing changes nothing but the reads).
 """
 
 import hashlib
@@ -44,6 +54,7 @@ class Block:
     nbytes: int
     refs: int = 0  # running requests that hold it
     children: set = field(default_factory=set)
+    state: dict | None = None  # a hybrid sequence's recurrent state right after this block (a copy)
 
 
 def chain(parent: bytes | None, tokens) -> bytes:
@@ -56,13 +67,16 @@ class PrefixCache:
     """Blocks of KV state under a byte budget. Used by the engine thread only (the daemon's
     stats read its counters)."""
 
-    def __init__(self, budget_bytes: int):
+    SNAPSHOT_TOKENS = 1024  # default: a hybrid's state is kept every this many positions of a prompt
+
+    def __init__(self, budget_bytes: int, snapshot_tokens: int = SNAPSHOT_TOKENS):
         self.budget = budget_bytes
+        self.snapshot_tokens = max(BLOCK, snapshot_tokens // BLOCK * BLOCK)
         self.pool = None  # the KV pool of the blocks (the first inserted cache's)
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.bytes = 0
         self.counters = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0, "inserted_blocks": 0,
-                         "evicted_blocks": 0}
+                         "evicted_blocks": 0, "state_snapshots": 0}
 
     def describe(self) -> dict:
         return {"block_tokens": BLOCK, "blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
@@ -71,11 +85,12 @@ class PrefixCache:
                 "pool_blocks": self.pool.used if self.pool is not None else None,
                 "pool_bytes": self.pool.used * self.pool.block_bytes if self.pool is not None else None}
 
-    def match(self, tokens: list[int], pool=None) -> list[Block]:
+    def match(self, tokens: list[int], pool=None, state: bool = False) -> list[Block]:
         """The cached blocks of the longest prefix of `tokens` (whole blocks, leaving at
         least one token to compute: the next token's logits need its row), now held by the
         caller until release(). `pool`: the caller's KV pool (blocks of another model's
-        pool are no match)."""
+        pool are no match). `state`: the caller keeps a recurrent state, so the prefix
+        ends at the deepest block with a state snapshot."""
         self.counters["lookups"] += 1
         got, parent = [], None
         n = (len(tokens) - 1) // BLOCK if pool is None or self.pool in (None, pool) else 0
@@ -86,6 +101,9 @@ class PrefixCache:
                 break
             got.append(b)
             parent = b.key
+        if state:
+            while got and got[-1].state is None:
+                got.pop()
         for b in got:
             b.refs += 1
         self.touch(got)
@@ -130,6 +148,14 @@ class PrefixCache:
                 b.refs += 1
                 path.append(b)
                 parent = key
+            if cache.state and n_pos % BLOCK == 0 and n_pos == cache.n_pos and len(path) == n_pos // BLOCK \
+                    and path and path[-1].state is None:  # the state right after the last block
+                need = sum(a.nbytes for a in cache.state.values())
+                if self.evict(need):
+                    path[-1].state = {k: a.copy() for k, a in cache.state.items()}
+                    path[-1].nbytes += need
+                    self.bytes += need
+                    self.counters["state_snapshots"] += 1
         finally:
             self.touch(path)
             for b in path:
@@ -176,5 +202,15 @@ class PrefixCache:
 
 def load_blocks(cache, blocks: list[Block]) -> None:
     """A fresh request's cache starts from matched blocks: its first len(blocks) * BLOCK
-    positions are those blocks, shared."""
+    positions are those blocks, shared; a recurrent state from the last one's snapshot."""
     cache.adopt([b.bid for b in blocks])
+    if blocks and cache.state:
+        for name, a in blocks[-1].state.items():
+            cache.state[name][...] = a
+
+
+def pause_points(n_prompt: int, every: int) -> list[int]:
+    """Where a hybrid's prompt of n_prompt tokens pauses so that its state can be kept:
+    every `every` positions and at its last block boundary."""
+    last = n_prompt // BLOCK * BLOCK
+    return sorted({p for p in range(every, n_prompt, every)} | ({last} if 0 < last < n_prompt else set()))

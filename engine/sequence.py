@@ -104,13 +104,6 @@ class KVCache:
         weakref.finalize(self, pool.drop, self.blocks)
 
     @property
-    def shareable(self) -> bool:
-        """Whether the sequence's whole state is its KV blocks, so that another sequence can
-        start from a prefix of them (the prefix cache). A recurrent state holds every
-        position it has seen and cannot be cut back to a shorter prefix."""
-        return not self.state
-
-    @property
     def state_bytes(self) -> int:
         return sum(a.nbytes for a in self.state.values())
 

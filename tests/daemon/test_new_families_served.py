@@ -56,3 +56,6 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
             procs = [subprocess.Popen([*colictl, "--socket", sock, "generate", "--json", "--max-tokens", "10", p],
                                       stdout=subprocess.PIPE, text=True) for p in prompts]
             assert [json.loads(p.communicate(timeout=120)[0])["token_ids"] for p in procs] == alone
+            # the longer prompt again: resumed from the state the prefix cache kept at its last block
+            again = json.loads(ctl(sock, "generate", "--json", "--max-tokens", 10, prompts[1]).stdout)
+            assert again["token_ids"] == alone[1] and again["stats"]["cached_prompt_tokens"] >= 48

@@ -2,8 +2,8 @@
 against transformers past its 64-token prompt chunks, and the guarantees the KV-cache
 families keep: a prompt's rows are the same bits in one step or in chunks, alone or
 batched; a conversation continued from its saved state (KV and recurrent) gives what one
-request of it gives; a request never starts from another's cached prefix (a recurrent
-state cannot be cut back to it)."""
+request of it gives; a request sharing a prefix resumes from a state snapshot the prefix
+cache kept (a recurrent state cannot be cut back to an arbitrary prefix)."""
 
 import numpy as np
 import pytest
@@ -86,25 +86,39 @@ def test_a_continued_conversation_gives_what_one_request_gives(tmp_path, family,
         cache.restore(conv.kv, len(conv.tokens) - 3)
 
 
-def test_requests_sharing_a_prefix_do_not_start_from_its_blocks(tmp_path):
-    build("qwen3_next", "basic_three_to_one", tmp_path, seed=3)
+@pytest.mark.parametrize("family,case", HYBRIDS[::2])
+def test_requests_sharing_a_prefix_resume_from_a_state_snapshot(tmp_path, family, case):
+    """The prefix cache keeps a hybrid's state where a prompt pauses (every 16 positions
+    here, and at its last block boundary): a request sharing the whole prefix resumes at
+    its deepest snapshot, one sharing part of it at an earlier one, each with the tokens a
+    fresh computation gives; the prompt that paused gives its own tokens too."""
+    build(family, case, tmp_path, seed=3)
     model = load_model(str(tmp_path))
-    assert model.state_bytes_per_sequence() == 4 * (3 * 4 * 8 * 6 + 3 * (2 * 16 + 24) * 3)
     rng = np.random.default_rng(8)
-    shared = rng.integers(0, model.args.vocab_size, 40).tolist()
-    prompts = [shared + [5, 6], shared + [7]]
+    shared = rng.integers(0, model.args.vocab_size, 45).tolist()
+    prompts = [shared + [5, 6], shared + [7], shared[:30] + [9, 9, 9]]
     want = [tokens(generate(model, p, SamplingParams(max_tokens=5))) for p in prompts]
-    prefix = PrefixCache(1 << 30)
-    batcher, got = Batcher(model, prefix=prefix), []
+    prefix = PrefixCache(1 << 30, snapshot_tokens=16)
+    batcher, got, cached = Batcher(model, prefix=prefix), [], []
     for p in prompts:
         req = Request(model, p, SamplingParams(max_tokens=5))
         batcher.add(req)
+        cached.append(req.cached)
         out = []
         while batcher.active:
             out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
         got.append(out)
     assert got == want
-    assert prefix.counters["lookups"] == 0 and prefix.counters["inserted_blocks"] == 0
+    assert cached == [0, 32, 16] and prefix.counters["state_snapshots"] >= 2
+    small = PrefixCache(prefix.bytes - 1, snapshot_tokens=16)  # no room for every snapshot: fewer kept, none wrong
+    batcher, again = Batcher(model, prefix=small), []
+    for p in prompts:
+        batcher.add(Request(model, p, SamplingParams(max_tokens=5)))
+        out = []
+        while batcher.active:
+            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
+        again.append(out)
+    assert again == want
 
 
 def read_bytes() -> int:
