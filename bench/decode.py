@@ -202,6 +202,7 @@ def main():
         c = probe.experts.c
         budget = int(c.expert_bytes * frac)
         kv_bytes, attention = probe.kv_bytes_per_token(), probe.ATTENTION
+        state_bytes = probe.state_bytes_per_sequence()
         del probe
         if budget + 3e9 > psutil.virtual_memory().available:
             results.append({"budget_fraction": frac, "skipped": "not enough free memory for this budget"})
@@ -270,7 +271,7 @@ def main():
         print(json.dumps(row), file=sys.stderr)
     print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
                       "n_layer": len(c.moe_layers),
-                      "kv_bytes_per_token": kv_bytes, "attention": attention,
+                      "kv_bytes_per_token": kv_bytes, "state_bytes_per_sequence": state_bytes, "attention": attention,
                       "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,
                       "io_threads": a.io_threads, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
                       "memory_gbs": round(mem, 3), "results": results}, indent=2))

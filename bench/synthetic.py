@@ -76,6 +76,14 @@ SHAPES = {
         "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
         "eos_token_id": None,
     },
+    "qwen3_5_moe": {  # a Qwen3.5-122B-A10B-like hybrid: 3 Gated DeltaNet layers to 1 of attention
+        "model_type": "qwen3_5_moe", "vocab_size": 32000, "hidden_size": 3072, "moe_intermediate_size": 1024,
+        "shared_expert_intermediate_size": 1024, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+        "num_experts": 256, "num_experts_per_tok": 8, "linear_num_key_heads": 16, "linear_num_value_heads": 64,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": None,
+    },
     "gpt_oss": {  # gpt-oss-120b
         "model_type": "gpt_oss", "vocab_size": 32000, "hidden_size": 2880, "intermediate_size": 2880,
         "moe_intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,

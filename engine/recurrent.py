@@ -15,6 +15,7 @@ import math
 import numba as nb
 import numpy as np
 
+from . import crew
 from .jit import JIT
 
 
@@ -40,39 +41,64 @@ def short_conv(x, w, state, out):
 
 
 @nb.njit(**JIT)
+def _delta_head(q, k, v, g, beta, state, out, h, r, kv):
+    # value head h of gated_delta_rule through every token (its state and outputs only: the
+    # heads are independent, so any order or thread gives the same bits)
+    T, dk, dv = q.shape[0], q.shape[2], v.shape[2]
+    S, hk = state[h], h // r
+    for t in range(T):
+        decay = np.float32(math.exp(g[t, h, 0]))
+        for j in range(dv):
+            kv[j] = 0.0
+        for i in range(dk):
+            ki = k[t, hk, i]
+            if g.shape[2] > 1:
+                decay = np.float32(math.exp(g[t, h, i]))
+            for j in range(dv):
+                S[i, j] *= decay
+                kv[j] += S[i, j] * ki
+        b = beta[t, h]
+        for j in range(dv):
+            kv[j] = (v[t, h, j] - kv[j]) * b  # delta
+            out[t, h, j] = 0.0
+        for i in range(dk):
+            ki, qi = k[t, hk, i], q[t, hk, i]
+            for j in range(dv):
+                S[i, j] += ki * kv[j]
+                out[t, h, j] += S[i, j] * qi
+
+
+@nb.njit(**JIT)
 def gated_delta_rule(q, k, v, g, beta, state, out):
     # q, k [T, Hk, dk] f32 (q/k L2-normed, q scaled), v [T, Hv, dv], g [T, Hv, 1] (the log
     # decay of a head) or [T, Hv, dk] (of each key channel), beta [T, Hv] (the write
     # strength), state [Hv, dk, dv] f32 (updated), out [T, Hv, dv]. Value head h reads key
     # head h // (Hv / Hk). Per token and head, as transformers' recurrent forms: S *= exp(g)
     # (row i by channel i's); delta = (v - S^T k) * beta; S += k delta^T; out = S^T q
-    T, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    r = Hv // Hk
-    kv = np.empty(dv, np.float32)
-    for t in range(T):
-        for h in range(Hv):
-            S = state[h]
-            hk = h // r
-            decay = np.float32(math.exp(g[t, h, 0]))
-            for j in range(dv):
-                kv[j] = 0.0
-            for i in range(dk):
-                ki = k[t, hk, i]
-                if g.shape[2] > 1:
-                    decay = np.float32(math.exp(g[t, h, i]))
-                for j in range(dv):
-                    S[i, j] *= decay
-                    kv[j] += S[i, j] * ki
-            b = beta[t, h]
-            for j in range(dv):
-                kv[j] = (v[t, h, j] - kv[j]) * b  # delta
-                out[t, h, j] = 0.0
-            for i in range(dk):
-                ki, qi = k[t, hk, i], q[t, hk, i]
-                for j in range(dv):
-                    S[i, j] += ki * kv[j]
-                    out[t, h, j] += S[i, j] * qi
+    kv = np.empty(v.shape[2], np.float32)
+    for h in range(v.shape[1]):
+        _delta_head(q, k, v, g, beta, state, out, h, v.shape[1] // q.shape[1], kv)
+
+
+@nb.njit(parallel=True, **JIT)
+def gated_delta_rule_par(q, k, v, g, beta, state, out):
+    # gated_delta_rule with the value heads on every thread (a prompt's): the same bits
+    for h in nb.prange(v.shape[1]):
+        _delta_head(q, k, v, g, beta, state, out, h, v.shape[1] // q.shape[1], np.empty(v.shape[2], np.float32))
+
+
+PAR_MIN = 1 << 22  # state updates (tokens x heads x dk x dv) from which a step's delta rule runs on every thread
+
+
+def delta_rule(q, k, v, g, beta, state, out) -> None:
+    """gated_delta_rule, a long prompt's on every thread (the step's crew parked first: its
+    spinning helpers would hold the CPUs), a short one's on this thread."""
+    if q.shape[0] * v.shape[1] * q.shape[2] * v.shape[2] >= PAR_MIN and v.shape[1] > 1:
+        if crew.session() is not None:
+            crew.session().close()
+        gated_delta_rule_par(q, k, v, g, beta, state, out)
+    else:
+        gated_delta_rule(q, k, v, g, beta, state, out)
 
 
 def layer_slots(layer_types: list[str]) -> tuple[dict[int, int], int, int]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..layers import linear, rmsnorm
 from ..model import require
-from ..recurrent import gated_delta_rule, l2norm, layer_slots, short_conv, sigmoid, softplus
+from ..recurrent import delta_rule, l2norm, layer_slots, short_conv, sigmoid, softplus
 from . import deepseek_v3
 
 MODEL_TYPE = "kimi_linear"
@@ -190,7 +190,7 @@ class Model(deepseek_v3.Model):
             q = l2norm(conv[rows, :Hd].reshape(sg.n, H, d), divide=True) * scale
             k = l2norm(conv[rows, Hd : 2 * Hd].reshape(sg.n, H, d), divide=True)
             v = np.ascontiguousarray(conv[rows, 2 * Hd :].reshape(sg.n, H, d))
-            gated_delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows]),
+            delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows]),
                              np.ascontiguousarray(beta[rows]), sg.cache.state["delta"][s], core[rows])
         out = rmsnorm(core, L["o_norm"], a.rms_norm_eps) * sigmoid(gate)  # the gated output norm, per head
         return linear(out.reshape(T, Hd), L["o"])

@@ -16,7 +16,7 @@ from ..attention import AttnSpec, attention
 from ..layers import linear, rmsnorm, swiglu
 from ..model import HF_NAMES, MoEModel, check_moe_args, require
 from ..moe import moe, softmax_top_k
-from ..recurrent import gated_delta_rule, l2norm, layer_slots, short_conv, sigmoid, softplus
+from ..recurrent import delta_rule, l2norm, layer_slots, short_conv, sigmoid, softplus
 
 MODEL_TYPE = "qwen3_next"
 ALIASES = {"num_experts": ("num_local_experts",)}
@@ -198,7 +198,7 @@ class Model(MoEModel):
             q = l2norm(conv[rows, : self.key_dim].reshape(sg.n, Hk, dk)) / np.float32(dk**0.5)
             k = l2norm(conv[rows, self.key_dim : 2 * self.key_dim].reshape(sg.n, Hk, dk))
             v = np.ascontiguousarray(conv[rows, 2 * self.key_dim :].reshape(sg.n, Hv, dv))
-            gated_delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows, :, None]),
+            delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows, :, None]),
                              np.ascontiguousarray(beta[rows]), sg.cache.state["delta"][s], core[rows])
         out = rmsnorm(core, L["lin_norm"], a.rms_norm_eps) * (z * sigmoid(z))  # the gated norm, per value head
         return linear(out.reshape(T, Hv * dv), L["lin_out"])

@@ -195,3 +195,46 @@ def test_kimi_linear_config_as_the_hub_spells_it_loads_the_same(tmp_path):
     assert b.args.layer_types == a.args.layer_types and b.args.linear_head_dim == 8
     ids = np.random.default_rng(1).integers(0, 64, 9)
     assert np.array_equal(a.forward(ids, a.new_cache(16), all_logits=True), b.forward(ids, b.new_cache(16), all_logits=True))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_recurrent_kernels_against_numpy(per_channel):
+    """The delta rule (one thread and every thread: the same bits) and the short
+    convolution against plain numpy, the state carried from one call to the next."""
+    from colibri.engine.recurrent import gated_delta_rule, gated_delta_rule_par, short_conv
+
+    rng = np.random.default_rng(0)
+    T, Hk, Hv, dk, dv = 9, 2, 6, 5, 7
+    q, k = (rng.standard_normal((T, Hk, dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((T, Hv, dv)).astype(np.float32)
+    g = -rng.random((T, Hv, dk if per_channel else 1)).astype(np.float32)
+    beta = rng.random((T, Hv)).astype(np.float32)
+    S0 = rng.standard_normal((Hv, dk, dv)).astype(np.float32)
+    S, want = S0.astype(np.float64), np.empty((T, Hv, dv))
+    for t in range(T):
+        for h in range(Hv):
+            kh, qh = k[t, h // 3], q[t, h // 3]
+            S[h] *= np.exp(g[t, h])[:, None]
+            delta = (v[t, h] - S[h].T @ kh) * beta[t, h]
+            S[h] += np.outer(kh, delta)
+            want[t, h] = S[h].T @ qh
+    outs = []
+    for kernel in (gated_delta_rule, gated_delta_rule_par):
+        state, out = S0.copy(), np.empty((T, Hv, dv), np.float32)
+        kernel(q, k, v, g, beta, state, out)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(state, S, rtol=1e-4, atol=1e-4)
+        outs.append((out, state))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+    C, K = 5, 4
+    x = rng.standard_normal((T, C)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    st0 = rng.standard_normal((C, K - 1)).astype(np.float32)
+    ext = np.concatenate([st0.T, x])  # [K - 1 + T, C]
+    pre = np.stack([(w * ext[t : t + K].T).sum(axis=1) for t in range(T)])
+    state, out = st0.copy(), np.empty_like(x)
+    short_conv(x[:4], w, state, out[:4])  # in two calls: the state carries the last inputs over
+    short_conv(x[4:], w, state, out[4:])
+    np.testing.assert_allclose(out, pre / (1 + np.exp(-pre)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(state, ext[-(K - 1):].T)
