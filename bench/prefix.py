@@ -2,6 +2,7 @@
 as a session, a long prompt beside a running stream.
 
     python bench/prefix.py [--expert-gb 2] [--budget 0.25] [--prefix-tokens 1500] [--parts a,b,c]
+                           [--family qwen3_moe]
 
 On the decode benchmark's synthetic model (bench/synthetic.py; the byte-level tokenizer:
 one token a character), with the expert cache at --budget of the expert bytes:
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
 from control_plane import start_daemon  # noqa: E402
 from prefill_gap import one_run as gap_run  # noqa: E402
-from synthetic import build, load_model  # noqa: E402
+from synthetic import SHAPES, build, load_model  # noqa: E402
 
 from colibri.ctl.client import Client  # noqa: E402
 
@@ -108,19 +109,23 @@ def main():
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--gap-tokens", type=int, default=4000)
     ap.add_argument("--parts", default="a,b,c,d")
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
+                    help="the layers' shape (bench/synthetic.py SHAPES); qwen3_5_moe: a hybrid, whose prefix "
+                         "cache keeps state snapshots")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
-    path = build(a.workdir, a.expert_gb)
+    path = build(a.workdir, a.expert_gb, family=a.family)
     probe = load_model(path, budget="min")
     budget = int(probe.experts.c.expert_bytes * a.budget)
-    kv_per_token = probe.kv_bytes_per_token()
+    kv_per_token, state_bytes = probe.kv_bytes_per_token(), probe.state_bytes_per_sequence()
     del probe
     from decode import memory_gbs
 
     tmp = tempfile.mkdtemp(prefix="colibri-prefix-")
     rng = np.random.default_rng(11)
-    out = {"benchmark": "prefix", "container": path, "budget_fraction": a.budget, "budget_bytes": budget,
-           "kv_bytes_per_token": kv_per_token, "memory_gbs": round(memory_gbs(), 2)}
+    out = {"benchmark": "prefix", "family": a.family, "container": path, "budget_fraction": a.budget,
+           "budget_bytes": budget, "kv_bytes_per_token": kv_per_token, "state_bytes_per_sequence": state_bytes,
+           "memory_gbs": round(memory_gbs(), 2)}
     parts = a.parts.split(",")
     if "a" in parts:
         prefix = text(rng, a.prefix_tokens)
@@ -133,6 +138,7 @@ def main():
         sock, proc = daemon(path, budget, tmp, "kv-on", kv_cache="2GiB")
         try:
             warm = shared_prefix(sock, prefix, questions)
+            kv_stats = Client(sock).connect().call("stats").get("kv") or {}
         finally:
             stop(sock, proc)
         cold_s = statistics.median(r["ttft_s"] for r in cold)
@@ -142,6 +148,7 @@ def main():
             "cold_expert_bytes_per_request": statistics.median(r["expert_bytes_read"] for r in cold),
             "cached_expert_bytes_per_request": statistics.median(r["expert_bytes_read"] for r in warm[1:]),
             "cached_prompt_tokens": warm[1]["cached_prompt_tokens"],
+            "prefix_cache_bytes": kv_stats.get("bytes"), "state_snapshots": kv_stats.get("state_snapshots"),
             "prefix_copy_s_at_memory_bandwidth": round(
                 warm[1]["cached_prompt_tokens"] * kv_per_token / (out["memory_gbs"] * 1e9), 5),
             "cold": cold, "cached": warm}

@@ -204,11 +204,13 @@ class Request:
 
         self.prefix = prefix
         if self.prior is None:
+            reach = prefix.reach(self.prompt_ids, self.cache.pool) if self.cache.state else 0
             self.held = prefix.match(self.prompt_ids, self.cache.pool, bool(self.cache.state))
             load_blocks(self.cache, self.held)
             self.fed = self.cached = self.cache.n_pos
             if self.cache.state:
-                self.pauses = [p for p in pause_points(len(self.prompt_ids), prefix.snapshot_tokens) if p > self.fed]
+                self.pauses = [p for p in pause_points(len(self.prompt_ids), prefix.snapshot_tokens, reach)
+                               if p > self.fed]
 
     def close(self, model) -> None:
         """The request ends: its blocks go to the prefix cache (its prompt's, and its

@@ -85,6 +85,21 @@ class PrefixCache:
                 "pool_blocks": self.pool.used if self.pool is not None else None,
                 "pool_bytes": self.pool.used * self.pool.block_bytes if self.pool is not None else None}
 
+    def reach(self, tokens: list[int], pool=None) -> int:
+        """Positions of `tokens` the cache holds KV blocks for (match's walk, nothing held):
+        where a hybrid's prompt diverges from what was computed before, a snapshot there
+        serves the next request that shares as much."""
+        parent, n = None, 0
+        if pool is not None and self.pool not in (None, pool):
+            return 0
+        for i in range((len(tokens) - 1) // BLOCK):
+            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
+            b = self.blocks.get(chain(parent, part))
+            if b is None or b.tokens != part or b.parent != parent:
+                break
+            parent, n = b.key, n + BLOCK
+        return n
+
     def match(self, tokens: list[int], pool=None, state: bool = False) -> list[Block]:
         """The cached blocks of the longest prefix of `tokens` (whole blocks, leaving at
         least one token to compute: the next token's logits need its row), now held by the
@@ -209,8 +224,9 @@ def load_blocks(cache, blocks: list[Block]) -> None:
             cache.state[name][...] = a
 
 
-def pause_points(n_prompt: int, every: int) -> list[int]:
+def pause_points(n_prompt: int, every: int, reach: int = 0) -> list[int]:
     """Where a hybrid's prompt of n_prompt tokens pauses so that its state can be kept:
-    every `every` positions and at its last block boundary."""
+    every `every` positions, at its last block boundary, and at `reach` (where it leaves
+    the cached blocks)."""
     last = n_prompt // BLOCK * BLOCK
-    return sorted({p for p in range(every, n_prompt, every)} | ({last} if 0 < last < n_prompt else set()))
+    return sorted({p for p in (*range(every, n_prompt, every), last, reach) if 0 < p < n_prompt})

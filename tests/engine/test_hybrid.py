@@ -238,3 +238,24 @@ def test_the_recurrent_kernels_against_numpy(per_channel):
     short_conv(x[4:], w, state, out[4:])
     np.testing.assert_allclose(out, pre / (1 + np.exp(-pre)), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(state, ext[-(K - 1):].T)
+
+
+def test_a_snapshot_is_kept_where_a_prompt_leaves_the_cached_blocks(tmp_path):
+    """The second request to share a prefix computes it from the deepest snapshot (none
+    here) and pauses where it leaves the cached blocks; the third resumes there."""
+    build("qwen3_next", "basic_three_to_one", tmp_path, seed=4)
+    model = load_model(str(tmp_path))
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, model.args.vocab_size, 70).tolist()
+    prompts = [first, first[:50] + [1, 2, 3], first[:50] + [4, 5]]
+    want = [tokens(generate(model, p, SamplingParams(max_tokens=4))) for p in prompts]
+    batcher, cached, got = Batcher(model, prefix=PrefixCache(1 << 30)), [], []
+    for p in prompts:
+        req = Request(model, p, SamplingParams(max_tokens=4))
+        batcher.add(req)
+        cached.append(req.cached)
+        out = []
+        while batcher.active:
+            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
+        got.append(out)
+    assert got == want and cached == [0, 0, 48]
