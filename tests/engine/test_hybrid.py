@@ -27,6 +27,21 @@ def tokens(events):
     return [e.token_id for e in events if e.kind == "token"]
 
 
+def one_after_another(model, prefix, prompts, n):
+    """Each prompt through one batcher with `prefix`, after the one before: (tokens of
+    each, prompt tokens each took from the prefix cache)."""
+    batcher, got, cached = Batcher(model, prefix=prefix), [], []
+    for p in prompts:
+        req = Request(model, p, SamplingParams(max_tokens=n))
+        batcher.add(req)
+        cached.append(req.cached)
+        out = []
+        while batcher.active:
+            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
+        got.append(out)
+    return got, cached
+
+
 @pytest.mark.parametrize("family,case", HYBRIDS)
 @pytest.mark.parametrize("n", [63, 64, 70, 130])
 def test_long_prompts_match_transformers(tmp_path, family, case, n):
@@ -99,26 +114,11 @@ def test_requests_sharing_a_prefix_resume_from_a_state_snapshot(tmp_path, family
     prompts = [shared + [5, 6], shared + [7], shared[:30] + [9, 9, 9]]
     want = [tokens(generate(model, p, SamplingParams(max_tokens=5))) for p in prompts]
     prefix = PrefixCache(1 << 30, snapshot_tokens=16)
-    batcher, got, cached = Batcher(model, prefix=prefix), [], []
-    for p in prompts:
-        req = Request(model, p, SamplingParams(max_tokens=5))
-        batcher.add(req)
-        cached.append(req.cached)
-        out = []
-        while batcher.active:
-            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
-        got.append(out)
+    got, cached = one_after_another(model, prefix, prompts, 5)
     assert got == want
     assert cached == [0, 32, 16] and prefix.counters["state_snapshots"] >= 2
     small = PrefixCache(prefix.bytes - 1, snapshot_tokens=16)  # no room for every snapshot: fewer kept, none wrong
-    batcher, again = Batcher(model, prefix=small), []
-    for p in prompts:
-        batcher.add(Request(model, p, SamplingParams(max_tokens=5)))
-        out = []
-        while batcher.active:
-            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
-        again.append(out)
-    assert again == want
+    assert one_after_another(model, small, prompts, 5)[0] == want
 
 
 def read_bytes() -> int:
@@ -249,13 +249,5 @@ def test_a_snapshot_is_kept_where_a_prompt_leaves_the_cached_blocks(tmp_path):
     first = rng.integers(0, model.args.vocab_size, 70).tolist()
     prompts = [first, first[:50] + [1, 2, 3], first[:50] + [4, 5]]
     want = [tokens(generate(model, p, SamplingParams(max_tokens=4))) for p in prompts]
-    batcher, cached, got = Batcher(model, prefix=PrefixCache(1 << 30)), [], []
-    for p in prompts:
-        req = Request(model, p, SamplingParams(max_tokens=4))
-        batcher.add(req)
-        cached.append(req.cached)
-        out = []
-        while batcher.active:
-            out += [ev.token_id for _, ev in batcher.step() if ev.kind == "token"]
-        got.append(out)
+    got, cached = one_after_another(model, PrefixCache(1 << 30), prompts, 4)
     assert got == want and cached == [0, 0, 48]
