@@ -69,7 +69,8 @@ def kv_line(kv: dict) -> str:
     return (f"kv: {kv['blocks']} blocks of {kv['block_tokens']} tokens, {kv['bytes'] / 2**20:.1f} of "
             f"{kv['budget_bytes'] / 2**20:.1f} MiB ({kv['held_blocks']} held by running requests), "
             f"{kv['hit_requests']} of {kv['lookups']} requests reused a prefix, {kv['saved_prefill_tokens']} prompt "
-            f"tokens not computed again, {kv['evicted_blocks']} blocks evicted")
+            f"tokens not computed again, {kv['evicted_blocks']} blocks evicted"
+            + (f", {kv['state_snapshots']} recurrent-state snapshots kept" if kv.get("state_snapshots") else ""))
 
 
 def session_line(info: dict) -> str:
