@@ -357,7 +357,8 @@ class Server:
 
     POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
     RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "prefill_chunk", "max_tokens_limit",
-                    "log_level", "watchdog_s", "history_save_s", "kv_cache", "sessions_bytes", "sessions_age_days", *POLICY_KEYS)
+                    "log_level", "watchdog_s", "history_save_s", "kv_cache", "state_snapshot_tokens", "sessions_bytes", "sessions_age_days",
+                    *POLICY_KEYS)
 
     def reload(self) -> dict:
         """Read the configuration again (flags still override it) and apply what can change
@@ -380,6 +381,8 @@ class Server:
             self.inbox.put(Resize(None, parse_size(new.expert_cache), None))
         if "kv_cache" in applied and self.prefix is not None:
             self.inbox.put(Resize(None, None, None, parse_size(new.kv_cache)))
+        if "state_snapshot_tokens" in applied and self.prefix is not None:
+            self.prefix.set_snapshot_tokens(new.state_snapshot_tokens)  # (an int the engine reads per request)
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
 

@@ -71,15 +71,20 @@ class PrefixCache:
 
     def __init__(self, budget_bytes: int, snapshot_tokens: int = SNAPSHOT_TOKENS):
         self.budget = budget_bytes
-        self.snapshot_tokens = max(BLOCK, snapshot_tokens // BLOCK * BLOCK)
+        self.set_snapshot_tokens(snapshot_tokens)
         self.pool = None  # the KV pool of the blocks (the first inserted cache's)
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.bytes = 0
         self.counters = {"lookups": 0, "hit_requests": 0, "hit_tokens": 0, "inserted_blocks": 0,
                          "evicted_blocks": 0, "state_snapshots": 0}
 
+    def set_snapshot_tokens(self, n: int) -> None:
+        """Keep a hybrid's state every n prompt positions (whole blocks) from the next
+        request on."""
+        self.snapshot_tokens = max(BLOCK, n // BLOCK * BLOCK)
+
     def describe(self) -> dict:
-        return {"block_tokens": BLOCK, "blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
+        return {"block_tokens": BLOCK, "snapshot_tokens": self.snapshot_tokens, "blocks": len(self.blocks), "bytes": self.bytes, "budget_bytes": self.budget,
                 "held_blocks": sum(1 for b in self.blocks.values() if b.refs), **self.counters,
                 "saved_prefill_tokens": self.counters["hit_tokens"],
                 "pool_blocks": self.pool.used if self.pool is not None else None,

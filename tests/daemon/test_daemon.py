@@ -367,10 +367,13 @@ def test_reload_applies_what_it_can(tmp_path, container):
     cfg = tmp_path / "colibri.yaml"
     cfg.write_text("expert_cache: all\nio_threads: 2\n")
     with serving(tmp_path, container, "--config", str(cfg)) as (proc, sock):
-        cfg.write_text("expert_cache: min\nio_threads: 3\nlog_level: debug\n")
+        cfg.write_text("expert_cache: min\nio_threads: 3\nlog_level: debug\nstate_snapshot_tokens: 250\n")
         r = ctl(sock, "reload")
         assert r.returncode == 0, r.stderr
-        assert "applied: expert_cache, log_level" in r.stdout and "needs a restart: io_threads" in r.stdout
+        applied = r.stdout.split("applied: ")[1].split(";")[0].split(", ")
+        assert sorted(applied) == ["expert_cache", "log_level", "state_snapshot_tokens"], r.stdout
+        assert "needs a restart: io_threads" in r.stdout
+        assert json.loads(ctl(sock, "stats", "--json").stdout)["kv"]["snapshot_tokens"] == 240  # (whole blocks)
         for _ in range(50):
             if json.loads(ctl(sock, "cache", "show", "--json").stdout)["placement"]["slots_per_layer"] == 1:
                 break
