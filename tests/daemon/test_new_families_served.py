@@ -59,3 +59,27 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
             # the longer prompt again: resumed from the state the prefix cache kept at its last block
             again = json.loads(ctl(sock, "generate", "--json", "--max-tokens", 10, prompts[1]).stdout)
             assert again["token_ids"] == alone[1] and again["stats"]["cached_prompt_tokens"] >= 48
+
+
+@pytest.mark.parametrize("family,case", [("qwen3_next", "odd_mix_sparse_tied"), ("kimi_linear", "q_lora_groups_mixed")])
+def test_a_hybrids_session_survives_a_restart(tmp_path, family, case):
+    """A hybrid's session keeps its KV blocks and its recurrent state in the session file:
+    after colibrid restarts, the next turn gives what colictl run's own session gives."""
+    hf = tmp_path / "hf"
+    build(family, case, hf, seed=13, vocab_size=259)
+    (hf / "tokenizer.json").write_text(_tokenizer_json())
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    colictl = [sys.executable, "-m", "colibri.ctl"]
+    assert subprocess.run([*colictl, "convert", str(hf), str(tmp_path / "c")], capture_output=True).returncode == 0
+    turns = ["the first turn of it", " and a second one"]
+    want = [json.loads(subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--json", "--max-tokens", "6",
+                                       "--session", str(tmp_path / "ref"), t], capture_output=True, text=True,
+                                      timeout=300).stdout)["token_ids"] for t in turns]
+    got = []
+    for t in turns:  # one daemon per turn: the second starts from the session file alone
+        (tmp_path / "notify").unlink(missing_ok=True)
+        with serving(tmp_path, tmp_path / "c") as (_, sock):
+            r = ctl(sock, "generate", "--json", "--max-tokens", 6, "--session", "hybrid", t)
+            assert r.returncode == 0, r.stderr
+            got.append(json.loads(r.stdout)["token_ids"])
+    assert got == want
