@@ -23,14 +23,20 @@ from typing import Protocol, TextIO
 
 import numpy as np
 
+from .cache import ExpertCache
 from .checkpoint import load_config, open_checkpoint
 from .container import Container, ContainerInvalid, is_container, open_container
+from .convert import expert_values
 from .errors import BudgetInvalid, ColibriError
 from .experts import ExpertSource, TracedSource
+from .faults import FaultPlan
 from .formats import QUANT_DTYPES
+from .history import DEFAULT_HALF_LIFE, UsageHistory, history_path
 from .memory import MemoryRoom
 from .policy import Policy
+from .quant import from_record
 from .sizes import fmt_bytes
+from .slots import budget_bytes
 
 log = logging.getLogger("colibri.storage")
 
@@ -177,8 +183,6 @@ def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0) ->
     other budgets (the prefix cache), as open_model checks it, without reading a weight.
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
-    from .slots import budget_bytes
-
     if not is_container(path):
         check_resident(path, open_checkpoint(path), budget, beside_bytes)
         return
@@ -218,10 +222,6 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
 
     Raises what check_model raises, BudgetInvalid (a budget for a checkpoint, or too small
     for the model), FaultSpecInvalid, ExpertReadError (the warm start), OSError."""
-    from .cache import ExpertCache
-    from .faults import FaultPlan
-    from .history import DEFAULT_HALF_LIFE, UsageHistory, history_path
-
     pl = placement
     model, store = check_model(path, build)
     if checked:
@@ -267,9 +267,6 @@ def sample_experts(store, model: ModelShape, k: int, max_bytes: int,
     published, or int8/int4 quantized as convert would: int8 a scale per row, int4
     quant_group). Returns (layers [sample layer][expert] of (gate, up, down, biases...),
     the int4 group size or None)."""
-    from .convert import expert_values
-    from .quant import from_record
-
     if isinstance(store, Container):
         c = store
         n = max(1, min(len(c.moe_layers), max_bytes // max(1, k * c.record_bytes)))
@@ -310,8 +307,6 @@ def resident_cache(container, top_k: int):
     """The container's experts behind the real expert cache (every one read in, policy
     `learned`), for timing a warm step with the cache's own work in it (a small model's
     plan)."""
-    from .cache import ExpertCache
-
     cache = ExpertCache(container, "all", top_k=top_k, policy=Policy())
     for il in container.moe_layers:
         for _ in cache.stream(il, list(range(container.n_expert))):

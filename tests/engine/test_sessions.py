@@ -9,7 +9,7 @@ from colibri.engine import layers
 from colibri.engine.errors import InvalidRequest
 from colibri.engine.generate import Conversation, SamplingParams, generate
 
-from hf_models import build, load_model
+from hf_models import CASES, build, load_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,12 +24,14 @@ def tokens(events):
 @pytest.mark.parametrize("family,case,same_bits", [
     ("qwen3_moe", "basic", True), ("mixtral", "odd_tied_window", True),
     ("deepseek_v3", "q_lora_groups_interleaved", True), ("gpt_oss", "sinks_sliding_clamped", True),
-    ("glm_moe_dsa", "full_shared_topk4", False)])
+    ("glm_moe_dsa", "full_shared_topk4", False),
+    *[(fam, case, True) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear") for case, _ in CASES[fam]]])
 def test_three_turns_equal_one_request_of_the_whole_conversation(tmp_path, family, case, same_bits):
     """Each turn feeds the last sampled token and its new prompt on the restored cache; the
     third turn's tokens are those of one request whose prompt is the whole conversation.
-    The caches are the same bits too, except glm_moe_dsa's: its sampled tokens' rows (one a
-    step) and the same tokens in a prompt round differently (the tokens agree)."""
+    The caches are the same bits too (a hybrid's recurrent state with them), except
+    glm_moe_dsa's: its sampled tokens' rows (one a step) and the same tokens in a prompt
+    round differently (the tokens agree)."""
     build(family, case, tmp_path / "hf", seed=31)
     model = load_model(str(tmp_path / "hf"))
     rng = np.random.default_rng(1)
