@@ -338,7 +338,7 @@ def _fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor
     return q.float() * scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
 
 
-def _rewrite_weights(path, fn) -> "torch.nn.Module":
+def _rewrite_weights(path, fn, family: str) -> "torch.nn.Module":
     # every safetensors file of the checkpoint: {name: tensor} -> fn -> (the file's new
     # tensors, the values they stand for in float32, by name); the first written back, the
     # second into a float32 copy of the checkpoint beside it, which transformers loads as
@@ -357,23 +357,25 @@ def _rewrite_weights(path, fn) -> "torch.nn.Module":
             save_file(stored, os.path.join(path, f), metadata={"format": "pt"})
             save_file({n: values.get(n, t).contiguous() for n, t in tensors.items()}, os.path.join(ref_dir, f),
                       metadata={"format": "pt"})
-    with open(os.path.join(ref_dir, "config.json")) as f:
-        family = json.load(f)["model_type"]
     model_cls = getattr(transformers, CLASSES[family][1])
     return model_cls.from_pretrained(ref_dir, torch_dtype=torch.float32, **REFERENCE).eval()
 
 
-def build_fp8(family: str, case: str, path, seed: int = 0, block=(16, 16), fmt: str = "e4m3", **overrides):
+def build_fp8(family: str, case: str, path, seed: int = 0, block=(16, 16), fmt: str = "e4m3", keep=(),
+              **overrides):
     """A checkpoint as the FP8 releases lay it out: every projection matrix (attention,
-    MLPs, experts; not the embeddings, the lm_head or the router) as float8 codes with
-    `weight_scale_inv` per block, `quantization_config` in config.json. Returns the
-    transformers model holding the same values dequantized to float32: the reference."""
+    MLPs, experts; not the embeddings, the lm_head or the router, nor the modules named in
+    `keep`, which go to `modules_to_not_convert` as Qwen's releases list their small
+    projections) as float8 codes with `weight_scale_inv` per block, `quantization_config` in
+    config.json. Returns the transformers model holding the same values dequantized to
+    float32: the reference."""
     build(family, case, path, seed=seed, **overrides)
+    left = NOT_FP8 + tuple(f".{k}.weight" for k in keep)
 
     def quantize(tensors):
         out, values = {}, {}
         for name, t in tensors.items():
-            if t.ndim == 2 and name.endswith(".weight") and not any(k in name for k in NOT_FP8):
+            if t.ndim == 2 and name.endswith(".weight") and not any(k in name for k in left):
                 q, s = _fp8_quantize(t.float(), block, fmt)
                 out[name], out[name + "_scale_inv"] = q, s
                 values[name] = _fp8_dequantize(q, s, block)
@@ -382,8 +384,10 @@ def build_fp8(family: str, case: str, path, seed: int = 0, block=(16, 16), fmt: 
         assert values, "no matrix was quantized"
         return out, values
 
-    ref = _rewrite_weights(path, quantize)
+    ref = _rewrite_weights(path, quantize, family)
     cfg = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic"}
+    if keep:
+        cfg["modules_to_not_convert"] = ["lm_head", "model.embed_tokens", *keep]
     if block is not None:
         cfg["weight_block_size"] = list(block)
     rewrite_config(path, lambda c: c.update(quantization_config=cfg))
@@ -426,6 +430,6 @@ def build_mxfp4(family: str, case: str, path, seed: int = 0, **overrides):
         assert values, "no expert matrix was quantized"
         return out, values
 
-    ref = _rewrite_weights(path, quantize)
+    ref = _rewrite_weights(path, quantize, family)
     rewrite_config(path, lambda c: c.update(quantization_config={"quant_method": "mxfp4"}))
     return ref

@@ -24,13 +24,18 @@ N_NEW = 24
 MX_SHAPE = dict(hidden_size=64, intermediate_size=32)  # MXFP4 needs rows of whole 32-value blocks
 
 # (family, case, how): FP8 blocks that divide the matrices and blocks that do not, e5m2, one
-# scale per matrix; MXFP4 for gpt-oss
+# scale per matrix, the hybrids' small projections left in bf16 as Qwen's releases do; MXFP4 for gpt-oss
 CASES = [
     ("deepseek_v3", "q_lora_groups_interleaved", dict(block=(16, 16))),
     ("deepseek_v3", "no_q_lora_yarn_bias_odd", dict(block=(7, 10))),
     ("glm4_moe", "partial_rotary_qk_norm_groups", dict(block=(16, 24), fmt="e5m2")),
     ("minimax_m2", "rotary_dim_half", dict(block=(5, 13))),
     ("minimax_m2", "odd_full_rotary_tied", dict(block=None)),
+    ("qwen3_next", "basic_three_to_one", dict(block=(16, 16))),
+    ("qwen3_next", "odd_mix_sparse_tied", dict(block=(7, 10), keep=("in_proj_ba", "shared_expert_gate"))),
+    ("qwen3_5_moe", "basic_three_to_one", dict(block=(16, 16), keep=("in_proj_a", "in_proj_b", "shared_expert_gate"))),
+    ("qwen3_5_moe", "odd_mix_tied", dict(block=(5, 13), fmt="e5m2")),
+    ("kimi_linear", "q_lora_groups_mixed", dict(block=(16, 16))),
     ("gpt_oss", "sinks_sliding_clamped", dict(mxfp4=True)),
     ("gpt_oss", "odd_full_and_sliding_tied", dict(mxfp4=True)),
 ]
