@@ -40,7 +40,9 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
     assert run.returncode == 0, run.stderr
     want = json.loads(run.stdout)
     assert len(want["token_ids"]) == 12
-    with serving(tmp_path, tmp_path / "c", "--expert-cache", "min") as (_, sock):
+    hybrid = family in ("qwen3_next", "qwen3_5_moe", "kimi_linear")
+    (tmp_path / "c.yaml").write_text("prefill_chunk: auto\n" if hybrid else "{}\n")
+    with serving(tmp_path, tmp_path / "c", "--expert-cache", "min", "--config", str(tmp_path / "c.yaml")) as (_, sock):
         got = ctl(sock, "generate", "--json", "--max-tokens", 12, "streamed experts")
         assert got.returncode == 0, got.stderr
         assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
@@ -48,7 +50,7 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert status["model"]["type"] == family
         if precision:
             assert precision in json.dumps(status["model"])
-        if family in ("qwen3_next", "qwen3_5_moe", "kimi_linear"):  # hybrids: requests of different lengths at once, each its own state
+        if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks
             prompts = ["a", "several words of a longer prompt than the other one, past one KV block"]
             alone = [json.loads(subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--json",
                                                 "--max-tokens", "10", p], capture_output=True, text=True,
