@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, PromptTooLong
+from .sequence import KV_BLOCK as BLOCK
 
 
 @dataclass
@@ -195,6 +196,7 @@ class Request:
         self.held: list = []  # its blocks this request started from (held until it ends)
         self.cached = 0  # prompt tokens taken from the prefix cache, not computed
         self.pauses: list[int] = []  # a hybrid's prompt positions where a step ends, its state kept there
+        self.kept: tuple[int, dict] | None = None  # a hybrid's state at its last block boundary while it decodes
 
     def use_prefix(self, prefix) -> None:
         """Start from the longest prefix of the prompt that `prefix` (engine/prefix.py) holds,
@@ -219,7 +221,10 @@ class Request:
         if self.prefix is None:
             return
         if self.prior is None and not self.prefilling and model.DECODE_ROWS_EXACT:
-            self.prefix.insert(self.prompt_ids + self.generated[:-1], self.cache, self.cache.n_pos)
+            tokens = self.prompt_ids + self.generated[:-1]
+            self.prefix.insert(tokens, self.cache, self.cache.n_pos)
+            if self.kept is not None:  # the reply's last block boundary: a resent conversation resumes there
+                self.prefix.insert(tokens, self.cache, *self.kept)
         self.prefix.release(self.held)
         self.prefix, self.held = None, []
 
@@ -252,6 +257,8 @@ class Request:
                 return []
             if self.prefix is not None and self.prior is None:  # the prompt is in: others may start from it
                 self.prefix.insert(self.prompt_ids, self.cache, self.cache.n_pos)
+        elif self.cache.state and self.prefix is not None and self.prior is None and self.cache.n_pos % BLOCK == 0:
+            self.keep_state()
         tok = self.sampler(logits)
         self.generated.append(tok)
         self.n_gen += 1
@@ -267,6 +274,17 @@ class Request:
         elif self.n_gen >= self.params.max_tokens or self.cache.n_pos >= self.cache.n_ctx:
             self.finish = "length"
         return [Event("token", tok, delta)]
+
+    def keep_state(self) -> None:
+        """A hybrid decoding: its state at this block boundary, kept (in one buffer) until
+        the request ends, when it goes to the prefix cache with the blocks. The state after
+        the last token cannot be cut back to a boundary, and a chat client that resends the
+        conversation (the gateway's) would otherwise compute the whole reply again."""
+        if self.kept is None:
+            self.kept = (0, {k: np.empty_like(a) for k, a in self.cache.state.items()})
+        for k, a in self.cache.state.items():
+            np.copyto(self.kept[1][k], a)
+        self.kept = (self.cache.n_pos, self.kept[1])
 
     def conversation(self) -> Conversation | None:
         """The conversation after this request (None before its first token): every token

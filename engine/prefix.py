@@ -137,11 +137,13 @@ class PrefixCache:
             b.refs -= 1
         self.evict(0)
 
-    def insert(self, tokens: list[int], cache, n_pos: int) -> int:
+    def insert(self, tokens: list[int], cache, n_pos: int, state: dict | None = None) -> int:
         """Keep the whole blocks of the first n_pos positions of `cache` (which holds
         `tokens` at them) that are not cached yet; returns how many were added. Stops at
         the first block the budget has no room for (the chain's earlier blocks are held
-        meanwhile: making room never takes them)."""
+        meanwhile: making room never takes them). A hybrid's state goes with the last block
+        when n_pos is a block boundary: `state`, the sequence's at n_pos, or the cache's
+        own when it is at n_pos."""
         if self.pool not in (None, cache.pool):
             return 0  # (another model's blocks are kept here)
         added, parent, path = 0, None, []
@@ -168,11 +170,13 @@ class PrefixCache:
                 b.refs += 1
                 path.append(b)
                 parent = key
-            if cache.state and n_pos % BLOCK == 0 and n_pos == cache.n_pos and len(path) == n_pos // BLOCK \
-                    and path and path[-1].state is None:  # the state right after the last block
-                need = sum(a.nbytes for a in cache.state.values())
+            if state is None and n_pos == cache.n_pos:
+                state = cache.state
+            if state and n_pos % BLOCK == 0 and len(path) == n_pos // BLOCK and path \
+                    and path[-1].state is None:  # the state right after the last block
+                need = sum(a.nbytes for a in state.values())
                 if self.evict(need):
-                    path[-1].state = {k: a.copy() for k, a in cache.state.items()}
+                    path[-1].state = {k: a.copy() for k, a in state.items()}
                     path[-1].nbytes += need
                     self.bytes += need
                     self.counters["state_snapshots"] += 1

@@ -114,6 +114,25 @@ def test_requests_sharing_a_prefix_resume_from_a_state_snapshot(tmp_path, family
     assert one_after_another(model, small, prompts, 5)[0] == want
 
 
+@pytest.mark.parametrize("family,case", HYBRIDS[1::2])
+def test_a_resent_conversation_resumes_after_the_reply(tmp_path, family, case):
+    """A chat client that resends the conversation (the gateway's) gets the reply's state
+    back: the prefix cache keeps the state at the reply's last block boundary, so the next
+    turn computes only what follows it (not the reply again), with a fresh computation's
+    tokens. Without snapshots between (snapshot_tokens past the prompt) it would resume at
+    the prompt's last block boundary (32)."""
+    build(family, case, tmp_path, seed=4)
+    model = load_model(str(tmp_path))
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, model.args.vocab_size, 37).tolist()
+    prefix = PrefixCache(1 << 30, snapshot_tokens=1024)
+    (reply,), _ = one_after_another(model, prefix, [first], 30)  # 37 + 29 in the cache: 64 a boundary on the way
+    turn = first + reply + rng.integers(0, model.args.vocab_size, 5).tolist()
+    want = tokens(generate(model, turn, SamplingParams(max_tokens=6)))
+    got, cached = one_after_another(model, prefix, [turn], 6)
+    assert got == [want] and cached == [64]
+
+
 def read_bytes() -> int:
     # bytes this process has read through read/pread syscalls so far (the kernel's count)
     with open("/proc/self/io") as f:
