@@ -62,7 +62,7 @@ class Config:
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # (protocol.DEFAULT_MAX_MESSAGE_BYTES) the largest request; larger ones get TOO_LARGE (far larger: disconnected)
     kv_cache: str = "512MiB"  # the prefix cache: KV blocks of computed prompts kept for requests that share them; 0: off
-    state_snapshot_tokens: int = 1024  # hybrids: the prefix cache keeps their recurrent state every this many prompt tokens
+    state_snapshot_tokens: int | str = "auto"  # hybrids: the prefix cache keeps their recurrent state every this many prompt tokens; auto: engine/prefix.snapshot_interval
     sessions_bytes: str = "4GiB"  # all session files together; beyond it the least recently used go
     sessions_age_days: float = 30.0  # a session unused this long is removed; 0: never
     watchdog_s: float = 0.0  # 0: use WATCHDOG_USEC from systemd when set
@@ -93,7 +93,7 @@ _KINDS = {  # key -> what a valid value is
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
     "max_streams_per_client": "positive", "max_message_bytes": "positive", "sessions_bytes": "disk", "kv_cache": "bytes",
-    "state_snapshot_tokens": "positive",
+    "state_snapshot_tokens": "positive_auto",
     "sessions_age_days": "days",
     "watchdog_s": "seconds", "log_level": "level",
 }
@@ -138,6 +138,8 @@ def _valid(kind: str, v) -> str | None:
         return None if is_int and v >= 1 else "an integer of at least 1"
     if kind == "count":
         return None if is_int and v >= 0 else "an integer of at least 0"
+    if kind == "positive_auto":
+        return None if (is_int and v >= 1) or v == "auto" else "an integer of at least 1, or auto"
     if kind == "chunk":
         return None if (is_int and v >= 0) or v == "auto" else "a number of tokens, auto, or 0 (prompts whole)"
     if kind == "cpus":

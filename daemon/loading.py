@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import layers
-from ..engine.prefix import PrefixCache
+from ..engine.prefix import PrefixCache, snapshot_interval
 from ..engine.registry import build_model
 from ..engine.tokenizer import Tokenizer, eos_ids
 from ..storage.checkpoint import load_config
@@ -100,7 +100,11 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
                                      cfg.ray_head_weight, placement.budget, cfg.io_threads)
         boot["boxes"] = model.experts.describe_boxes()
     model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
-    prefix = PrefixCache(kv, cfg.state_snapshot_tokens)
+    prefix = PrefixCache(kv, snapshot_interval(cfg.state_snapshot_tokens, model))
+    snap = model.state_bytes_per_sequence()
+    if snap and kv and kv < 4 * snap:
+        log.warning("kv_cache %s holds %d state snapshot(s) of this model (%d MB each): raise kv_cache for warm "
+                    "context", cfg.kv_cache, kv // snap, snap >> 20)
     return Loaded(model, tokenizer, eos, path, control, history, room, prefix, sessions, boot)
 
 

@@ -36,6 +36,7 @@ import time
 
 import zmq
 
+from ..engine.prefix import snapshot_interval
 from ..storage.errors import ColibriError
 from ..storage.sizes import parse_size
 from . import protocol as P
@@ -382,7 +383,7 @@ class Server:
         if "kv_cache" in applied and self.prefix is not None:
             self.inbox.put(Resize(None, None, None, parse_size(new.kv_cache)))
         if "state_snapshot_tokens" in applied and self.prefix is not None:
-            self.prefix.set_snapshot_tokens(new.state_snapshot_tokens)  # (an int the engine reads per request)
+            self.prefix.set_snapshot_tokens(snapshot_interval(new.state_snapshot_tokens, self.model))  # (read per request)
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
 

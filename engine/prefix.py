@@ -67,7 +67,7 @@ class PrefixCache:
     """Blocks of KV state under a byte budget. Used by the engine thread only (the daemon's
     stats read its counters)."""
 
-    SNAPSHOT_TOKENS = 1024  # default: a hybrid's state is kept every this many positions of a prompt
+    SNAPSHOT_TOKENS = 1024  # a hybrid's state is kept every this many positions of a prompt (daemon: auto)
 
     def __init__(self, budget_bytes: int, snapshot_tokens: int = SNAPSHOT_TOKENS):
         self.budget = budget_bytes
@@ -231,6 +231,23 @@ def load_blocks(cache, blocks: list[Block]) -> None:
     if blocks and cache.state:
         for name, a in blocks[-1].state.items():
             cache.state[name][...] = a
+
+
+def snapshot_interval(setting: int | str, model) -> int:
+    """The prompt positions between two state snapshots: a number as given, or `auto`:
+    as many positions as take the KV bytes one snapshot takes (state bytes / KV bytes a
+    token, in whole blocks), so that snapshots at most double the prefix cache's bytes of a
+    long prompt. That follows the model: 3,184 for a Qwen3.5-122B-shaped stack (4.3 MB of
+    state a linear layer, 4 KiB of KV a token a full layer, three to one), ~1,600 for
+    Qwen3-Next-80B; closer snapshots cost their bytes for a few hundred tokens of prompt
+    computed again by the first request that shares part of a prefix (bench/prefix.py
+    --parts e measures both)."""
+    if setting != "auto":
+        return int(setting)
+    state, kv = model.state_bytes_per_sequence(), model.kv_bytes_per_token()
+    if not state or not kv:
+        return PrefixCache.SNAPSHOT_TOKENS  # (no state, or no KV to weigh it against)
+    return max(BLOCK, round(state / kv / BLOCK) * BLOCK)
 
 
 def pause_points(n_prompt: int, every: int, reach: int = 0) -> list[int]:

@@ -133,6 +133,27 @@ def test_a_resent_conversation_resumes_after_the_reply(tmp_path, family, case):
     assert got == [want] and cached == [64]
 
 
+def test_the_snapshot_interval_follows_the_models_bytes(tmp_path):
+    """state_snapshot_tokens auto: a snapshot every as many positions as take its bytes in
+    KV, in whole blocks (the daemon's default); a number as given; a model without state
+    keeps the engine's default; the daemon's config takes auto or a positive number."""
+    from colibri.daemon.config import ConfigError, load
+    from colibri.engine.prefix import BLOCK, snapshot_interval
+
+    build("qwen3_next", "basic_three_to_one", tmp_path / "h", seed=1)
+    model = load_model(str(tmp_path / "h"))
+    state, kv = model.state_bytes_per_sequence(), model.kv_bytes_per_token()
+    got = snapshot_interval("auto", model)
+    assert got % BLOCK == 0 and abs(got - state / kv) <= BLOCK / 2 and snapshot_interval(100, model) == 100
+    build("qwen3_moe", "basic", tmp_path / "a", seed=1)
+    assert snapshot_interval("auto", load_model(str(tmp_path / "a"))) == PrefixCache.SNAPSHOT_TOKENS
+    assert load(None).state_snapshot_tokens == "auto"
+    for bad in (0, "often"):
+        (tmp_path / "c.yaml").write_text(f"state_snapshot_tokens: {bad}\n")
+        with pytest.raises(ConfigError, match="state_snapshot_tokens"):
+            load(str(tmp_path / "c.yaml"))
+
+
 def read_bytes() -> int:
     # bytes this process has read through read/pread syscalls so far (the kernel's count)
     with open("/proc/self/io") as f:
