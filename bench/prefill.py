@@ -1,10 +1,11 @@
 """Prefill benchmark: prompts of 16, 64, 512 and 2048 tokens on the decode benchmark's
-model (bench/synthetic.py, Qwen3-30B-A3B's shape, as many layers as --layers), its experts
-in bf16 and in int4, warm (every expert in RAM) and at a 10 % expert budget cold, next to
-the machine's limits measured in the same run.
+model (bench/synthetic.py: Qwen3-30B-A3B's shape, or --family's, as many layers as
+--layers), its experts in bf16 and in int4, warm (every expert in RAM) and at a 10 % expert
+budget cold, next to the machine's limits measured in the same run.
 
-    python bench/prefill.py [--workdir DIR] [--layers 12] [--experts 64] [--precisions int4,bf16]
-                            [--prompts 16,64,512,2048] [--repeat 3] [--budget 0.1] [--threads 1,N]
+    python bench/prefill.py [--workdir DIR] [--family qwen3_moe] [--layers 12] [--experts 64]
+                            [--precisions int4,bf16] [--prompts 16,64,512,2048] [--repeat 3]
+                            [--budget 0.1] [--threads 1,N]
 
 Per prompt and precision it prints: wall time, prompt tokens/s, the weight bytes the step
 touches (the dense part plus the union of the experts its tokens chose, each once), the
@@ -50,7 +51,7 @@ from numba.extending import intrinsic  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
 from decode import disk_gbs, drop_caches  # noqa: E402
-from synthetic import SHAPE, build, load_model, prompt  # noqa: E402
+from synthetic import SHAPES, build, load_model, prompt  # noqa: E402
 
 from colibri.engine import kernels, layers  # noqa: E402
 from colibri.engine.ir import host_features  # noqa: E402
@@ -129,8 +130,11 @@ def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     """(weight bytes the step touched, multiply-adds it did): the dense part once plus each
     expert of the union once; per token the dense matrices (embeddings excluded: a lookup)
     and the experts it chose, the LM head once (a prompt step computes the last position's
-    logits only), and attention: each token's query against the keys up to it and the
-    weights against the values (T (T + 1) / 2 pairs, heads x head_dim each way)."""
+    logits only), and attention on the full-attention layers: each token's query against
+    the keys up to it and the weights against the values (T (T + 1) / 2 pairs, heads x
+    head_dim each way); a hybrid's linear layers (Gated DeltaNet) do four multiply-adds a
+    token per element of each value head's [key dim, value dim] state (decay, read,
+    update, query)."""
     c = model.experts.c
     embed = model.glob["embed"].size
     dense_bytes = model.describe()["dense_bytes"] - model.glob["embed"].nbytes
@@ -142,15 +146,20 @@ def step_work(model, st, n_tokens: int) -> tuple[int, int]:
     head = model.lm_head.size
     macs = n_tokens * (dense_params - head + model.n_expert_used * len(model.moe_layers) * expert_params) + head
     a = model.args
-    macs += model.n_layer * n_tokens * (n_tokens + 1) // 2 * a.num_attention_heads * a.head_dim * 2
+    n_full, n_lin = getattr(model, "n_full", model.n_layer), getattr(model, "n_lin", 0)
+    macs += n_full * n_tokens * (n_tokens + 1) // 2 * a.num_attention_heads * a.head_dim * 2
+    if n_lin:
+        macs += n_lin * n_tokens * a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
     return dense_bytes + st.experts * c.record_bytes, macs
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "colibri", "bench"))
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES), help="the model's shape (synthetic.SHAPES)")
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--experts", type=int, default=64, help="experts per layer (Qwen3-30B-A3B has 128)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (default: 64 for qwen3_moe, whose Qwen3-30B-A3B has 128; else the shape's)")
     ap.add_argument("--precisions", default="int4,bf16")
     ap.add_argument("--prompts", default="16,64,512,2048")
     ap.add_argument("--repeat", type=int, default=3, help="warm runs of each prompt after the first (the best reported)")
@@ -168,10 +177,13 @@ def main():
     for n_threads in counts:
         limits[n_threads] = {"threads": n_threads, "memory_gbs": round(memory_gbs(n_threads), 2),
                              "fma_peak_gflops": round(fma_peak_gflops(n_threads), 1)}
+    shape = SHAPES[a.family]
+    n_expert = a.experts or (64 if a.family == "qwen3_moe" else shape.get("num_experts") or
+                             shape.get("num_local_experts") or shape["n_routed_experts"])
     out = []
     for precision in a.precisions.split(","):
-        path = build(a.workdir, 0, n_layer=a.layers, family="qwen3_moe", precision=precision,
-                     overrides={"num_experts": a.experts})
+        path = build(a.workdir, 0, n_layer=a.layers, family=a.family, precision=precision,
+                     overrides={"num_experts": n_expert} if a.experts or a.family == "qwen3_moe" else None)
         warm = load_model(path, budget="all")
         prefill(warm, prompts[lengths[0]][:4])  # compile every kernel the steps take
         for n_threads in counts:
@@ -214,8 +226,8 @@ def main():
                 print(json.dumps(row), file=sys.stderr)
                 model.experts.close()
                 del model
-    print(provenance.dumps({"benchmark": "prefill", "model": {"shape": "qwen3_moe", "layers": a.layers, "experts": a.experts,
-                                                        "hidden": SHAPE["hidden_size"]},
+    print(provenance.dumps({"benchmark": "prefill", "model": {"shape": a.family, "layers": a.layers, "experts": n_expert,
+                                                        "hidden": shape["hidden_size"]},
                       "limits": list(limits.values()), "results": out,
                       "targets": {"memory_ratio (<= 64 tokens)": round(1 / 1.5, 3), "fma_ratio (>= 512 tokens)": 0.5,
                                   "ratio_to_floor (budget)": 1.3}}, indent=2))
