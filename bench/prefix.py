@@ -25,6 +25,12 @@ one token a character), with the expert cache at --budget of the expert bytes:
     and at a 64-token prompt chunk, 512 and 2048 positions (the same bits, asserted); and
     the KV pool's bytes for 8 requests that share a --prefix-tokens prefix, against what
     8 private copies would take.
+(e) a hybrid's state snapshots, in-process with every expert in RAM: a --long-tokens prompt
+    computed once, then requests that share a part of it (random lengths, the same for
+    every setting) and diverge, each the first to: per `state_snapshot_tokens` setting
+    (--intervals; auto: engine/prefix.snapshot_interval), the prompt tokens each computed
+    again and its time to first token, against the snapshots' bytes and the KV bytes of
+    the prompt.
 
 Prints one JSON object; the machine's memory bandwidth and the KV bytes per token are in
 it.
@@ -108,7 +114,9 @@ def main():
     ap.add_argument("--budget", type=float, default=0.25, help="expert cache, a fraction of the expert bytes")
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--gap-tokens", type=int, default=4000)
-    ap.add_argument("--parts", default="a,b,c,d")
+    ap.add_argument("--parts", default="a,b,c,d", help="a,b,c,d; e: a hybrid's snapshot interval")
+    ap.add_argument("--long-tokens", type=int, default=3000, help="(e) the prompt the others share parts of")
+    ap.add_argument("--intervals", default="256,1024,auto,4096", help="(e) the state_snapshot_tokens settings")
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
                     help="the layers' shape (bench/synthetic.py SHAPES); qwen3_5_moe: a hybrid, whose prefix "
                          "cache keeps state snapshots")
@@ -179,7 +187,53 @@ def main():
     if "d" in parts:
         out["d_paged"] = paged(path, a.prefix_tokens)
         print(json.dumps(out["d_paged"]), file=sys.stderr)
+    if "e" in parts:
+        out["e_snapshot_interval"] = snapshot_intervals(path, a.long_tokens, a.intervals.split(","))
     print(provenance.dumps(out, indent=2))
+
+
+def snapshot_intervals(path: str, n_long: int, settings: list[str], n_sharers: int = 6) -> dict:
+    from colibri.engine import layers
+    from colibri.engine.generate import Batcher, Request, SamplingParams
+    from colibri.engine.prefix import PrefixCache, snapshot_interval
+
+    layers.init()  # every CPU, as the daemon's engine
+    model = load_model(path, budget="all")
+    rng = np.random.default_rng(4)
+    V = model.args.vocab_size
+    long = rng.integers(0, V, n_long).tolist()
+    shares = rng.integers(n_long // 4, n_long, n_sharers).tolist()  # (in arrival order: a later one may
+    # resume where an earlier one left the cached blocks)
+    sharers = [long[:n] + rng.integers(0, V, 20).tolist() for n in shares]
+    state, kv = model.state_bytes_per_sequence(), model.kv_bytes_per_token()
+
+    def first_token(batcher, ids) -> tuple[float, int]:
+        req = Request(model, ids, SamplingParams(max_tokens=1))
+        t0 = time.perf_counter()
+        batcher.add(req)
+        while batcher.active:
+            batcher.step()
+        return time.perf_counter() - t0, req.cached
+
+    first_token(Batcher(model), long[:64])  # kernels warm
+    rows = []
+    for setting in settings:
+        every = snapshot_interval(int(setting) if setting != "auto" else setting, model)
+        prefix = PrefixCache(1 << 40, every)
+        batcher = Batcher(model, prefix=prefix)
+        long_s, _ = first_token(batcher, long)
+        snaps = prefix.counters["state_snapshots"]
+        got = [first_token(batcher, ids) for ids in sharers]
+        recomputed = [len(ids) - c for ids, (_, c) in zip(sharers, got)]
+        rows.append({"setting": setting, "snapshot_tokens": every, "long_prompt_s": round(long_s, 3),
+                     "snapshots_of_long_prompt": snaps, "snapshot_bytes": snaps * state,
+                     "snapshot_bytes_to_prompt_kv": round(snaps * state / (n_long * kv), 3),
+                     "recomputed_tokens": recomputed, "mean_recomputed": round(statistics.mean(recomputed), 1),
+                     "ttft_s": [round(t, 3) for t, _ in got],
+                     "mean_ttft_s": round(statistics.mean(t for t, _ in got), 3)})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return {"long_prompt_tokens": n_long, "shared_tokens": shares, "state_bytes": state, "kv_bytes_per_token": kv,
+            "rows": rows}
 
 
 def best_of(f, *args, n: int = 15) -> float:
@@ -193,11 +247,12 @@ def best_of(f, *args, n: int = 15) -> float:
 
 
 def paged(path: str, prefix_tokens: int) -> dict:
-    from colibri.engine import attention, kernels
+    from colibri.engine import attention, kernels, layers
     from colibri.engine.generate import Batcher, Request, SamplingParams
     from colibri.engine.prefix import PrefixCache
     from colibri.engine.sequence import KV_BLOCK, KVPool
 
+    layers.init()
     model = load_model(path, budget="all")
     sp = model.attn_spec
     Hq, Hkv, hd, hv = sp.n_head, sp.n_kv_head, sp.head_dim, sp.hv
