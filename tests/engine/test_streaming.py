@@ -158,7 +158,8 @@ def test_quantized_container_runs_close_to_bf16(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen2_moe", "sparse_step_tied_window"),
-                                         ("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved")])
+                                         ("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved"),
+                                         ("qwen3_next", "basic_three_to_one"), ("kimi_linear", "q_lora_groups_mixed")])
 def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
     build(family, case, tmp_path / "hf", seed=31)
     path = to_container(tmp_path / "hf", tmp_path / "c")
@@ -177,7 +178,8 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
                                          ("deepseek_v3", "no_q_lora_yarn_bias_odd"),
                                          ("glm4_moe", "partial_rotary_qk_norm_groups"),
                                          ("glm_moe_dsa", "full_shared_topk4"), ("gpt_oss", "sinks_sliding_clamped"),
-                                         ("minimax_m2", "odd_full_rotary_tied")])
+                                         ("minimax_m2", "odd_full_rotary_tied"), ("qwen3_next", "odd_mix_sparse_tied"),
+                                         ("qwen3_5_moe", "basic_three_to_one"), ("kimi_linear", "q_lora_groups_mixed")])
 def test_tokens_identical_with_every_policy(tmp_path, family, case):
     ref = build(family, case, tmp_path / "hf", seed=41)
     path = to_container(tmp_path / "hf", tmp_path / "c")
