@@ -89,6 +89,24 @@ def parse_args(cls, cfg: dict, aliases: dict[str, tuple[str, ...]] | None = None
         raise ConfigInvalid(f"{where}: {e}") from None
 
 
+def text_config(cfg: dict) -> dict:
+    """The text model's config of an image-text model (its `text_config`), else the config
+    itself. A family whose module has this function is one the registry reads this way."""
+    inner = cfg.get("text_config")
+    return inner if isinstance(inner, dict) else cfg
+
+
+def wrapped_names(names: dict[str, str], prefixes: dict[str, str], head: str = "lm_head.weight") -> dict[str, str]:
+    """A text model's NAMES in an image-text checkpoint: each name's first matching prefix
+    of `prefixes` replaced by what it maps to (`model.` -> `model.language_model.`), the
+    output head named `head`."""
+    def spelled(name: str) -> str:
+        old = next((p for p in prefixes if name.startswith(p)), None)
+        return name if old is None else prefixes[old] + name[len(old):]
+
+    return {k: head if k == "lm_head" else spelled(v) for k, v in names.items()}
+
+
 def require(cond: bool, message: str) -> None:
     """For ModelArgs.__post_init__ checks: raise ValueError(message) unless cond
     (parse_args turns it into ConfigInvalid)."""
@@ -148,7 +166,13 @@ class MoEModel:
     def source(self, checkpoint):
         """The checkpoint as this family reads it: itself, or a view (gpt-oss presents its
         fused expert tensors as one (gate, up, down, biases) per expert)."""
+        self.spell(checkpoint)
         return checkpoint
+
+    def spell(self, store) -> None:
+        """Take NAMES in the spelling `store` (a checkpoint, a container's dense file) uses,
+        where a family's checkpoints come in more than one (kimi_k25: the hub's and the one
+        transformers writes). Called before the names are checked."""
 
     def dense_names(self) -> list[str]:
         """The checkpoint names of every tensor the model reads but the routed experts (a

@@ -55,6 +55,8 @@ class ModelShape(Protocol):
 
     def source(self, checkpoint): ...
 
+    def spell(self, store) -> None: ...
+
     def check(self, src, with_experts: bool = True) -> None: ...
 
     def kv_bytes_per_token(self) -> int: ...
@@ -158,6 +160,7 @@ def check_model(path: str, build: Build, report=None):
             report(name, f"every expert of {len(model.moe_layers)} MoE layers indexed once, records aligned to "
                          "4 KiB and inside their files")
             name = "dense"
+            model.spell(store.dense)
             model.check(store.dense, with_experts=False)
             report(name, "dense.safetensors has every dense tensor, with the shapes config.json implies")
         else:

@@ -433,3 +433,10 @@ def build_mxfp4(family: str, case: str, path, seed: int = 0, **overrides):
     ref = _rewrite_weights(path, quantize, family)
     rewrite_config(path, lambda c: c.update(quantization_config={"quant_method": "mxfp4"}))
     return ref
+
+
+def read_bytes() -> int:
+    """Bytes this process has read through read/pread syscalls so far (the kernel's count):
+    what loading an image-text checkpoint's text model may not spend on its vision tower."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))

@@ -11,17 +11,12 @@ the ordinary one: its three position rows are the same token position."""
 from dataclasses import dataclass
 
 from ..layers import linear
+from ..model import text_config, wrapped_names
 from . import qwen3_next
 
 MODEL_TYPE = "qwen3_5_moe"
 ALIASES = {"num_experts": ("num_local_experts",)}
 LANGUAGE_MODEL = "model.language_model."  # the text model's weights in the image-text checkpoint
-
-
-def text_config(cfg: dict) -> dict:
-    """The text model's config: the image-text model's `text_config`, else the config itself."""
-    inner = cfg.get("text_config")
-    return inner if isinstance(inner, dict) else cfg
 
 
 @dataclass
@@ -47,9 +42,11 @@ class Model(qwen3_next.Model):
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         wrapped = text_config(config) is not config
-        # the image-text checkpoint keeps the text model one level down (the output head stays)
-        self.NAMES = {k: v.replace("model.", LANGUAGE_MODEL, 1) if wrapped and v.startswith("model.") else v
-                      for k, v in NAMES.items()}
+        # the image-text checkpoint keeps the text model one level down (the output head stays),
+        # and its own config says whether the head is the embeddings (transformers ties by it)
+        self.NAMES = wrapped_names(NAMES, {"model.": LANGUAGE_MODEL}) if wrapped else NAMES
+        if wrapped:
+            args.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         super().__init__(args, text_config(config), where)
 
     def is_moe(self, il: int) -> bool:

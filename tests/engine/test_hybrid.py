@@ -13,7 +13,7 @@ from colibri.engine import layers
 from colibri.engine.generate import Batcher, Request, SamplingParams, generate
 from colibri.engine.prefix import PrefixCache
 
-from hf_models import CASES, build, load_model
+from hf_models import CASES, build, load_model, read_bytes
 
 HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear") for name, _ in CASES[fam]]
 
@@ -152,12 +152,6 @@ def test_the_snapshot_interval_follows_the_models_bytes(tmp_path):
         (tmp_path / "c.yaml").write_text(f"state_snapshot_tokens: {bad}\n")
         with pytest.raises(ConfigError, match="state_snapshot_tokens"):
             load(str(tmp_path / "c.yaml"))
-
-
-def read_bytes() -> int:
-    # bytes this process has read through read/pread syscalls so far (the kernel's count)
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def test_an_image_text_checkpoint_runs_its_text_model_and_never_reads_the_vision_tower(tmp_path):
