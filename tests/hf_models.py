@@ -7,6 +7,7 @@ so a bug that ignores a norm, a bias or a gate changes the output.
 
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -440,3 +441,48 @@ def read_bytes() -> int:
     what loading an image-text checkpoint's text model may not spend on its vision tower."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+# ---- image-text checkpoints ------------------------------------------------------------------
+K25_VISION = dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2, num_attention_heads=2,
+              num_hidden_layers=2, hidden_size=256, intermediate_size=1024, merge_kernel_size=[2, 2])
+
+
+def build_k25(path, case: str, tie: bool | None, seed: int = 0, **overrides):
+    """A random Kimi K2.5-shaped image-text model (the text model one of deepseek_v3's
+    cases, spelled `kimi_k2` as the hub does), saved by transformers; returns it (eval)."""
+    import transformers
+
+    text = dict(dict(CASES["deepseek_v3"])[case], model_type="kimi_k2", eos_token_id=None, bos_token_id=None,
+                pad_token_id=None) | overrides
+    extra = {} if tie is None else {"tie_word_embeddings": tie}
+    torch.manual_seed(seed)
+    ref = transformers.Kimi_K25ForConditionalGeneration(transformers.Kimi_K25Config(
+        text_config=text, vision_config=K25_VISION, projection_hidden_size=K25_VISION["hidden_size"], **extra)).eval()
+    ref.set_experts_implementation("eager")  # the reference code path (hf_models.build)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_((1 if name.endswith("norm.weight") else 0) + 0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    ref.save_pretrained(path)
+    return ref
+
+
+def k25_hub_names(path) -> None:
+    """Rename the weights save_pretrained wrote the way the hub's checkpoint has them. Its
+    renaming rules for the vision tower, reversed on saving, catch the text model too: its
+    layers become `blocks` (and a text model without q_lora_rank would have its q_proj
+    merged and permuted as the vision tower's wqkv: every Kimi K2.5 has q_lora_rank)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({n.replace("language_model.model.blocks.", "language_model.model.layers."): t
+                   for n, t in tensors.items()}, f, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()

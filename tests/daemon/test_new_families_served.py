@@ -11,10 +11,11 @@ from test_daemon import ctl, serving
 
 from colibri.storage.demo import CHAT_TEMPLATE, _tokenizer_json
 
-from hf_models import build, build_fp8, build_mxfp4
+from hf_models import build, build_fp8, build_k25, build_mxfp4, k25_hub_names
 
 PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), vocab_size=259),
-             "mxfp4": lambda f, c, p: build_mxfp4(f, c, p, seed=13, vocab_size=259, hidden_size=64, intermediate_size=32)}
+             "mxfp4": lambda f, c, p: build_mxfp4(f, c, p, seed=13, vocab_size=259, hidden_size=64, intermediate_size=32),
+             "image-text": lambda f, c, p: (build_k25(p, c, None, seed=13, vocab_size=259), k25_hub_names(p))}
 
 
 @pytest.mark.parametrize("family,case,precision", [
@@ -23,10 +24,10 @@ PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), 
     ("gpt_oss", "sinks_sliding_clamped", None),
     ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),
     ("qwen3_next", "odd_mix_sparse_tied", None), ("qwen3_5_moe", "basic_three_to_one", None),
-    ("kimi_linear", "q_lora_groups_mixed", None)])
+    ("kimi_linear", "q_lora_groups_mixed", None), ("kimi_k25", "q_lora_groups_interleaved", "image-text")])
 def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precision):
     hf = tmp_path / "hf"
-    if precision:  # at its published precision, kept by convert
+    if precision:  # at its published precision, kept by convert; or an image-text checkpoint as the hub has it
         PUBLISHED[precision](family, case, hf)
     else:
         build(family, case, hf, seed=13, vocab_size=259)  # the byte-level tokenizer's 256 + 3 tokens
@@ -48,7 +49,7 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
         status = json.loads(ctl(sock, "status", "--json").stdout)
         assert status["model"]["type"] == family
-        if precision:
+        if precision in ("fp8", "mxfp4"):
             assert precision in json.dumps(status["model"])
         if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks
             prompts = ["a", "several words of a longer prompt than the other one, past one KV block"]

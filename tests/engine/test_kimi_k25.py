@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
@@ -17,52 +16,12 @@ from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
 from colibri.storage.convert import ExpertPlan, convert
 
-from hf_models import CASES, load_model, read_bytes
-
-VISION = dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2, num_attention_heads=2,
-              num_hidden_layers=2, hidden_size=256, intermediate_size=1024, merge_kernel_size=[2, 2])
+from hf_models import build_k25, k25_hub_names, load_model, read_bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _init():
     layers.init()
-
-
-def build_k25(path, case: str, tie: bool | None, seed: int = 0):
-    """A random Kimi K2.5-shaped image-text model (the text model one of deepseek_v3's
-    cases, spelled `kimi_k2` as the hub does), saved by transformers; returns it (eval)."""
-    import transformers
-
-    text = dict(dict(CASES["deepseek_v3"])[case], model_type="kimi_k2", eos_token_id=None, bos_token_id=None,
-                pad_token_id=None)
-    extra = {} if tie is None else {"tie_word_embeddings": tie}
-    torch.manual_seed(seed)
-    ref = transformers.Kimi_K25ForConditionalGeneration(transformers.Kimi_K25Config(
-        text_config=text, vision_config=VISION, projection_hidden_size=VISION["hidden_size"], **extra)).eval()
-    ref.set_experts_implementation("eager")  # the reference code path (hf_models.build)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_((1 if name.endswith("norm.weight") else 0) + 0.15 * torch.randn(p.shape, generator=gen))
-        for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-    ref.save_pretrained(path)
-    return ref
-
-
-def hub_spelling(path) -> None:
-    """Rename the weights save_pretrained wrote the way the hub's checkpoint has them. Its
-    renaming rules for the vision tower, reversed on saving, catch the text model too: its
-    layers become `blocks` (and a text model without q_lora_rank would have its q_proj
-    merged and permuted as the vision tower's wqkv: every Kimi K2.5 has q_lora_rank)."""
-    for f in path.glob("*.safetensors"):
-        tensors = load_file(f)
-        save_file({n.replace("language_model.model.blocks.", "language_model.model.layers."): t
-                   for n, t in tensors.items()}, f, metadata={"format": "pt"})
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        index.unlink()
 
 
 @pytest.mark.parametrize("case,tie", [("q_lora_groups_interleaved", None), ("one_group_two_dense_tied", False)])
@@ -76,7 +35,7 @@ def test_the_text_model_of_a_kimi_k25_checkpoint_matches_transformers(tmp_path, 
     visual = sum(p.numel() * 4 for n, p in ref.named_parameters() if "vision_tower" in n or "mm_projector" in n)
     assert visual > 4 << 20
     saved = load_model(str(tmp_path / "hf"))
-    hub_spelling(tmp_path / "hf")
+    k25_hub_names(tmp_path / "hf")
     before = read_bytes()
     ours = load_model(str(tmp_path / "hf"))
     assert read_bytes() - before < visual // 4
