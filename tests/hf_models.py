@@ -130,6 +130,25 @@ CASES = {
                                                  "original_max_position_embeddings": 64, "mscale": 0.7,
                                                  "mscale_all_dim": 1.0})),
     ],
+    "deepseek_v32": [  # every layer its own indexer, rotated by halves
+        ("topk4_dense_first", dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                   n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+                                   kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                                   v_head_dim=10, index_topk=4, index_head_dim=16, index_n_heads=16, n_group=2,
+                                   topk_group=1)),
+        ("odd_topk7_yarn_mlp_types", dict(vocab_size=83, hidden_size=44, intermediate_size=30, moe_intermediate_size=18,
+                                          num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                                          n_routed_experts=9, num_experts_per_tok=3, n_shared_experts=2,
+                                          kv_lora_rank=14, q_lora_rank=10, qk_rope_head_dim=6, qk_nope_head_dim=10,
+                                          v_head_dim=14, index_topk=7, index_head_dim=12, index_n_heads=16,
+                                          max_position_embeddings=256, mlp_layer_types=["sparse", "dense", "sparse"],
+                                          n_group=3, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5,
+                                          tie_word_embeddings=True,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64, "mscale": 0.7,
+                                                           "mscale_all_dim": 1.0})),
+    ],
     "gpt_oss": [
         ("sinks_sliding_clamped", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
@@ -209,6 +228,7 @@ CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]

@@ -102,6 +102,7 @@ class Model(deepseek_v3.Model):
     NAMES = NAMES
     ATTENTION = "MLA+DSA"
     F32_KEYS = deepseek_v3.Model.F32_KEYS | {"ix_k_norm", "ix_k_norm_bias"}
+    INDEXER_ROPE_INTERLEAVED = True  # GLM-5 rotates the indexer's pairs interleaved (DeepSeek-V3.2: halves)
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         super().__init__(args, config, where)
@@ -155,7 +156,10 @@ class Model(deepseek_v3.Model):
         T, Hi, dI, rope = x.shape[0], a.index_n_heads, a.index_head_dim, a.qk_rope_head_dim
         q = linear(q_resid, L["ix_wq_b"]).reshape(T, Hi, dI)  # [T, Hi, dI]
         k = layer_norm(linear(x, L["ix_wk"]), L["ix_k_norm"], L["ix_k_norm_bias"], 1e-6)[:, None]  # [T, 1, dI]
-        q_rot, k_rot = deinterleave(q[..., :rope], rope // 2), deinterleave(k[..., :rope], rope // 2)
+        if self.INDEXER_ROPE_INTERLEAVED:  # (q and k alike reordered: their dot products stay)
+            q_rot, k_rot = deinterleave(q[..., :rope], rope // 2), deinterleave(k[..., :rope], rope // 2)
+        else:
+            q_rot, k_rot = q[..., :rope].copy(), k[..., :rope].copy()
         kernels.rope(q_rot, step.cos, step.sin)
         kernels.rope(k_rot, step.cos, step.sin)
         q[..., :rope], k[..., :rope] = q_rot, k_rot

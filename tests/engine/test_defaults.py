@@ -22,6 +22,7 @@ APART = {
     ("glm_moe_dsa", "num_key_value_heads"): "MLA has no key/value heads (transformers' 64 is never read)",
     ("kimi_linear", "num_key_value_heads"): "MLA has no key/value heads (transformers' 32 is never read)",
     ("kimi_k25", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
+    ("deepseek_v32", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
     ("kimi_linear", "rope"): "no rotary anywhere (NoPE): colibri's rotary table is never read, transformers has none",
     ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
     ("qwen3_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",

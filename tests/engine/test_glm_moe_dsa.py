@@ -1,7 +1,7 @@
-"""What GLM-5's sparse attention adds beyond the shared family tests (which check its
-tokens against transformers on contexts longer than index_topk): the indexer's choice is
-really made past index_topk and changes the result, shared layers reuse it, and the cache
-keeps the indexer's key only for the full layers."""
+"""What GLM-5's and DeepSeek-V3.2's sparse attention adds beyond the shared family tests
+(which check their tokens against transformers on contexts longer than index_topk): the
+indexer's choice is really made past index_topk and changes the result, GLM-5's shared
+layers reuse it, and the cache keeps the indexer's key only for the layers that run one."""
 
 import numpy as np
 import pytest
@@ -44,3 +44,18 @@ def test_the_indexer_chooses_past_index_topk_and_shared_layers_reuse_it(tmp_path
     dense = model.forward(ids, model.new_cache(32), all_logits=True)
     np.testing.assert_allclose(sparse[:4], dense[:4], rtol=1e-4, atol=1e-4)  # the same while all are chosen
     assert np.abs(sparse[4:] - dense[4:]).max() > 1e-3  # and not after: the choice matters
+
+
+def test_deepseek_v32_runs_an_indexer_on_every_layer(tmp_path):
+    """DeepSeek-V3.2 has no shared layers: each layer chooses its own keys past index_topk
+    and the cache keeps the indexer's key for every layer."""
+    build("deepseek_v32", "topk4_dense_first", tmp_path / "hf", seed=9)
+    model = load_model(tmp_path / "hf")
+    a = model.args
+    assert model.full == [0, 1, 2] and model.new_cache(32).pool.shapes["ik"] == (3, 1, a.index_head_dim)
+    assert model.kv_bytes_per_token() == 4 * 3 * (a.kv_lora_rank + a.qk_rope_head_dim + a.index_head_dim)
+    seen = []
+    choose = model.choose
+    model.choose = lambda il, *rest: seen.append(il) or choose(il, *rest)
+    model.forward(np.arange(3, 15), model.new_cache(32))
+    assert seen == [0, 1, 2]

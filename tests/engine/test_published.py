@@ -28,6 +28,7 @@ MX_SHAPE = dict(hidden_size=64, intermediate_size=32)  # MXFP4 needs rows of who
 CASES = [
     ("deepseek_v3", "q_lora_groups_interleaved", dict(block=(16, 16))),
     ("deepseek_v3", "no_q_lora_yarn_bias_odd", dict(block=(7, 10))),
+    ("deepseek_v32", "topk4_dense_first", dict(block=(16, 16))),
     ("glm4_moe", "partial_rotary_qk_norm_groups", dict(block=(16, 24), fmt="e5m2")),
     ("minimax_m2", "rotary_dim_half", dict(block=(5, 13))),
     ("minimax_m2", "odd_full_rotary_tied", dict(block=None)),

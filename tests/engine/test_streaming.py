@@ -177,7 +177,8 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
                                          ("mixtral", "odd_tied_window"), ("olmoe", "basic"),
                                          ("deepseek_v3", "no_q_lora_yarn_bias_odd"),
                                          ("glm4_moe", "partial_rotary_qk_norm_groups"),
-                                         ("glm_moe_dsa", "full_shared_topk4"), ("gpt_oss", "sinks_sliding_clamped"),
+                                         ("glm_moe_dsa", "full_shared_topk4"), ("deepseek_v32", "topk4_dense_first"),
+                                         ("gpt_oss", "sinks_sliding_clamped"),
                                          ("minimax_m2", "odd_full_rotary_tied"), ("qwen3_next", "odd_mix_sparse_tied"),
                                          ("qwen3_5_moe", "basic_three_to_one"), ("kimi_linear", "q_lora_groups_mixed")])
 def test_tokens_identical_with_every_policy(tmp_path, family, case):
