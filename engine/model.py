@@ -136,6 +136,7 @@ class MoEModel:
     EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")  # an expert's tensors, in the record's order
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
+    INTEGER_KEYS: frozenset = frozenset()  # keys of integer tables (DeepSeek-V4's tid2eid), not weights
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
                           "o_bias", "router", "shared_gate", "sinks"})
 
@@ -192,10 +193,10 @@ class MoEModel:
         Raises TensorMissing, TensorShapeMismatch or UnsupportedDtype."""
         glob, per_layer, per_expert = self.shapes()
         for key, shape in glob.items():
-            src.expect(self.NAMES[key], shape)
+            src.expect(self.NAMES[key], shape, key in self.INTEGER_KEYS)
         for il in range(self.n_layer):
             for key, shape in per_layer(il).items():
-                src.expect(self.NAMES[key].format(il=il), shape)
+                src.expect(self.NAMES[key].format(il=il), shape, key in self.INTEGER_KEYS)
         if with_experts:
             for il in self.moe_layers:
                 for ie in range(self.n_expert):
@@ -335,7 +336,7 @@ class MoEModel:
             tables.append(self.rope.table(cache.n_pos, n))
             start += n
         step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
-        h = to_f32(self.glob["embed"][ids])  # [T, D]
+        h = self.embed(ids)  # [T, D] (DeepSeek-V4: [T, hc_mult, D])
         self.experts.begin_step()
         lookahead = self.experts.lookahead
         if lookahead and self.moe_layers:  # the first MoE layer's, from the embeddings
@@ -348,10 +349,19 @@ class MoEModel:
         for sg in segments:
             sg.cache.n_pos += sg.n
         rows = np.arange(len(ids)) if all_logits else np.array([sg.start + sg.n - 1 for sg in segments])
-        logits = linear(rmsnorm(h[rows], self.glob["norm"], self.args.rms_norm_eps), self.lm_head)  # [R, V]
+        logits = linear(rmsnorm(self.head_input(h[rows]), self.glob["norm"], self.args.rms_norm_eps),
+                        self.lm_head)  # [R, V]
         if not all_logits:
             return [logits[i : i + 1] for i in range(len(segments))]
         return [logits[sg.start : sg.start + sg.n] for sg in segments]
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        # ids [T] -> the residual stream at the first layer: [T, D], the embeddings in float32
+        return to_f32(self.glob["embed"][ids])
+
+    def head_input(self, h: np.ndarray) -> np.ndarray:
+        # the residual stream's rows after the last layer -> [R, D], what the final norm takes
+        return h
 
     def lookahead(self, il: int, h: np.ndarray) -> None:
         # h [T, D] after layer il-1 (the embeddings for the first MoE layer): layer il's norm and

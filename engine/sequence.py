@@ -135,12 +135,12 @@ class KVCache:
                 raise AssertionError("a shared KV block written to")  # (positions are appended: never)
             arr[b, il, :, lo - j0 : hi - j0] = x[lo - pos0 : hi - pos0].transpose(1, 0, 2)
 
-    def gather(self, name: str, il: int, head: int, n: int) -> np.ndarray:
-        """A copy of positions 0..n-1 of one head of layer il: [n, width] (for numpy code
-        that wants them in one array)."""
+    def gather(self, name: str, il: int, head: int, n: int, start: int = 0) -> np.ndarray:
+        """A copy of positions start..n-1 of one head of layer il: [n - start, width] (for
+        numpy code that wants them in one array)."""
         arr = self.pool.arrays[name]
-        nb = -(-n // KV_BLOCK)
-        return arr[self.table[:nb], il, head].reshape(nb * KV_BLOCK, -1)[:n]
+        b0, nb = start // KV_BLOCK, -(-n // KV_BLOCK)
+        return arr[self.table[b0:nb], il, head].reshape((nb - b0) * KV_BLOCK, -1)[start - b0 * KV_BLOCK : n - b0 * KV_BLOCK]
 
     def take(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Copies of positions start..stop-1 of every array: [layers, heads, n, width] (the

@@ -27,6 +27,8 @@ from .fpformats import FP8_DTYPES, QuantConfig, check_fp8, quant_config, read_fp
 from .quant import QuantWeight
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
+INTEGER_DTYPES = ("I32", "I64")
+
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -52,8 +54,9 @@ class Checkpoint:
             raise TensorMissing(f"{self.path}: tensor {name!r} is missing")
         return self.files[f].entries[name]
 
-    def expect(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
-        """Check that a weight exists with the given shape and a weight dtype.
+    def expect(self, name: str, shape: tuple[int, ...], integer: bool = False) -> TensorEntry:
+        """Check that a weight exists with the given shape and a weight dtype (`integer`: an
+        integer table, such as DeepSeek-V4's token -> expert map).
 
         Raises TensorMissing, TensorShapeMismatch or UnsupportedDtype, naming file and tensor.
         """
@@ -63,7 +66,10 @@ class Checkpoint:
             raise TensorShapeMismatch(
                 f"{file}: tensor {name!r} has shape {list(e.shape)}, config implies {list(shape)}"
             )
-        if e.dtype in FP8_DTYPES:
+        if integer:
+            if e.dtype not in INTEGER_DTYPES:
+                raise UnsupportedDtype(f"{file}: tensor {name!r} is {e.dtype}; an integer table must be I32 or I64")
+        elif e.dtype in FP8_DTYPES:
             check_fp8(self, name, e)
         elif e.dtype not in WEIGHT_DTYPES:
             raise UnsupportedDtype(f"{file}: tensor {name!r} is {e.dtype}; weights must be BF16, F16, F32, "

@@ -149,6 +149,35 @@ CASES = {
                                                            "original_max_position_embeddings": 64, "mscale": 0.7,
                                                            "mscale_all_dim": 1.0})),
     ],
+    "deepseek_v4": [  # past the window, past index_topk entries, several windows of each rate
+        ("all_types_hash_first", dict(vocab_size=101, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=4,
+                                      num_attention_heads=4, head_dim=16, q_lora_rank=12, n_routed_experts=6,
+                                      num_experts_per_tok=2, hc_mult=2, sliding_window=5, o_groups=2, o_lora_rank=8,
+                                      index_n_heads=8, index_head_dim=12, index_topk=3, partial_rotary_factor=0.5,
+                                      layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                   "heavily_compressed_attention", "compressed_sparse_attention"],
+                                      compress_rates={"compressed_sparse_attention": 3,
+                                                      "heavily_compressed_attention": 5},
+                                      mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], swiglu_limit=0.5)),
+        ("odd_sigmoid_hc3_yarn", dict(vocab_size=83, hidden_size=44, moe_intermediate_size=18, num_hidden_layers=3,
+                                      num_attention_heads=3, head_dim=12, q_lora_rank=10, n_routed_experts=7,
+                                      num_experts_per_tok=3, hc_mult=3, hc_sinkhorn_iters=5, sliding_window=7,
+                                      o_groups=3, o_lora_rank=6, index_n_heads=8, index_head_dim=10, index_topk=4,
+                                      partial_rotary_factor=0.5, scoring_func="sigmoid", routed_scaling_factor=2.0,
+                                      tie_word_embeddings=True, max_position_embeddings=256, compress_rope_theta=40000.0,
+                                      layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                                   "sliding_attention"],
+                                      compress_rates={"compressed_sparse_attention": 4,
+                                                      "heavily_compressed_attention": 6},
+                                      mlp_layer_types=["moe", "hash_moe", "moe"],
+                                      rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 64})),
+        ("hc1_legacy_spellings", dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+                                    num_attention_heads=2, head_dim=16, q_lora_rank=8, n_routed_experts=5,
+                                    num_experts_per_tok=2, hc_mult=1, sliding_window=3, o_groups=1, o_lora_rank=12,
+                                    index_n_heads=8, index_head_dim=8, index_topk=2, qk_rope_head_dim=8,
+                                    compress_ratios=[4, 0], num_hash_layers=1)),
+    ],
     "gpt_oss": [
         ("sinks_sliding_clamped", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
@@ -229,6 +258,7 @@ CLASSES = {
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
@@ -259,6 +289,9 @@ def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32,
         for name, b in model.named_buffers():  # a router's selection-only bias is a buffer
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts per token id
+                b.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=gen)[: b.shape[1]]
+                                     for _ in range(b.shape[0])]))
     model.to(dtype).save_pretrained(path)
     return model.float()
 
@@ -281,7 +314,16 @@ def hub_spelling(cfg: dict) -> dict:
     """Rewrite a transformers-5 config the way hub checkpoints spell it: top-level rope_theta
     (+ rope_scaling), and the other name of the expert count."""
     params = cfg.pop("rope_parameters", None) or {}
-    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if isinstance(params.get("compress"), dict):  # DeepSeek-V4: its compressed layers' YaRN as rope_scaling,
+        comp = dict(params["compress"])  # the bases top-level, the rotary part as the older qk_rope_head_dim
+        cfg["rope_theta"], cfg["compress_rope_theta"] = params["main"]["rope_theta"], comp.pop("rope_theta")
+        cfg["qk_rope_head_dim"] = int(cfg["head_dim"] * comp.pop("partial_rotary_factor"))
+        cfg.pop("partial_rotary_factor", None)
+        if comp.get("rope_type", "default") != "default":
+            comp.pop("attention_factor", None)
+            cfg["rope_scaling"] = {"type": comp.pop("rope_type"), **comp}
+        params = {}
+    cfg["rope_theta"] = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in params:  # GLM-4.5's hub config: at the top level
         cfg["partial_rotary_factor"] = params.pop("partial_rotary_factor")
     if params.get("rope_type", "default") != "default":

@@ -123,9 +123,9 @@ class FusedExperts:
         fused = FUSED[PIECE_OF[which]].format(il=il) + (BLOCKS if self._quantized(which) else "")
         return replace(self.ckpt.entry(fused), shape=shape)
 
-    def expect(self, name: str, shape: tuple):
+    def expect(self, name: str, shape: tuple, integer: bool = False):
         if name not in self.virtual:
-            return self.ckpt.expect(name, shape)
+            return self.ckpt.expect(name, shape, integer)
         il, _, which = self.virtual[name]
         a = self.model.args
         E, D, I = self.model.n_expert, a.hidden_size, a.intermediate_size

@@ -20,7 +20,7 @@ PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), 
 
 @pytest.mark.parametrize("family,case,precision", [
     ("deepseek_v3", "q_lora_groups_interleaved", None), ("glm_moe_dsa", "full_shared_topk4", None),
-    ("deepseek_v32", "topk4_dense_first", "fp8"),
+    ("deepseek_v32", "topk4_dense_first", "fp8"), ("deepseek_v4", "all_types_hash_first", None),
     ("glm4_moe", "odd_no_norm_two_shared", None), ("minimax_m2", "rotary_dim_half", None),
     ("gpt_oss", "sinks_sliding_clamped", None),
     ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),

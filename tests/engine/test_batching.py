@@ -38,7 +38,8 @@ def together(model, prompts, n, join_at, prefill_chunk=None):
 
 
 @pytest.mark.parametrize("family,case,dtype", [("mixtral", "basic", "f32"), ("qwen2_moe", "sparse_step_tied_window", "f32"),
-                                               ("qwen3_moe", "basic", "bf16")])
+                                               ("qwen3_moe", "basic", "bf16"),
+                                               ("deepseek_v4", "odd_sigmoid_hc3_yarn", "bf16")])
 def test_tokens_identical_alone_and_batched(tmp_path, family, case, dtype):
     import torch
 
@@ -52,7 +53,8 @@ def test_tokens_identical_alone_and_batched(tmp_path, family, case, dtype):
 
 @pytest.mark.parametrize("family,case", [("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved"),
                                          ("gpt_oss", "sinks_sliding_clamped"), ("glm_moe_dsa", "full_shared_topk4"),
-                                         ("qwen3_moe", "basic"), ("deepseek_v32", "odd_topk7_yarn_mlp_types")])
+                                         ("qwen3_moe", "basic"), ("deepseek_v32", "odd_topk7_yarn_mlp_types"),
+                                         ("deepseek_v4", "all_types_hash_first")])
 def test_chunked_prefill_gives_the_tokens_of_one_step(tmp_path, family, case):
     """Prompts that join running requests go in chunks of 4 tokens a step; every request's
     tokens are those it gets alone (its prompt in one step)."""

@@ -62,6 +62,8 @@ def test_a_config_of_the_required_fields_means_what_transformers_reads(model_typ
     else:
         rope = rope_parameters(config, fam.Model.ROPE_DEFAULTS)
         want_rope = dict(getattr(theirs, "rope_parameters", None) or {})
+        if hasattr(fam, "rope_settings"):  # DeepSeek-V4: a `main` and a `compress` RoPE
+            rope = dict(zip(("main", "compress"), fam.rope_settings(config, ours.args)))
         for key in sorted(set(rope) | set(want_rope)):
             if rope.get(key) != want_rope.get(key):
                 differ.append(f"rope {key}: colibri {rope.get(key)!r}, transformers {want_rope.get(key)!r}")

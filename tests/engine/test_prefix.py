@@ -48,7 +48,7 @@ def prompts(model, seed=4):
 @pytest.mark.parametrize("family,case", [
     ("qwen3_moe", "basic"), ("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved"),
     ("gpt_oss", "sinks_sliding_clamped"), ("glm_moe_dsa", "full_shared_topk4"),
-    ("deepseek_v32", "topk4_dense_first")])
+    ("deepseek_v32", "topk4_dense_first"), ("deepseek_v4", "all_types_hash_first")])
 def test_a_request_from_cached_blocks_gives_the_tokens_of_a_fresh_one(tmp_path, family, case):
     build(family, case, tmp_path / "hf", seed=23)
     model = load_model(str(tmp_path / "hf"))

@@ -1,0 +1,82 @@
+"""What DeepSeek-V4 adds beyond the shared family tests (which check its logits, 32 greedy
+tokens, decode, chunks, batches, budgets and policies against transformers): the
+indexer's choice matters past index_topk, the sequence keeps the rows its layout says,
+DeepSeek's own tensor names load the same, the router's softmax scoring, and a token ->
+expert table that is not integers is refused."""
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from colibri.engine.models import deepseek_v4
+from colibri.storage.errors import UnsupportedDtype
+
+from hf_models import build, load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    from colibri.engine import layers
+
+    layers.init()
+
+
+def test_the_indexer_chooses_and_the_cache_keeps_what_its_layout_says(tmp_path):
+    build("deepseek_v4", "all_types_hash_first", tmp_path, seed=3)
+    model = load_model(str(tmp_path))
+    a = model.args
+    hd, ihd = a.head_dim, a.index_head_dim
+    n_csa, n_hca = a.layer_types.count(deepseek_v4.CSA), a.layer_types.count(deepseek_v4.HCA)
+    assert model.kv_bytes_per_token() == 4 * (a.num_hidden_layers * hd + n_csa * (4 * hd + 4 * ihd) + n_hca * 2 * hd)
+    ids = np.random.default_rng(4).integers(0, a.vocab_size, 30)  # 10 CSA entries at rate 3: past index_topk = 3
+    sparse = model.forward(ids, model.new_cache(40), all_logits=True)
+    model.args.index_topk = 64  # every closed entry chosen
+    dense = model.forward(ids, model.new_cache(40), all_logits=True)
+    first_pick = 3 * (3 + 1) - 1  # the first position with more closed entries than index_topk
+    np.testing.assert_array_equal(sparse[:first_pick], dense[:first_pick])
+    assert np.abs(sparse[first_pick:] - dense[first_pick:]).max() > 1e-4
+
+
+def test_deepseeks_own_tensor_names_load_the_same(tmp_path):
+    """The release names its tensors without transformers' `model.` prefix (embed.weight,
+    layers.N.attn.wq_a.weight, hc_head_fn, ...): spell() takes them."""
+    build("deepseek_v4", "odd_sigmoid_hc3_yarn", tmp_path / "a", seed=5)
+    build("deepseek_v4", "odd_sigmoid_hc3_yarn", tmp_path / "b", seed=5)
+    hub = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    for f in (tmp_path / "b").glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({hub.get(n, n.removeprefix("model.")): t for n, t in tensors.items()}, f, metadata={"format": "pt"})
+    a, b = load_model(str(tmp_path / "a")), load_model(str(tmp_path / "b"))
+    assert b.NAMES["q_a"] == "layers.{il}.attn.wq_a.weight"
+    ids = np.arange(3, 20)
+    np.testing.assert_array_equal(a.forward(ids, a.new_cache(32), all_logits=True),
+                                  b.forward(ids, b.new_cache(32), all_logits=True))
+
+
+def test_softmax_scoring_weighs_the_top_k_by_their_renormalised_softmax():
+    rng = np.random.default_rng(0)
+    logits, bias = rng.standard_normal((5, 7)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
+    ids, w = deepseek_v4.route(logits, bias, None, 3, "softmax", 2.0)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    want = np.argsort(-(p + bias), axis=-1)[:, :3]
+    assert np.array_equal(ids, want)
+    chosen = np.take_along_axis(p, want, -1)
+    np.testing.assert_allclose(w, 2.0 * chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
+    fixed = np.array([[1, 4, 0]] * 5)  # a hash layer: the table's experts, weighed the same way
+    ids, w = deepseek_v4.route(logits, None, fixed, 3, "sigmoid", 1.0)
+    s = np.take_along_axis(1 / (1 + np.exp(-logits)), fixed, -1)
+    assert np.array_equal(ids, fixed)
+    np.testing.assert_allclose(w, s / s.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_a_token_table_that_is_not_integers_is_refused(tmp_path):
+    build("deepseek_v4", "hc1_legacy_spellings", tmp_path, seed=1)
+    f = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(n for n in tensors if n.endswith("tid2eid"))
+    tensors[name] = tensors[name].float()
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedDtype, match="integer table"):
+        load_model(str(tmp_path))
