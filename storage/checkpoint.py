@@ -23,7 +23,7 @@ from .errors import (
     WeightsMissing,
     read_json,
 )
-from .fpformats import FP8_DTYPES, QuantConfig, check_fp8, quant_config, read_fp8
+from .fpformats import FP8_DTYPES, QuantConfig, check_fp4, check_fp8, quant_config, read_fp4, read_fp8
 from .quant import QuantWeight
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
@@ -62,6 +62,9 @@ class Checkpoint:
         """
         e = self.entry(name)
         file = self.files[self.where[name]].path
+        if e.dtype == "I8" and not integer and len(shape) == 2:  # FP4 experts: half the columns (fpformats)
+            check_fp4(self, name, e, tuple(shape))
+            return e
         if e.shape != tuple(shape):
             raise TensorShapeMismatch(
                 f"{file}: tensor {name!r} has shape {list(e.shape)}, config implies {list(shape)}"
@@ -95,8 +98,11 @@ class Checkpoint:
         """A weight as colibri computes on it: an array in its storage dtype, or for an FP8
         tensor a QuantWeight of its codes and scales (fpformats.read_fp8). Raises
         TensorMissing, ScalesMismatch, NonFiniteWeights, OSError."""
-        if self.entry(name).dtype in FP8_DTYPES:
+        dtype = self.entry(name).dtype
+        if dtype in FP8_DTYPES:
             return read_fp8(self, name)
+        if dtype == "I8" and self.quant is not None and self.quant.fp4_experts:
+            return read_fp4(self, name)
         return self.read(name)
 
     def file_of(self, name: str) -> str:

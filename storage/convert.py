@@ -198,7 +198,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     expert_names = {n for il in plan.moe_layers for ie in range(plan.n_expert) for n in plan.names(il, ie)}
     wanted = set(plan.dense) if plan.dense is not None else set(src.where)
     # an FP8 matrix's scales go with it, as they are (never cast)
-    scales = {scale_name(n) for n in wanted if n in src.where and src.entry(n).dtype in FP8_DTYPES}
+    scales = {scale_name(n, src) for n in wanted if n in src.where and src.entry(n).dtype in FP8_DTYPES}
     wanted |= scales
     dense_names = sorted(n for n in src.where if n not in expert_names and n in wanted)
     if dense_dtype is None and expert_dtype in FLOAT_DTYPES:

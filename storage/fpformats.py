@@ -5,6 +5,11 @@
   `X.weight` of dtype F8_E4M3 or F8_E5M2 [N, K] has `X.weight_scale_inv` [ceil(N/bn),
   ceil(K/bk)] (float32, bf16 or e8m0), and w = value(code) * scale. Without a block size,
   one scale for the whole matrix.
+  DeepSeek's own releases name the scales `X.scale` (`X.weight` -> `X.scale`), e8m0 with
+  `scale_fmt: ue8m0`.
+- FP4 experts in an FP8 checkpoint (DeepSeek-V4: `expert_dtype: fp4`): a weight I8 [N, K/2]
+  (two e2m1 codes a byte, the even column in the low nibble) with e8m0 scales [N, K/32]
+  beside it as above: MXFP4's layout, read as an mxfp4 QuantWeight.
 - MXFP4 (gpt-oss): `quantization_config = {"quant_method": "mxfp4"}`; a weight `X` is
   stored as `X_blocks` uint8 [..., N, K/32, 16] (two e2m1 codes a byte, the even column in
   the low nibble) and `X_scales` uint8 [..., N, K/32] (e8m0: the scale is 2 ** (e - 127)).
@@ -37,6 +42,7 @@ BLOCKS, SCALES = "_blocks", "_scales"  # MXFP4: X -> X_blocks, X_scales
 class QuantConfig:
     method: str  # fp8 or mxfp4
     block: tuple[int, int] | None = None  # fp8: (bn, bk); None: one scale per matrix
+    fp4_experts: bool = False  # fp8 with expert_dtype fp4: I8 weights are e2m1 pairs, 32 a scale
 
 
 def quant_config(config: dict, where: str) -> QuantConfig | None:
@@ -56,15 +62,24 @@ def quant_config(config: dict, where: str) -> QuantConfig | None:
     fmt = qc.get("fmt", "e4m3")
     if fmt not in ("e4m3", "e5m2"):
         raise QuantizationUnsupported(f"{where}: fp8 format {fmt!r} is not supported (e4m3, e5m2)")
+    experts = qc.get("expert_dtype", "fp8")
+    if experts not in ("fp8", "fp4"):
+        raise QuantizationUnsupported(f"{where}: expert_dtype {experts!r} is not supported (fp8, fp4)")
     block = qc.get("weight_block_size")
     if block is None:
-        return QuantConfig("fp8")
+        return QuantConfig("fp8", None, experts == "fp4")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ConfigInvalid(f"{where}: quantization_config.weight_block_size must be two positive integers, not {block!r}")
-    return QuantConfig("fp8", (block[0], block[1]))
+    return QuantConfig("fp8", (block[0], block[1]), experts == "fp4")
 
 
-def scale_name(name: str) -> str:
+def scale_name(name: str, ckpt=None) -> str:
+    """The scales of weight `name`: X.weight_scale_inv, or DeepSeek's X.scale where the
+    checkpoint has that one instead."""
+    if ckpt is not None and not ckpt.has(name + SCALE_SUFFIX) and name.endswith(".weight"):
+        short = name.removesuffix(".weight") + ".scale"
+        if ckpt.has(short):
+            return short
     return name + SCALE_SUFFIX
 
 
@@ -83,7 +98,7 @@ def check_fp8(ckpt, name: str, entry) -> None:
                                       "quantization_config saying how it is scaled")
     if len(entry.shape) != 2:
         raise ScalesMismatch(f"{file}: FP8 tensor {name!r} has shape {list(entry.shape)}; FP8 weights are matrices")
-    sname = scale_name(name)
+    sname = scale_name(name, ckpt)
     if not ckpt.has(sname):
         raise ScalesMismatch(f"{file}: FP8 tensor {name!r} has no scales ({sname!r} is missing)")
     s = ckpt.entry(sname)
@@ -112,7 +127,7 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
     kind = FP8_DTYPES[e.dtype]
     q = ckpt.read(name)
     check_finite(q, kind, f"{ckpt.file_of(name)}: {name!r}")
-    s_entry = ckpt.entry(scale_name(name))
+    s_entry = ckpt.entry(scale_name(name, ckpt))
     s = scales_f32(ckpt.read(s_entry.name), s_entry.dtype)
     s = np.ascontiguousarray(s.reshape(fp8_scale_shape(ckpt.quant, e.shape)))
     if not np.all(np.abs(s) < fp8.SCALE_LIMIT[kind]):
@@ -121,6 +136,39 @@ def read_fp8(ckpt, name: str) -> QuantWeight:
     n, k = e.shape
     bn, bk = ckpt.quant.block or (n, k)
     return QuantWeight(kind, q, s, bk, bn)
+
+
+def check_fp4(ckpt, name: str, entry, shape: tuple) -> None:
+    """An FP4 expert weight of config shape [N, K]: I8 [N, K/2] with e8m0 scales [N, K/32].
+    Raises QuantizationUnsupported, ScalesMismatch."""
+    file = ckpt.file_of(name)
+    if ckpt.quant is None or not ckpt.quant.fp4_experts:
+        raise QuantizationUnsupported(f"{file}: tensor {name!r} is I8, but config.json's quantization_config does "
+                                      "not say expert_dtype: fp4")
+    n, k = shape
+    if k % mxfp4.GROUP or tuple(entry.shape) != (n, k // 2):
+        raise ScalesMismatch(f"{file}: FP4 tensor {name!r} is {list(entry.shape)}; a weight {list(shape)} needs "
+                             f"[{n}, {k // 2}] (two codes a byte, rows of whole {mxfp4.GROUP}-code blocks)")
+    sname = scale_name(name, ckpt)
+    s = ckpt.entry(sname) if ckpt.has(sname) else None
+    if s is None or s.dtype not in ("F8_E8M0", "U8", "F32") or tuple(s.shape) != (n, k // mxfp4.GROUP):
+        got = f"{s.dtype} {list(s.shape)}" if s is not None else "missing"
+        raise ScalesMismatch(f"{file}: the scales of FP4 tensor {name!r} ({sname!r}) are {got}; it needs "
+                             f"F8_E8M0 [{n}, {k // mxfp4.GROUP}]")
+
+
+def read_fp4(ckpt, name: str) -> QuantWeight:
+    """An FP4 expert weight as an mxfp4 QuantWeight: its codes and e8m0 scales as stored."""
+    q = np.ascontiguousarray(ckpt.read(name).view(np.uint8))
+    sname = scale_name(name, ckpt)
+    s = ckpt.read(sname)
+    if ckpt.entry(sname).dtype == "F32":  # float scales: each must be a power of two, kept as its e8m0 byte
+        m, e = np.frexp(s)
+        if not (np.all(m == 0.5) and np.all((e - 1 >= -127) & (e - 1 <= 127))):
+            raise ScalesMismatch(f"{ckpt.file_of(sname)}: {sname!r} holds scales that are not powers of two; "
+                                 "FP4 experts are scaled by e8m0 powers of two")
+        s = (e - 1 + 127).astype(np.uint8)
+    return QuantWeight("mxfp4", q, np.ascontiguousarray(s.view(np.uint8)), mxfp4.GROUP)
 
 
 def check_finite(codes: np.ndarray, kind: str, where: str) -> None:

@@ -380,7 +380,7 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NOT_FP8 = ("embed_tokens", "lm_head", ".gate.weight", "norm")  # kept in bf16 by the FP8 releases (routers: `*.gate`)
 
 
-def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, fmt: str):
+def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, fmt: str, power_of_two: bool = False):
     # w [N, K] f32 -> (codes as torch float8 [N, K], scales f32 [ceil(N/bn), ceil(K/bk)]): the
     # way DeepSeek's checkpoints are made (each block's max magnitude to the format's largest)
     n, k = w.shape
@@ -390,6 +390,8 @@ def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, fmt: str):
     pad[:n, :k] = w
     amax = pad.reshape(nb, bn, kb, bk).abs().amax(dim=(1, 3)).clamp(min=1e-8)  # [nb, kb]
     scale = (amax / FP8_MAX[fmt]).float()
+    if power_of_two:  # e8m0 scales (DeepSeek-V4's ue8m0): the power of two at or above
+        scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
     full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     return (w / full).to(dtype), scale
@@ -495,6 +497,40 @@ def build_mxfp4(family: str, case: str, path, seed: int = 0, **overrides):
 
     ref = _rewrite_weights(path, quantize, family)
     rewrite_config(path, lambda c: c.update(quantization_config={"quant_method": "mxfp4"}))
+    return ref
+
+
+def build_fp4(family: str, case: str, path, seed: int = 0, block=(16, 16), hub_names: bool = False, **overrides):
+    """A DeepSeek-V4 checkpoint as its release lays it out: the routed experts FP4 (I8, two
+    e2m1 codes a byte, an e8m0 scale per 32 of a row), the other matrices FP8 e4m3 in
+    `block`s with e8m0 (power-of-two) scales (`scale_fmt: ue8m0`), the compressors' and the
+    indexer's projections, the routers and the embeddings left as they are; hub_names: the
+    scales named `X.scale` as DeepSeek names them. Returns the transformers model holding
+    the same values in float32."""
+    build(family, case, path, seed=seed, **overrides)
+    keep = ("compressor.", "indexer.weights_proj", "embed", "head.weight", ".gate.weight", "norm")
+
+    def quantize(tensors):
+        out, values = {}, {}
+        for name, t in tensors.items():
+            scale_as = name.removesuffix(".weight") + ".scale" if hub_names else name + "_scale_inv"
+            if t.ndim == 2 and ".experts." in name and name.endswith(".weight"):
+                blocks, scales, v = _mxfp4_quantize(t.float())
+                out[name] = blocks.reshape(t.shape[0], -1).view(torch.int8)
+                out[scale_as] = scales.view(torch.float8_e8m0fnu)
+                values[name] = v
+            elif t.ndim == 2 and name.endswith(".weight") and not any(k in name for k in keep):
+                q, sc = _fp8_quantize(t.float(), block, "e4m3", power_of_two=True)
+                out[name], out[scale_as] = q, sc.to(torch.float8_e8m0fnu)
+                values[name] = _fp8_dequantize(q, sc, block)
+            else:
+                out[name] = t
+        return out, values
+
+    ref = _rewrite_weights(path, quantize, family)
+    rewrite_config(path, lambda c: c.update(quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+        "scale_fmt": "ue8m0", "expert_dtype": "fp4"}))
     return ref
 
 

@@ -80,3 +80,23 @@ def test_a_token_table_that_is_not_integers_is_refused(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(UnsupportedDtype, match="integer table"):
         load_model(str(tmp_path))
+
+
+def test_fp4_experts_that_do_not_say_so_or_miss_their_scales_are_refused(tmp_path):
+    from colibri.storage.errors import QuantizationUnsupported, ScalesMismatch
+
+    from hf_models import build_fp4, rewrite_config
+
+    build_fp4("deepseek_v4", "hc1_legacy_spellings", tmp_path, seed=2, hidden_size=64, moe_intermediate_size=32)
+    assert load_model(str(tmp_path)).precision()["experts"] == "mxfp4"
+    rewrite_config(tmp_path, lambda c: c["quantization_config"].pop("expert_dtype"))
+    with pytest.raises(QuantizationUnsupported, match="expert_dtype: fp4"):
+        load_model(str(tmp_path))
+    rewrite_config(tmp_path, lambda c: c["quantization_config"].update(expert_dtype="fp4"))
+    f = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(n for n in tensors if n.endswith("experts.0.w1.weight_scale_inv"))
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ScalesMismatch, match="F8_E8M0"):
+        load_model(str(tmp_path))

@@ -18,7 +18,7 @@ from colibri.storage.errors import NonFiniteWeights, QuantizationUnsupported, Sc
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.safetensors import SafetensorsFile
 
-from hf_models import build_fp8, build_mxfp4, load_model, rewrite_config
+from hf_models import build_fp4, build_fp8, build_mxfp4, load_model, rewrite_config
 
 N_NEW = 24
 MX_SHAPE = dict(hidden_size=64, intermediate_size=32)  # MXFP4 needs rows of whole 32-value blocks
@@ -37,6 +37,8 @@ CASES = [
     ("qwen3_5_moe", "basic_three_to_one", dict(block=(16, 16), keep=("in_proj_a", "in_proj_b", "shared_expert_gate"))),
     ("qwen3_5_moe", "odd_mix_tied", dict(block=(5, 13), fmt="e5m2")),
     ("kimi_linear", "q_lora_groups_mixed", dict(block=(16, 16))),
+    ("deepseek_v4", "all_types_hash_first", dict(fp4=True)),
+    ("deepseek_v4", "odd_sigmoid_hc3_yarn", dict(fp4=True, hub_names=True)),
     ("gpt_oss", "sinks_sliding_clamped", dict(mxfp4=True)),
     ("gpt_oss", "odd_full_and_sliding_tied", dict(mxfp4=True)),
 ]
@@ -52,6 +54,8 @@ def build_published(family, case, path, how, seed=7):
     how = dict(how)
     if how.pop("mxfp4", False):
         return build_mxfp4(family, case, path, seed=seed, **MX_SHAPE)
+    if how.pop("fp4", False):  # DeepSeek-V4: FP4 experts (rows of whole 32-code blocks), FP8 the rest
+        return build_fp4(family, case, path, seed=seed, hidden_size=64, moe_intermediate_size=32, **how)
     return build_fp8(family, case, path, seed=seed, **how)
 
 
@@ -77,7 +81,7 @@ def test_matches_transformers_at_published_precision(tmp_path, family, case, how
     ref = build_published(family, case, tmp_path / "hf", how)
     ids = np.random.default_rng(3).integers(0, ref.config.vocab_size, 9)
     want = hf_greedy(ref, ids, N_NEW)
-    kind = "mxfp4" if how.get("mxfp4") else "fp8_" + how.get("fmt", "e4m3")
+    kind = "mxfp4" if how.get("mxfp4") or how.get("fp4") else "fp8_" + how.get("fmt", "e4m3")
 
     ours = load_model(tmp_path / "hf")
     assert ours.precision()["experts"] == kind  # computed on the codes, not widened
@@ -89,8 +93,8 @@ def test_matches_transformers_at_published_precision(tmp_path, family, case, how
     manifest = to_container(tmp_path / "hf", tmp_path / "c")
     classes = manifest["tensor_classes"]
     assert classes["experts"]["dtype"] == kind  # kept as published by default
-    if kind.startswith("fp8"):
-        assert classes["dense"]["fp8"] == [kind]  # the dense matrices stay FP8, scales beside them
+    if kind.startswith("fp8") or how.get("fp4"):
+        assert classes["dense"]["fp8"] == ["fp8_e4m3"]  # the dense matrices stay FP8, scales beside them
     c = open_container(str(tmp_path / "c"))
     assert c.precision()["lossy"] is False
     streamed = load_model(tmp_path / "c", budget="min")
