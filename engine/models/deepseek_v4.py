@@ -456,6 +456,15 @@ class Model(MoEModel):
         pre, _, _ = sinkhorn_weights(h, L["hc_ffn_fn"], L["hc_ffn_base"], L["hc_ffn_scale"], a)
         return rmsnorm((pre[:, :, None] * h).sum(1).astype(np.float32), L["post_norm"], a.rms_norm_eps)
 
+    def lookahead(self, il, h):
+        # a hash layer's experts are the table's for the step's token ids: read ahead exactly
+        # those (no guess, nothing wasted); a moe layer's are guessed from the streams before it
+        if "tid2eid" in self.layers[il]:
+            ids = self.layers[il]["tid2eid"][self.step_ids]
+            self.experts.prefetch(il, np.unique(ids).tolist(), len(h), max_reads=ids.size)
+            return
+        super().lookahead(il, h)
+
     # ---- the feed-forward half ----
     def router(self, il, x):
         # x [T, D] -> ids, weights [T, A]

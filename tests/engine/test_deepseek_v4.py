@@ -100,3 +100,24 @@ def test_fp4_experts_that_do_not_say_so_or_miss_their_scales_are_refused(tmp_pat
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ScalesMismatch, match="F8_E8M0"):
         load_model(str(tmp_path))
+
+
+def test_the_hash_layers_experts_are_read_ahead_exactly(tmp_path):
+    """A hash layer's experts follow from the token ids: with every MoE layer hashed, the
+    lookahead reads exactly what the layers then use (nothing wasted), and the tokens are
+    those of a run without it."""
+    from hf_models import build_container
+
+    build_container(tmp_path, "deepseek_v4", "hc1_legacy_spellings", seed=3, num_hash_layers=2)
+    path = str(tmp_path / "c")
+    ids = np.random.default_rng(1).integers(0, 64, 6)
+    plain = load_model(path, budget="min", prefetch=0)
+    ahead = load_model(path, budget="min", prefetch=4)
+    assert ahead.args.mlp_layer_types == ["hash_moe", "hash_moe"]
+    caches = plain.new_cache(32), ahead.new_cache(32)
+    outs = [m.forward(ids, c, all_logits=True) for m, c in zip((plain, ahead), caches)]
+    for t in np.random.default_rng(2).integers(0, 64, 8):
+        outs += [m.forward(np.array([t]), c) for m, c in zip((plain, ahead), caches)]
+    assert all(np.array_equal(a, b) for a, b in zip(outs[::2], outs[1::2]))
+    st = ahead.experts.stats
+    assert st.prefetch_issued > 0 and st.prefetch_wasted == 0
