@@ -84,6 +84,14 @@ SHAPES = {
         "max_position_embeddings": 4096, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
         "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": None,
     },
+    "deepseek_v4": {  # DeepSeek-V4-Flash: 256 experts of 2048, top-6, hyper-connections of 4 streams
+        "model_type": "deepseek_v4", "vocab_size": 32000, "hidden_size": 4096, "moe_intermediate_size": 2048,
+        "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 1024, "n_routed_experts": 256,
+        "num_experts_per_tok": 6, "o_groups": 8, "o_lora_rank": 1024, "hc_mult": 4, "sliding_window": 128,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "partial_rotary_factor": 0.125,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": None,
+    },
     "gpt_oss": {  # gpt-oss-120b
         "model_type": "gpt_oss", "vocab_size": 32000, "hidden_size": 2880, "intermediate_size": 2880,
         "moe_intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
@@ -134,11 +142,13 @@ class SyntheticSource:
         self.T = _unit_rows(2, recipe["topics"], D)  # [K, D]
 
     def entry(self, name):
-        return TensorEntry(name, "BF16", self.shapes[name], 0, 0)
+        return TensorEntry(name, "I64" if name.endswith("tid2eid") else "BF16", self.shapes[name], 0, 0)
 
     def read(self, name):
         shape, r = self.shapes[name], self.r
         rng = np.random.default_rng(self.seeds[name])
+        if name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts for each token id
+            return np.argsort(rng.random((shape[0], self.model.n_expert)), axis=1)[:, : shape[1]].astype(np.int64)
         x = rng.standard_normal(shape, dtype=np.float32)
         if len(shape) == 1:  # norms around 1; biases and sinks small, as trained ones are
             return f32_to_bf16(0.1 * x if name.endswith(("bias", "sinks")) else 1 + 0.1 * x)
@@ -228,6 +238,11 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
         name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     path = os.path.join(workdir, f"{name}-shaped-{precision}-{n_layer}l")
     cfg = shape | {"num_hidden_layers": n_layer}
+    if family == "deepseek_v4" and "layer_types" not in cfg:  # every kind of layer in a few: a sliding one,
+        # then compressed sparse and heavily compressed in turn; hash routing on the first layers, one moe at least
+        cfg["layer_types"] = ["sliding_attention"] + ["compressed_sparse_attention" if i % 2 == 0
+                                                      else "heavily_compressed_attention" for i in range(n_layer - 1)]
+        cfg["mlp_layer_types"] = ["hash_moe"] * min(3, n_layer - 1) + ["moe"] * (n_layer - min(3, n_layer - 1))
     stamp = os.path.join(path, "bench-config.json")
     if os.path.isfile(stamp) and json.load(open(stamp)) == cfg | {"recipe": RECIPE}:
         return path

@@ -113,6 +113,11 @@ class ModelArgs:
         if self.compress_rate_hca is not None:
             rates[HCA] = self.compress_rate_hca
         self.compress_rates = rates
+        # lists given as such must have one entry a layer (transformers validates them first); the
+        # older compress_ratios may also list the MTP layer: cut to the layers, as transformers does
+        require(self.layer_types is None or len(self.layer_types) == n, "layer_types needs one entry per layer")
+        require(self.mlp_layer_types is None or len(self.mlp_layer_types) == n,
+                "mlp_layer_types needs one entry per layer")
         if self.layer_types is None and self.compress_ratios is not None:
             require(set(self.compress_ratios) <= set(RATIO_TYPES), "compress_ratios entries must be 0, 4 or 128")
             self.layer_types = [RATIO_TYPES[r] for r in self.compress_ratios]
