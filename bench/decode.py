@@ -162,6 +162,38 @@ def ab(a, path: str) -> dict:
             "warm_history": os.path.join(warm_dir, "history"), "results": rows}
 
 
+def context_bytes(model, lengths=(4096, 65536, 1 << 20)) -> dict:
+    """A sequence's cache at each context length: from the cache's layout (KV bytes a
+    token, the recurrent state), checked against the arrays a sequence of the first length
+    really takes (its blocks in the KV pool, its state); and for DeepSeek-V4 what its own
+    compact cache would hold (each layer's window of keys, the closed compressed entries and
+    indexer keys), the bytes colibri's rows of every position are measured against."""
+    per_token, state = model.kv_bytes_per_token(), model.state_bytes_per_sequence()
+    out = {"layout": {str(n): n * per_token + state for n in lengths}}
+    cache = model.new_cache(lengths[0])
+    cache.cover(lengths[0])
+    allocated = len(cache.blocks) * cache.pool.block_bytes + cache.state_bytes
+    assert allocated == out["layout"][str(lengths[0])], (allocated, out["layout"])
+    out[f"allocated_at_{lengths[0]}"] = allocated
+    cache.pool.drop(cache.blocks)
+    if model.MODEL_TYPE == "deepseek_v4":
+        a = model.args
+        rate = a.compress_rates
+
+        def compact(n):
+            total = 0
+            for kind in a.layer_types:
+                total += min(n, a.sliding_window) * a.head_dim
+                if kind == "compressed_sparse_attention":
+                    total += n // rate[kind] * (a.head_dim + a.index_head_dim)
+                elif kind == "heavily_compressed_attention":
+                    total += n // rate[kind] * a.head_dim
+            return 4 * total
+
+        out["deepseek_v4_compact"] = {str(n): compact(n) for n in lengths}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "colibri", "bench"))
@@ -203,6 +235,7 @@ def main():
         budget = int(c.expert_bytes * frac)
         kv_bytes, attention = probe.kv_bytes_per_token(), probe.ATTENTION
         state_bytes = probe.state_bytes_per_sequence()
+        context = context_bytes(probe)
         del probe
         if budget + 3e9 > psutil.virtual_memory().available:
             results.append({"budget_fraction": frac, "skipped": "not enough free memory for this budget"})
@@ -272,6 +305,7 @@ def main():
     print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
                       "n_layer": len(c.moe_layers),
                       "kv_bytes_per_token": kv_bytes, "state_bytes_per_sequence": state_bytes, "attention": attention,
+                      "context_bytes": context,
                       "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,
                       "io_threads": a.io_threads, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
                       "memory_gbs": round(mem, 3), "results": results}, indent=2))

@@ -406,13 +406,9 @@ class Model(MoEModel):
 
     def load(self, *args, **kwargs):
         super().load(*args, **kwargs)
-        for L in self.layers:  # the grouped output projection, one matrix a group (float32 if stored as FP8)
-            o_a = L["o_a"]
-            if isinstance(o_a, QuantWeight):
-                from ...storage.quant import dequantize
-
-                o_a = dequantize(o_a)
-            L["o_a_groups"] = np.ascontiguousarray(o_a).reshape(self.args.o_groups, self.args.o_lora_rank, -1)
+        r = self.args.o_lora_rank
+        for L in self.layers:  # the grouped output projection: each group's rows of o_a, as stored
+            L["o_a_groups"] = [rows(L["o_a"], g * r, (g + 1) * r) for g in range(self.args.o_groups)]
         return self
 
     def kv_layout(self):
@@ -509,8 +505,8 @@ class Model(MoEModel):
             out[rows] = self.attend_sequence(il, sg, q[rows], kv[rows], {k: v[rows] for k, v in proj.items()})
         out = rope_tail(out, cos, -sin)  # the values' rotation undone at the query's position
         groups = out.reshape(T, a.o_groups, -1)  # [T, g, H hd / g]
-        y = np.einsum("tgi,goi->tgo", groups, L["o_a_groups"]).reshape(T, -1).astype(np.float32)
-        return linear(y, L["o_b"])
+        y = np.concatenate([linear(np.ascontiguousarray(groups[:, g]), w) for g, w in enumerate(L["o_a_groups"])], 1)
+        return linear(y, L["o_b"])  # y [T, g o_lora_rank]
 
     def row_tables(self, rope: Rope, step) -> tuple[np.ndarray, np.ndarray]:
         # cos, sin [T, r/2] at each row's position
@@ -574,6 +570,21 @@ class Model(MoEModel):
             have = new if have is None else np.concatenate([have, new])
             memo.entries[key] = have
         return have if have is not None else np.zeros((0, norm.shape[0]), np.float32)
+
+
+def rows(w, lo: int, hi: int):
+    # rows lo..hi of a weight as stored: a view of a plain matrix; of an FP8 one, its codes
+    # and the scales of whole row blocks when the rows fall on them, else the rows' values
+    # in float32 (exactly: code x scale)
+    if not isinstance(w, QuantWeight):
+        return w[lo:hi]
+    if lo % w.row_block == 0 and (hi % w.row_block == 0 or hi == w.q.shape[0]):
+        return QuantWeight(w.kind, np.ascontiguousarray(w.q[lo:hi]),
+                           np.ascontiguousarray(w.scales[lo // w.row_block : -(-hi // w.row_block)]), w.group_size,
+                           w.row_block)
+    from ...storage.quant import dequantize
+
+    return np.ascontiguousarray(dequantize(w)[lo:hi])
 
 
 def clamped_swiglu(limit: float, x, w):

@@ -76,19 +76,21 @@ def test_hub_config_spelling_loads_the_same(tmp_path, family, case):
     )
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family,case", [("mixtral", "basic"), ("qwen3_moe", "basic"),
+                                         ("deepseek_v4", "all_types_hash_first")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_checkpoint(tmp_path, family, dtype):
+def test_half_precision_checkpoint(tmp_path, family, case, dtype):
     """A bf16/f16 checkpoint is computed on its own weights: transformers given the same
     weights widened to float32 is the reference."""
-    build(family, "basic", tmp_path, seed=4, dtype=dtype)
+    build(family, case, tmp_path, seed=4, dtype=dtype)
     import transformers
 
     from hf_models import CLASSES, REFERENCE
 
     ref = getattr(transformers, CLASSES[family][1]).from_pretrained(tmp_path, dtype=torch.float32, **REFERENCE).eval()
     ours = load_model(str(tmp_path))
-    assert ours.layers[0]["q"].dtype == (np.uint16 if dtype == torch.bfloat16 else np.float16)
+    key = "q_b" if family == "deepseek_v4" else "q"
+    assert ours.layers[0][key].dtype == (np.uint16 if dtype == torch.bfloat16 else np.float16)
     ids = prompt(ours.args.vocab_size, 10, seed=9)
     with torch.no_grad():
         ref_logits = ref(torch.tensor(ids)[None]).logits[0].numpy()
