@@ -31,13 +31,15 @@ expert; SwiGLU with the gate clamped above and the up projection clamped both wa
 `swiglu_limit`. (transformers cannot run `softmax` scoring: its activation table has no
 such entry; colibri's is the softmax over the experts.)
 
-A sequence keeps per token and layer its key (`kv`), and on the compressed layers the
-compressors' projections (`ckv`/`cgate`, the indexer's `ikv`/`igate`): a token's rows are
-written once, at its own step, so the prefix cache, sessions, batching and chunking work as
-for any model; the compressed entries are worked out from those rows (and kept per
-sequence, `V4Cache`, as they close). That is exact and simple, not small: every position's
-rows stay, where V4's own cache keeps only the window's keys and the closed entries (a
-sixth of the bytes and less); that cache is the next step. The checkpoint's MTP layer is
+A sequence keeps what V4's own cache keeps, so a long context takes little memory: as a
+fixed-size state (state_layout), every layer's last `sliding_window` keys, the compressors'
+projections of the positions not yet in a closed entry and each compressed layer's last
+closed entry; in the KV pool, per token, a piece (head_dim / rate) of a closed entry:
+entry w is cut in `rate` pieces written into the rows of window w + 1's tokens, each at its
+own step, so rows never change once written and the prefix cache shares them as any
+model's. With a state, a request resumes from the prefix cache at a state snapshot (as
+the hybrids do), and sessions save it. The entries are gathered back from the pieces once
+per sequence and kept beside it (`V4Cache`) as more close. The checkpoint's MTP layer is
 never read.
 """
 
@@ -407,22 +409,46 @@ class Model(MoEModel):
     def load(self, *args, **kwargs):
         super().load(*args, **kwargs)
         r = self.args.o_lora_rank
-        for L in self.layers:  # the grouped output projection: each group's rows of o_a, as stored
-            L["o_a_groups"] = [rows(L["o_a"], g * r, (g + 1) * r) for g in range(self.args.o_groups)]
+        # the grouped output projection: each group's rows of o_a, as stored (views: no bytes more)
+        self.o_a_groups = [[rows(L["o_a"], g * r, (g + 1) * r) for g in range(self.args.o_groups)]
+                           for L in self.layers]
         return self
 
     def kv_layout(self):
-        # per token and layer: the key (all layers); the compressors' projections (CSA: two
-        # series of head_dim, and the indexer's two of index_head_dim; HCA: one)
-        a = self.args
-        hd, ihd = a.head_dim, a.index_head_dim
-        shapes = {"kv": (self.n_layer, 1, hd)}
-        if self.n_csa:
-            shapes |= {"ckv": (self.n_csa, 1, 2 * hd), "cgate": (self.n_csa, 1, 2 * hd),
-                       "ikv": (self.n_csa, 1, 2 * ihd), "igate": (self.n_csa, 1, 2 * ihd)}
-        if self.n_hca:
-            shapes |= {"hkv": (self.n_hca, 1, hd), "hgate": (self.n_hca, 1, hd)}
+        # per token and compressed layer: a piece of a closed compressed entry (entry w is cut
+        # in `rate` pieces, written into the rows of window w + 1's tokens, each at its own
+        # step, so rows never change once written); the window's keys and what is not yet an
+        # entry are the sequence's state (state_layout)
+        shapes = {}
+        for name, (n, width, kind) in self.entry_arrays().items():
+            if n:
+                shapes[name] = (n, 1, -(-width // self.args.compress_rates[kind]))
         return shapes, {}, frozenset()
+
+    def entry_arrays(self) -> dict:
+        # pool array -> (layers, entry width, layer kind): the CSA compressor's, its indexer's, HCA's
+        a = self.args
+        return {"ce": (self.n_csa, a.head_dim, CSA), "ie": (self.n_csa, a.index_head_dim, CSA),
+                "he": (self.n_hca, a.head_dim, HCA)}
+
+    def state_layout(self) -> dict[str, tuple]:
+        # a sequence's fixed-size part: every layer's last sliding_window keys (a ring by
+        # position), the compressors' projections of the positions that do not make a whole
+        # entry yet (CSA: also the window before, whose first half the next entry mixes in;
+        # rings by position), and each compressed layer's last closed entry (being spread
+        # over the pool rows of the window after it)
+        a = self.args
+        hd, ihd, W = a.head_dim, a.index_head_dim, a.sliding_window
+        out = {"ring": (self.n_layer, W, hd)}
+        if self.n_csa:
+            rc = a.compress_rates[CSA]
+            out |= {"cpk": (self.n_csa, 2 * rc, 2 * hd), "cpg": (self.n_csa, 2 * rc, 2 * hd),
+                    "ipk": (self.n_csa, 2 * rc, 2 * ihd), "ipg": (self.n_csa, 2 * rc, 2 * ihd),
+                    "cre": (self.n_csa, hd), "ire": (self.n_csa, ihd)}
+        if self.n_hca:
+            rh = a.compress_rates[HCA]
+            out |= {"hpk": (self.n_hca, rh, hd), "hpg": (self.n_hca, rh, hd), "hre": (self.n_hca, hd)}
+        return out
 
     # ---- the residual streams ----
     def embed(self, ids):
@@ -452,19 +478,12 @@ class Model(MoEModel):
 
     def moe_input(self, il, h):
         # the lookahead's guess at layer il's MoE input: its feed-forward collapse of the
-        # streams as they are before the layer (the real one follows its attention)
+        # streams as they are before the layer (the real one follows its attention). A hash
+        # layer's router takes the table's experts for the step's token ids whatever its
+        # input: its reads ahead are exact
         a, L = self.args, self.layers[il]
         pre, _, _ = sinkhorn_weights(h, L["hc_ffn_fn"], L["hc_ffn_base"], L["hc_ffn_scale"], a)
         return rmsnorm((pre[:, :, None] * h).sum(1).astype(np.float32), L["post_norm"], a.rms_norm_eps)
-
-    def lookahead(self, il, h):
-        # a hash layer's experts are the table's for the step's token ids: read ahead exactly
-        # those (no guess, nothing wasted); a moe layer's are guessed from the streams before it
-        if "tid2eid" in self.layers[il]:
-            ids = self.layers[il]["tid2eid"][self.step_ids]
-            self.experts.prefetch(il, np.unique(ids).tolist(), len(h), max_reads=ids.size)
-            return
-        super().lookahead(il, h)
 
     # ---- the feed-forward half ----
     def router(self, il, x):
@@ -505,7 +524,7 @@ class Model(MoEModel):
             out[rows] = self.attend_sequence(il, sg, q[rows], kv[rows], {k: v[rows] for k, v in proj.items()})
         out = rope_tail(out, cos, -sin)  # the values' rotation undone at the query's position
         groups = out.reshape(T, a.o_groups, -1)  # [T, g, H hd / g]
-        y = np.concatenate([linear(np.ascontiguousarray(groups[:, g]), w) for g, w in enumerate(L["o_a_groups"])], 1)
+        y = np.concatenate([linear(np.ascontiguousarray(groups[:, g]), w) for g, w in enumerate(self.o_a_groups[il])], 1)
         return linear(y, L["o_b"])  # y [T, g o_lora_rank]
 
     def row_tables(self, rope: Rope, step) -> tuple[np.ndarray, np.ndarray]:
@@ -516,25 +535,23 @@ class Model(MoEModel):
         return np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables])
 
     def attend_sequence(self, il, sg, q, kv, proj) -> np.ndarray:
-        # one sequence's n queries [n, H, hd] at positions pos0.. -> [n, H, hd]: its rows
-        # written, then each query against its window and its compressed entries
+        # one sequence's n queries [n, H, hd] at positions pos0.. -> [n, H, hd]: each against
+        # its window's keys and the compressed entries closed at or before it; the state and
+        # the pool rows brought up to pos0 + n
         a, L = self.args, self.layers[il]
         cache, pos0, n = sg.cache, sg.cache.n_pos, sg.n
-        kind, S, W = a.layer_types[il], pos0 + sg.n, a.sliding_window
-        cache.write("kv", il, pos0, kv)
-        entries = None
-        if kind != SLIDING:
-            pre = "c" if kind == CSA else "h"
-            cache.write(pre + "kv", self.slot[il], pos0, proj["kv"][:, None])
-            cache.write(pre + "gate", self.slot[il], pos0, proj["gate"][:, None])
-            rate = a.compress_rates[kind]
-            entries = self.entries(cache, il, "c", pre, S, rate, L["c_bias"], L["c_norm"])  # [S // rate, hd]
-        if kind == CSA:
-            cache.write("ikv", self.slot[il], pos0, proj["ikv"][:, None])
-            cache.write("igate", self.slot[il], pos0, proj["igate"][:, None])
-            keys = self.entries(cache, il, "i", "i", S, rate, L["i_bias"], L["i_norm"])  # [S // rate, ihd]
+        kind, W = a.layer_types[il], a.sliding_window
         start = max(0, pos0 - W + 1)
-        window = cache.gather("kv", il, 0, S, start)  # [S - start, hd]
+        ring = cache.state["ring"][il]
+        window = np.concatenate([ring[np.arange(start, pos0) % W], kv[:, 0]])  # keys of positions start..
+        ring[np.arange(max(pos0, pos0 + n - W), pos0 + n) % W] = kv[-W:, 0]
+        entries = keys = None
+        if kind != SLIDING:
+            rate = a.compress_rates[kind]
+            c, e = ("c", "ce") if kind == CSA else ("h", "he")
+            entries = self.entries(cache, il, c, e, pos0, proj["kv"], proj["gate"], rate, L["c_bias"], L["c_norm"])
+        if kind == CSA:
+            keys = self.entries(cache, il, "i", "ie", pos0, proj["ikv"], proj["igate"], rate, L["i_bias"], L["i_norm"])
         scale, sinks = np.float32(a.head_dim ** -0.5), L["sinks"]
         out = np.empty(q.shape, np.float32)
         for i in range(n):
@@ -552,24 +569,51 @@ class Model(MoEModel):
             out[i] = pr @ k
         return out
 
-    def entries(self, cache, il: int, name: str, pre: str, S: int, rate: int, bias, norm) -> np.ndarray:
-        # the compressed entries of positions 0..S-1 [S // rate, d]: those kept, then the ones
-        # whose windows closed since, from the rows
+    def entries(self, cache, il: int, c: str, e: str, pos0: int, kv, gate, rate: int, bias, norm) -> np.ndarray:
+        # one compressor of layer il: its projections kv, gate [n, width] of positions
+        # pos0.. -> every entry closed by pos0 + n [(pos0 + n) // rate, d]. Those closed
+        # before come from the pool's pieces and the state's last entry (kept in memory per
+        # sequence as they are gathered); the new ones from the state's pending projections
+        # and these. The state and this chunk's pool rows brought up to date.
+        a, st, n = self.args, cache.state, len(kv)
+        overlap, slot = a.layer_types[il] == CSA, self.slot[il]
+        d = norm.shape[0]
+        ring_k, ring_g, recent = st[c + "pk"][slot], st[c + "pg"][slot], st[c + "re"][slot]
+        span = len(ring_k)  # positions the pending rings hold (rate, or 2 rate with the overlap)
+        c0, c1 = pos0 // rate, (pos0 + n) // rate  # entries closed before, after
         memo = getattr(cache, "v4", None)
         if memo is None:
             memo = cache.v4 = V4Cache()
-        key = (name, il)
-        have = memo.get(key)
-        w0, w1 = 0 if have is None else len(have), S // rate
-        if w1 > w0:
-            lo = max(0, (w0 - 1) * rate)
-            kv = cache.gather(pre + "kv", self.slot[il], 0, w1 * rate, lo)  # [w1 rate - lo, width]
-            gate = cache.gather(pre + "gate", self.slot[il], 0, w1 * rate, lo)
-            new = compress(kv, gate, lo, bias, w0, w1, rate, self.args.layer_types[il] == CSA, norm,
-                           self.args.rms_norm_eps, self.ropes["compress"])
-            have = new if have is None else np.concatenate([have, new])
-            memo.entries[key] = have
-        return have if have is not None else np.zeros((0, norm.shape[0]), np.float32)
+        have = memo.get((c, il))
+        if have is None or len(have) != c0:  # (a sequence new to this process: gather them)
+            have = np.zeros((c0, d), np.float32)
+            if c0 > 1:
+                pieces = cache.gather(e, slot, 0, c0 * rate, rate)  # [(c0 - 1) rate, piece]
+                have[: c0 - 1] = pieces.reshape(c0 - 1, -1)[:, :d]
+            if c0:
+                have[c0 - 1] = recent
+        if c1 > c0:  # entries closing in this chunk: from the pending positions and the chunk
+            base = max(0, (c0 - 1) * rate if overlap else c0 * rate)
+            past = np.arange(base, pos0)
+            k = np.concatenate([ring_k[past % span], kv])
+            g = np.concatenate([ring_g[past % span], gate])
+            new = compress(k, g, base, bias, c0, c1, rate, overlap, norm, a.rms_norm_eps, self.ropes["compress"])
+            have = np.concatenate([have, new])
+        memo.entries[(c, il)] = have
+        positions = np.arange(pos0, pos0 + n)
+        ring_k[positions[-span:] % span], ring_g[positions[-span:] % span] = kv[-span:], gate[-span:]
+        if c1:
+            recent[:] = have[c1 - 1]
+        # this chunk's rows: position p holds piece p % rate of entry p // rate - 1
+        width = cache.pool.shapes[e][2]
+        padded = np.zeros((max(len(have), 1), rate, width), np.float32)  # each entry cut in rate pieces
+        padded.reshape(len(padded), -1)[: len(have), :d] = have
+        owner = positions // rate - 1
+        rows = np.zeros((n, 1, width), np.float32)  # [n, 1, piece]
+        ok = owner >= 0
+        rows[ok, 0] = padded[owner[ok], positions[ok] % rate]
+        cache.write(e, slot, pos0, rows)
+        return have
 
 
 def rows(w, lo: int, hi: int):

@@ -22,12 +22,20 @@ def _init():
 
 
 def test_the_indexer_chooses_and_the_cache_keeps_what_its_layout_says(tmp_path):
+    """Past index_topk closed entries the indexer's choice changes the logits; a sequence
+    keeps a piece of each closed entry per token and a fixed state."""
     build("deepseek_v4", "all_types_hash_first", tmp_path, seed=3)
     model = load_model(str(tmp_path))
     a = model.args
     hd, ihd = a.head_dim, a.index_head_dim
     n_csa, n_hca = a.layer_types.count(deepseek_v4.CSA), a.layer_types.count(deepseek_v4.HCA)
-    assert model.kv_bytes_per_token() == 4 * (a.num_hidden_layers * hd + n_csa * (4 * hd + 4 * ihd) + n_hca * 2 * hd)
+    rc, rh = a.compress_rates[deepseek_v4.CSA], a.compress_rates[deepseek_v4.HCA]
+    # per token only a piece of each compressed entry (head_dim / rate, rounded up); the
+    # window's keys and the projections of unfinished windows are a fixed state
+    assert model.kv_bytes_per_token() == 4 * (n_csa * (-(-hd // rc) + -(-ihd // rc)) + n_hca * -(-hd // rh))
+    assert model.state_bytes_per_sequence() == 4 * (
+        a.num_hidden_layers * a.sliding_window * hd + n_csa * (2 * rc * 4 * hd + 2 * rc * 4 * ihd + hd + ihd)
+        + n_hca * (rh * 2 * hd + hd))
     ids = np.random.default_rng(4).integers(0, a.vocab_size, 30)  # 10 CSA entries at rate 3: past index_topk = 3
     sparse = model.forward(ids, model.new_cache(40), all_logits=True)
     model.args.index_topk = 64  # every closed entry chosen
