@@ -129,3 +129,25 @@ def test_the_hash_layers_experts_are_read_ahead_exactly(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(outs[::2], outs[1::2]))
     st = ahead.experts.stats
     assert st.prefetch_issued > 0 and st.prefetch_wasted == 0
+
+
+@pytest.mark.parametrize("legacy", [
+    {"compress_ratios": [0, 4, 128, 4, 0], "num_hash_layers": 2, "qk_rope_head_dim": 16},  # (+ the MTP layer's ratio)
+    {"compress_rate_csa": 8, "compress_rate_hca": 64, "layer_types": None},
+    {"num_hash_layers": 0, "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64}},
+])
+def test_the_older_config_spellings_mean_what_transformers_reads(legacy):
+    from transformers import DeepseekV4Config
+
+    from colibri.engine.registry import build_model
+
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "head_dim": 32,
+            "max_position_embeddings": 256}
+    cfg = {k: v for k, v in (base | legacy).items() if v is not None}
+    theirs = DeepseekV4Config(**cfg)
+    ours = build_model("legacy", {"model_type": "deepseek_v4", **cfg})
+    a = ours.args
+    assert a.layer_types == theirs.layer_types and a.mlp_layer_types == theirs.mlp_layer_types
+    assert a.compress_rates == theirs.compress_rates and a.rope_dim == theirs.qk_rope_head_dim
+    want = {k: {n: v for n, v in p.items() if n != "type"} for k, p in theirs.rope_parameters.items()}
+    assert dict(zip(("main", "compress"), deepseek_v4.rope_settings(cfg, a))) == want  # ("type": its older name)
