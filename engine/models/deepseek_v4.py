@@ -319,15 +319,32 @@ def rope_settings(config: dict, a: ModelArgs) -> tuple[dict, dict]:
 
 
 class V4Cache:
-    """The compressed entries a sequence has closed so far, per compressed layer: worked
-    out from its rows (KVCache arrays), kept beside it (a new request from the prefix cache
-    or a session starts with none and works them out again, the same bits)."""
+    """The compressed entries a sequence has closed so far, per compressor, gathered back
+    from its pool pieces and state once and kept beside it as more close (a new request
+    from the prefix cache or a session starts with none and gathers them again: the same
+    bits). Each grows in place, its room doubled when full, so a step copies no history."""
 
     def __init__(self):
-        self.entries: dict[tuple[str, int], np.ndarray] = {}
+        self.arrays: dict[tuple[str, int], np.ndarray] = {}
+        self.counts: dict[tuple[str, int], int] = {}
 
     def get(self, key) -> np.ndarray | None:
-        return self.entries.get(key)
+        a = self.arrays.get(key)
+        return None if a is None else a[: self.counts[key]]
+
+    def set(self, key, entries: np.ndarray) -> None:
+        self.arrays[key] = np.array(entries, np.float32)
+        self.counts[key] = len(entries)
+
+    def append(self, key, new: np.ndarray) -> np.ndarray:
+        a, n = self.arrays[key], self.counts[key]
+        if n + len(new) > len(a):
+            grown = np.empty((max(2 * len(a), n + len(new), 16), a.shape[1]), np.float32)
+            grown[:n] = a[:n]
+            self.arrays[key] = a = grown
+        a[n : n + len(new)] = new
+        self.counts[key] = n + len(new)
+        return a[: n + len(new)]
 
 
 class Model(MoEModel):
@@ -592,26 +609,28 @@ class Model(MoEModel):
                 have[: c0 - 1] = pieces.reshape(c0 - 1, -1)[:, :d]
             if c0:
                 have[c0 - 1] = recent
+            memo.set((c, il), have)
         if c1 > c0:  # entries closing in this chunk: from the pending positions and the chunk
             base = max(0, (c0 - 1) * rate if overlap else c0 * rate)
             past = np.arange(base, pos0)
             k = np.concatenate([ring_k[past % span], kv])
             g = np.concatenate([ring_g[past % span], gate])
             new = compress(k, g, base, bias, c0, c1, rate, overlap, norm, a.rms_norm_eps, self.ropes["compress"])
-            have = np.concatenate([have, new])
-        memo.entries[(c, il)] = have
+            have = memo.append((c, il), new)
         positions = np.arange(pos0, pos0 + n)
         ring_k[positions[-span:] % span], ring_g[positions[-span:] % span] = kv[-span:], gate[-span:]
         if c1:
             recent[:] = have[c1 - 1]
         # this chunk's rows: position p holds piece p % rate of entry p // rate - 1
         width = cache.pool.shapes[e][2]
-        padded = np.zeros((max(len(have), 1), rate, width), np.float32)  # each entry cut in rate pieces
-        padded.reshape(len(padded), -1)[: len(have), :d] = have
         owner = positions // rate - 1
         rows = np.zeros((n, 1, width), np.float32)  # [n, 1, piece]
         ok = owner >= 0
-        rows[ok, 0] = padded[owner[ok], positions[ok] % rate]
+        if ok.any():  # the entries these rows hold pieces of, each cut in rate pieces
+            lo, hi = owner[ok][0], owner[ok][-1] + 1
+            cut = np.zeros((hi - lo, rate * width), np.float32)
+            cut[:, :d] = have[lo:hi]
+            rows[ok, 0] = cut.reshape(hi - lo, rate, width)[owner[ok] - lo, positions[ok] % rate]
         cache.write(e, slot, pos0, rows)
         return have
 

@@ -151,3 +151,23 @@ def test_the_older_config_spellings_mean_what_transformers_reads(legacy):
     assert a.compress_rates == theirs.compress_rates and a.rope_dim == theirs.qk_rope_head_dim
     want = {k: {n: v for n, v in p.items() if n != "type"} for k, p in theirs.rope_parameters.items()}
     assert dict(zip(("main", "compress"), deepseek_v4.rope_settings(cfg, a))) == want  # ("type": its older name)
+
+
+def test_a_long_context_in_chunks_matches_transformers(tmp_path):
+    """150 positions: the window's ring wraps 30 times, dozens of entries close and are cut
+    into pieces across the pool's rows; taken in chunks of 37 and then one at a time, the
+    logits are transformers' on the whole, and the chunks' bits those of one step."""
+    import torch
+
+    ref = build("deepseek_v4", "all_types_hash_first", tmp_path, seed=6, max_position_embeddings=512)
+    ours = load_model(str(tmp_path))
+    ids = np.random.default_rng(9).integers(0, ours.args.vocab_size, 150)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    whole = ours.forward(ids, ours.new_cache(160), all_logits=True)
+    assert np.abs(whole - want).max() <= 2e-4
+    cache = ours.new_cache(160)
+    parts = [ours.forward(ids[i : i + 37], cache, all_logits=True) for i in range(0, 111, 37)]
+    parts += [ours.forward(ids[i : i + 1], cache, all_logits=True) for i in range(111, 150)]
+    assert np.array_equal(np.concatenate(parts)[:111], whole[:111])
+    assert np.abs(np.concatenate(parts) - whole).max() <= 2e-5
