@@ -11,16 +11,17 @@ from test_daemon import ctl, serving
 
 from colibri.storage.demo import CHAT_TEMPLATE, _tokenizer_json
 
-from hf_models import build, build_fp8, build_k25, build_mxfp4, k25_hub_names
+from hf_models import build, build_fp4, build_fp8, build_k25, build_mxfp4, k25_hub_names
 
 PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), vocab_size=259),
              "mxfp4": lambda f, c, p: build_mxfp4(f, c, p, seed=13, vocab_size=259, hidden_size=64, intermediate_size=32),
+             "fp4": lambda f, c, p: build_fp4(f, c, p, seed=13, vocab_size=259, hidden_size=64, moe_intermediate_size=32),
              "image-text": lambda f, c, p: (build_k25(p, c, None, seed=13, vocab_size=259), k25_hub_names(p))}
 
 
 @pytest.mark.parametrize("family,case,precision", [
     ("deepseek_v3", "q_lora_groups_interleaved", None), ("glm_moe_dsa", "full_shared_topk4", None),
-    ("deepseek_v32", "topk4_dense_first", "fp8"), ("deepseek_v4", "all_types_hash_first", None),
+    ("deepseek_v32", "topk4_dense_first", "fp8"), ("deepseek_v4", "all_types_hash_first", "fp4"),
     ("glm4_moe", "odd_no_norm_two_shared", None), ("minimax_m2", "rotary_dim_half", None),
     ("gpt_oss", "sinks_sliding_clamped", None),
     ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),
@@ -50,8 +51,8 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
         status = json.loads(ctl(sock, "status", "--json").stdout)
         assert status["model"]["type"] == family
-        if precision in ("fp8", "mxfp4"):
-            assert precision in json.dumps(status["model"])
+        if precision in ("fp8", "mxfp4", "fp4"):  # (FP4 experts are computed as MXFP4)
+            assert {"fp4": "mxfp4"}.get(precision, precision) in json.dumps(status["model"])
         if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks
             prompts = ["a", "several words of a longer prompt than the other one, past one KV block"]
             alone = [json.loads(subprocess.run([*colictl, "run", "--model", str(tmp_path / "c"), "--json",
