@@ -48,7 +48,7 @@ from functools import partial
 
 import numpy as np
 
-from ...storage.quant import QuantWeight
+from ...storage.experts import QuantWeight, dequantize
 from ..attention import AttnSpec
 from ..layers import linear, rmsnorm, to_f32
 from ..model import MoEModel, check_moe_args, require
@@ -645,8 +645,6 @@ def rows(w, lo: int, hi: int):
         return QuantWeight(w.kind, np.ascontiguousarray(w.q[lo:hi]),
                            np.ascontiguousarray(w.scales[lo // w.row_block : -(-hi // w.row_block)]), w.group_size,
                            w.row_block)
-    from ...storage.quant import dequantize
-
     return np.ascontiguousarray(dequantize(w)[lo:hi])
 
 

@@ -93,8 +93,8 @@ def test_matches_transformers_at_published_precision(tmp_path, family, case, how
     manifest = to_container(tmp_path / "hf", tmp_path / "c")
     classes = manifest["tensor_classes"]
     assert classes["experts"]["dtype"] == kind  # kept as published by default
-    if kind.startswith("fp8") or how.get("fp4"):
-        assert classes["dense"]["fp8"] == ["fp8_e4m3"]  # the dense matrices stay FP8, scales beside them
+    if kind.startswith("fp8") or how.get("fp4"):  # the dense matrices stay FP8, scales beside them
+        assert classes["dense"]["fp8"] == [kind if kind.startswith("fp8") else "fp8_e4m3"]
     c = open_container(str(tmp_path / "c"))
     assert c.precision()["lossy"] is False
     streamed = load_model(tmp_path / "c", budget="min")
