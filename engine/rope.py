@@ -83,7 +83,11 @@ class Rope:
 
     def table(self, pos0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         # -> cos, sin [n, hd/2] for positions pos0 .. pos0+n-1
-        freqs = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+        return self.at(np.arange(pos0, pos0 + n))
+
+    def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # positions [n] -> cos, sin [n, hd/2] (DeepSeek-V4's compressed entries: every rate-th)
+        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         cos = (np.cos(freqs) * np.float32(self.scaling)).astype(np.float32)
         sin = (np.sin(freqs) * np.float32(self.scaling)).astype(np.float32)
         return cos, sin

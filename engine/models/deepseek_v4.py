@@ -48,11 +48,12 @@ from functools import partial
 
 import numpy as np
 
+from ...storage.errors import ConfigInvalid
 from ...storage.experts import QuantWeight, dequantize
 from ..attention import AttnSpec
 from ..layers import linear, rmsnorm, to_f32
 from ..model import MoEModel, check_moe_args, require
-from ..moe import moe
+from ..moe import moe, softmax
 from ..recurrent import sigmoid, softplus
 from ..rope import Rope, rope_inv_freq
 
@@ -216,8 +217,7 @@ def route(logits: np.ndarray, bias: np.ndarray | None, fixed: np.ndarray | None,
 
 def score_of(logits: np.ndarray, kind: str) -> np.ndarray:
     if kind == "softmax":
-        e = np.exp(logits - logits.max(-1, keepdims=True))
-        return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+        return softmax(logits)
     if kind == "sigmoid":
         return sigmoid(logits)
     return np.sqrt(softplus(logits)).astype(np.float32)
@@ -285,14 +285,8 @@ def compress(kv: np.ndarray, gate: np.ndarray, off: int, bias: np.ndarray, w0: i
     p = np.exp(g - g.max(1, keepdims=True))
     p = p / p.sum(1, keepdims=True)
     e = rmsnorm((k * p).sum(1).astype(np.float32), norm, eps)  # [n, d]
-    cos, sin = rope_table_at(rope, np.arange(w0, w1) * rate)
+    cos, sin = rope.at(np.arange(w0, w1) * rate)
     return rope_tail(e[:, None], cos, sin)[:, 0]
-
-
-def rope_table_at(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    freqs = positions.astype(np.float32)[:, None] * rope.inv_freq[None, :]
-    return ((np.cos(freqs) * np.float32(rope.scaling)).astype(np.float32),
-            (np.sin(freqs) * np.float32(rope.scaling)).astype(np.float32))
 
 
 def rope_settings(config: dict, a: ModelArgs) -> tuple[dict, dict]:
@@ -364,8 +358,6 @@ class Model(MoEModel):
         try:
             main, comp = rope_settings(config, a)
         except ValueError as e:
-            from ...storage.errors import ConfigInvalid
-
             raise ConfigInvalid(f"{where}: {e}") from None
         self.ropes = {"main": Rope(*rope_inv_freq(main, a.head_dim, a.max_position_embeddings)),
                       "compress": Rope(*rope_inv_freq(comp, a.head_dim, a.max_position_embeddings))}

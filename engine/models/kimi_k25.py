@@ -22,7 +22,6 @@ SPELLINGS = {  # the text model's prefixes, the output head
     "saved": ({"model.layers.": "language_model.model.blocks.", "model.": "language_model.model."},
               "language_model.lm_head.weight"),
 }
-__all__ = ["text_config"]  # (the registry reads the text model's config through it)
 
 
 class Model(deepseek_v3.Model):
