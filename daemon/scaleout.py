@@ -95,15 +95,15 @@ class ExpertWorker:
         return measure_box(self.cache)
 
     def compute(self, il: int, parts: list, x: np.ndarray, w_flat: np.ndarray, prompt_rows: np.ndarray, A: int,
-                ffn=None, clamped=None) -> tuple[np.ndarray, np.ndarray, dict]:
+                ffn=None, clamped=None, integer=False) -> tuple[np.ndarray, np.ndarray, dict]:
         """parts [(expert, rows)] of layer il -> (rows, their outputs [n, D], the box's
-        counters) (see moe(): ffn, clamped a family's own expert)."""
+        counters) (see moe(): ffn, clamped a family's own expert; integer: activations int8)."""
         from ..engine.moe import worker_rows
 
         rows_of = {ie: np.asarray(r) for ie, r in parts}
         self.cache.begin_step()
         ys = worker_rows(self.cache.stream(il, list(rows_of)), rows_of, x, A, w_flat, prompt_rows,
-                         self.cache.int4_group, ffn, clamped)
+                         self.cache.int4_group, ffn, clamped, integer)
         rows = np.concatenate(list(rows_of.values()))
         self.calls += 1
         self.rows += len(rows)
@@ -264,7 +264,8 @@ class RayExperts(LocalSource):
         by_box: dict[int, list] = {}
         for ie, rows in rows_of:
             by_box.setdefault(self.box_of(il, ie), []).append((ie, rows))
-        calls = {b: (self.boxes[b].actor.compute.remote(il, parts, x, w_flat, prompt_rows, A, ffn, clamped),
+        integer = getattr(self, "activations", "float32") == "int8"  # (MoEModel.set_activations sets it)
+        calls = {b: (self.boxes[b].actor.compute.remote(il, parts, x, w_flat, prompt_rows, A, ffn, clamped, integer),
                      time.perf_counter()) for b, parts in by_box.items() if b}
         if by_box.get(0):
             self._local(il, by_box[0], compute)

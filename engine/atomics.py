@@ -74,4 +74,5 @@ def _pointer_from(dtype):
     return pointer
 
 
-i8_at, u8_at, u16_at, i64_at, f32_at = (_pointer_from(t) for t in (types.int8, types.uint8, types.uint16, types.int64, types.float32))
+i8_at, u8_at, u16_at, i32_at, i64_at, f32_at = (_pointer_from(t) for t in (types.int8, types.uint8, types.uint16, types.int32,
+                                                                          types.int64, types.float32))

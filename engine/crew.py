@@ -15,8 +15,10 @@ import numba as nb
 import numpy as np
 
 from ..storage.experts import FORMATS, QuantWeight, bf16_to_f32, int4_of
-from .atomics import atomic_add, atomic_load, f32_at, i64_at, u8_at, u16_at, yield_cpu
+from .atomics import atomic_add, atomic_load, f32_at, i8_at, i32_at, i64_at, u8_at, u16_at, yield_cpu
+from .formats import intdot
 from .formats.int4 import q4_matmul, q4_split_row
+from .formats.intdot import idot, quantize_row
 from .jit import JIT
 from .jobs import (
     ACT_CLAMPED,
@@ -25,6 +27,7 @@ from .jobs import (
     DTYPE_CODES,
     JOB_F32,
     JOB_LEN,
+    JOB_MOE_I8,
     JOB_MOE_Q4,
     JOB_MOE_TOK,
     JOB_U16,
@@ -37,9 +40,11 @@ from .jobs import (
     activate,
     check_expert_job,
     describe_matmul,
+    describe_moe_i8,
     describe_moe_q4,
     describe_moe_tok,
     expert_job,
+    moe_i8_sizes,
     moe_q4_ints,
     moe_q4_sizes,
     moe_tok_sizes,
@@ -63,8 +68,9 @@ SPIN_LIMIT = 20_000_000  # spins a helper waits for the next job before it leave
 YIELD_EVERY = 4096  # spins between two offers of the CPU to other threads (a few microseconds)
 CREW_MIN_ELEMENTS = 2**18  # a crew job costs ~10 us to publish, no thread to wake: worth it from 256 Ki weights
 
-def _make_crew(g: int):
-    # the crew kernel for int4 experts of group g (a constant, as in formats/int4.py _make_q4)
+def _make_crew(g: int, path: int):
+    # the crew kernel for int4 experts of group g (a constant, as in formats/int4.py _make_q4),
+    # its integer dot products on instruction path `path` (formats/intdot.py)
     half = g // 2
 
     @nb.njit(**JIT)
@@ -127,22 +133,34 @@ def _make_crew(g: int):
             else:
                 atomic_add(board, 0, 1)  # published: helpers may start on it
             job_d = board[BOARD_HEAD + j * JOB_LEN : BOARD_HEAD + (j + 1) * JOB_LEN]  # its descriptor
-            if job_d[0] == JOB_MOE_Q4:
+            if job_d[0] == JOB_MOE_Q4 or job_d[0] == JOB_MOE_I8:
                 D, R, E, n_work, I, A = job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
                 act, params = job_d[13], nb.carray(f32_at(job_d[14]), (2,))
-                n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
+                # JOB_MOE_I8: the same units, the activations quantised (intdot.quantize_row)
+                # where JOB_MOE_Q4 splits them, the integer dot products where it has q4_matmul
+                integer = job_d[0] == JOB_MOE_I8
+                bits, gw = (job_d[15], job_d[16]) if integer else (4, g)
+                if integer:
+                    n_ints, n_need = moe_i8_sizes(R, E, D, I)
+                else:
+                    n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
                 x_all, rows, starts, addrs, ctl, work, wts, ys = expert_job(job_d, n_ints)
-                check_expert_job(rows, starts, ys, I % g == 0 and D % g == 0 and f16_lut.shape[0] == 65536 and n_work >= n_need)
-                # work, carved as moe_q4_sizes counts it
-                xe, o = carve(work, 0, R, D // 2)
-                xd, o = carve(work, o, R, D // 2)
-                xs, o = carve(work, o, R, D // g)
+                check_expert_job(rows, starts, ys, I % gw == 0 and D % gw == 0 and (not integer or gw % 32 == 0)
+                                 and f16_lut.shape[0] == 65536 and n_work >= n_need and (bits == 4 or bits == 8))
+                # work, carved as moe_q4_sizes (moe_i8_sizes) counts it: xe/xq, xd/xc, xs/xd; he/hq, hd/hc, hs/hd
+                xe, o = carve(work, 0, R, D // 4 if integer else D // 2)
+                xd, o = carve(work, o, R, D // 4 if integer else D // 2)
+                xs, o = carve(work, o, R, D // 32 if integer else D // g)
                 h, o = carve(work, o, R, I)
                 u, o = carve(work, o, R, I)
-                he, o = carve(work, o, R, I // 2)
-                hd, o = carve(work, o, R, I // 2)
-                hs, o = carve(work, o, R, I // g)
+                he, o = carve(work, o, R, I // 4 if integer else I // 2)
+                hd, o = carve(work, o, R, I // 4 if integer else I // 2)
+                hs, o = carve(work, o, R, I // 32 if integer else I // g)
                 out, o = carve(work, o, R, D)
+                xq, xc = nb.carray(i8_at(xe.ctypes.data), (R, D)), nb.carray(i32_at(xd.ctypes.data), (R, D // 4))
+                hq, hc = nb.carray(i8_at(he.ctypes.data), (R, I)), nb.carray(i32_at(hd.ctypes.data), (R, I // 4))
+                qd = D // 2 if bits == 4 else D  # bytes of a gate / up row, of a down row
+                qi = I // 2 if bits == 4 else I
                 n_in, n_out = (I + MOE_IN_ROWS - 1) // MOE_IN_ROWS, (D + MOE_OUT_ROWS - 1) // MOE_OUT_ROWS
                 # units: [0, E) x split; then E * n_in gate/up; then E h split; then E * n_out down.
                 # ctl[0]: next unit; ctl[1]: units done; ctl[2 + e]: e's x split; ctl[2 + E + e]: its
@@ -155,33 +173,53 @@ def _make_crew(g: int):
                         break
                     if k < u_in:
                         for i in range(starts[k], starts[k + 1]):
-                            q4_split_row(x_all, rows[i] // A, g, xe, xd, xs, i)
+                            if integer:
+                                quantize_row(x_all, rows[i] // A, bits, xq, xc, xs, i)
+                            else:
+                                q4_split_row(x_all, rows[i] // A, g, xe, xd, xs, i)
                         atomic_add(ctl, 2 + k, 1)
                     elif k < u_h:
                         e, c = (k - u_in) // n_in, (k - u_in) % n_in
                         while atomic_load(ctl, 2 + e) == 0:
                             pass
+                        lo, hi = starts[e], starts[e + 1]
                         n_lo, n_hi = c * MOE_IN_ROWS, min(I, (c + 1) * MOE_IN_ROWS)
-                        gq, gs = nb.carray(u8_at(addrs[e, 0]), (I, D // 2)), nb.carray(u16_at(addrs[e, 1]), (I, D // g))
-                        uq, us = nb.carray(u8_at(addrs[e, 2]), (I, D // 2)), nb.carray(u16_at(addrs[e, 3]), (I, D // g))
-                        q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, starts[e], starts[e + 1], n_lo, n_hi)
-                        q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, starts[e], starts[e + 1], n_lo, n_hi)
-                        activate(act, h, u, params, addrs[e, 6], addrs[e, 7], I, starts[e], starts[e + 1], n_lo, n_hi)
+                        gq, gs = nb.carray(u8_at(addrs[e, 0]), (I, qd)), nb.carray(u16_at(addrs[e, 1]), (I, D // gw))
+                        uq, us = nb.carray(u8_at(addrs[e, 2]), (I, qd)), nb.carray(u16_at(addrs[e, 3]), (I, D // gw))
+                        if not integer:
+                            q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, lo, hi, n_lo, n_hi)
+                            q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, lo, hi, n_lo, n_hi)
+                        elif bits == 4:
+                            idot(xq, xc, xs, gq, gs, f16_lut, h, gw, 4, path, lo, hi, n_lo, n_hi)
+                            idot(xq, xc, xs, uq, us, f16_lut, u, gw, 4, path, lo, hi, n_lo, n_hi)
+                        else:
+                            idot(xq, xc, xs, gq, gs, f16_lut, h, gw, 8, path, lo, hi, n_lo, n_hi)
+                            idot(xq, xc, xs, uq, us, f16_lut, u, gw, 8, path, lo, hi, n_lo, n_hi)
+                        activate(act, h, u, params, addrs[e, 6], addrs[e, 7], I, lo, hi, n_lo, n_hi)
                         atomic_add(ctl, 2 + E + e, 1)
                     elif k < u_out:
                         e = k - u_h
                         while atomic_load(ctl, 2 + E + e) < n_in:
                             pass
                         for i in range(starts[e], starts[e + 1]):
-                            q4_split_row(h, i, g, he, hd, hs, i)
+                            if integer:
+                                quantize_row(h, i, bits, hq, hc, hs, i)
+                            else:
+                                q4_split_row(h, i, g, he, hd, hs, i)
                         atomic_add(ctl, 2 + 2 * E + e, 1)
                     else:
                         e, c = (k - u_out) // n_out, (k - u_out) % n_out
                         while atomic_load(ctl, 2 + 2 * E + e) == 0:
                             pass
+                        lo, hi = starts[e], starts[e + 1]
                         d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
-                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, I // 2)), nb.carray(u16_at(addrs[e, 5]), (D, I // g))
-                        q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, starts[e], starts[e + 1], d_lo, d_hi)
+                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, qi)), nb.carray(u16_at(addrs[e, 5]), (D, I // gw))
+                        if not integer:
+                            q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, lo, hi, d_lo, d_hi)
+                        elif bits == 4:
+                            idot(hq, hc, hs, dq, ds, f16_lut, out, gw, 4, path, lo, hi, d_lo, d_hi)
+                        else:
+                            idot(hq, hc, hs, dq, ds, f16_lut, out, gw, 8, path, lo, hi, d_lo, d_hi)
                         weigh(out, addrs[e, 8], rows, wts, ys, starts[e], starts[e + 1], d_lo, d_hi)
                     atomic_add(ctl, 1, 1)
                     if serve:
@@ -283,7 +321,7 @@ def _make_crew(g: int):
     return crew_g
 
 
-CREW = {g: _make_crew(g) for g in (32, 64, 128)}  # group size -> the crew's kernel
+CREW = {g: _make_crew(g, intdot.PATH) for g in (32, 64, 128)}  # group size -> the crew's kernel
 
 
 _COMPUTE_POOL = None  # threads that compute a batch's experts side by side (set_threads)
@@ -385,25 +423,45 @@ class Crew:
         biases = _biases(experts, first[1][0][2][0], x.shape[1], addrs) if act else []
         self.experts_at(x, rows, starts, A, wts, addrs, first[0], first[1], ys, act, (experts, biases))
 
+    def experts_i8(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
+                   experts: list, ys: np.ndarray, act: tuple | None = None) -> None:
+        # int8 or int4 experts of one shape (intdot.takes each matrix) on int8 activations
+        # (formats/intdot.py), decode and prompt rows alike; arguments as experts'
+        gate = experts[0][0]
+        layouts = tuple(w.layout for w in experts[0][:3])
+        if (any(tuple(w.layout for w in e[:3]) != layouts for e in experts) or gate.kind not in ("int8", "int4")
+                or any(len(e) != (6 if act else 3) for e in experts)):
+            raise ValueError("experts: the weight, activation and output shapes do not match")
+        E = len(experts)
+        addrs = np.zeros((E, N_ADDRS), np.int64)
+        addrs[:, :6] = np.array([a for e in experts for w in e[:3] for a in w.addresses], np.int64).reshape(E, 6)
+        biases = _biases(experts, gate.shape[0], x.shape[1], addrs) if act else []
+        self.experts_at(x, rows, starts, A, wts, addrs, gate.group_size, layouts, ys, act, (experts, biases),
+                        bits=8 if gate.kind == "int8" else 4)
+
     def experts_at(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
                    addrs: np.ndarray, g: int, layouts: tuple, ys: np.ndarray, act: tuple | None = None,
-                   keep: tuple = ()) -> None:
+                   keep: tuple = (), bits: int | None = None) -> None:
         # experts' job as `experts` computes it, the experts given by address: addrs [E, 6 or
         # N_ADDRS] int64 (gate q, scales, up q, scales, down q, scales, then the biases' or 0)
         # of int4 matrices of group g whose layouts are `layouts` (QuantWeight.layout of gate,
         # up, down; every expert's); what `keep` holds stays alive through the job. The cache
         # hands a resident step's addresses out this way (ExpertCache.int4_hits): no view or
-        # object per expert on the decode path
+        # object per expert on the decode path. With bits (8 or 4), experts of that width on
+        # int8 activations (JOB_MOE_I8), any group from 32 that is a power of two
         E, R, D = len(addrs), len(rows), x.shape[1]
         gate = layouts[0]
         I = gate[2][0]
-        if (g != self.g or gate != ("int4", g, (I, D // 2), (I, D // g)) or layouts[1] != gate
-                or layouts[2] != ("int4", g, (D, I // 2), (D, I // g)) or x.dtype != np.float32
+        kind, per = ("int8", 1) if bits == 8 else ("int4", 2)
+        if ((g != self.g if bits is None else (g < 32 or g & (g - 1) or I % g or D % g))
+                or gate != (kind, g, (I, D // per), (I, D // g)) or layouts[1] != gate
+                or layouts[2] != (kind, g, (D, I // per), (D, I // g)) or x.dtype != np.float32
                 or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
                 or wts.shape != (x.shape[0] * A,) or addrs.shape[1] not in (6, N_ADDRS) or len(starts) != E + 1
                 or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)):
-            raise ValueError("int4 experts: the weight, activation and output shapes do not match")
-        n_ints, n_work = moe_q4_sizes.py_func(R, E, D, I, g)  # (the same code, without a kernel call's checks)
+            raise ValueError(f"{kind} experts: the weight, activation and output shapes do not match")
+        sizes = moe_q4_sizes.py_func(R, E, D, I, g) if bits is None else moe_i8_sizes.py_func(R, E, D, I)
+        n_ints, n_work = sizes  # (the same code, without a kernel call's checks)
         ints = np.zeros(n_ints, np.int64)  # new for each job (a helper late for a job still reads its counters)
         rows_, starts_, addrs_, _ = moe_q4_ints.py_func(ints, R, E)  # views of ints
         rows_[:], starts_[:] = rows, starts
@@ -411,9 +469,11 @@ class Crew:
         params = np.array(act or (0.0, 0.0), np.float32)
         if self.work.size < n_work:  # scratch only units touch: kept from job to job (a job is done when _run returns)
             self.work = empty_aligned(max(n_work, 2 * self.work.size))
-        self._run(describe_moe_q4, (x, ints, R, E, self.work, n_work, I, A, wts, ys,
-                                    ACT_CLAMPED if act else ACT_SILU, params),
-                  (x, ints, self.work, wts, ys, keep, params))
+        args = (x, ints, R, E, self.work, n_work, I, A, wts, ys, ACT_CLAMPED if act else ACT_SILU, params)
+        if bits is None:
+            self._run(describe_moe_q4, args, (x, ints, self.work, wts, ys, keep, params))
+        else:
+            self._run(describe_moe_i8, args + (bits, g), (x, ints, self.work, wts, ys, keep, params))
 
     def experts_tok(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
                     experts: list, ys: np.ndarray, act: tuple | None = None) -> None:

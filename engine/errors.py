@@ -17,3 +17,8 @@ class TokenizerMissing(CheckpointError):
 
 class ChatTemplateError(CheckpointError):
     """The model has no chat_template, or it failed to render."""
+
+
+class ActivationsUnsupported(CheckpointError):
+    """`activations: int8` was asked of a model whose routed experts are not int8 or int4
+    (the integer path has nothing to compute on: `colictl convert --dtype int4` makes them so)."""

@@ -2,7 +2,8 @@
 
 numba keys a cached kernel on its own file's timestamp only, never on the kernels and
 intrinsics it inlines from other files; the kernels live in several files (ir.py,
-ir_rows.py, atomics.py, kernels.py, jobs.py, crew.py, a module per number format in formats/), so their cache sits in a directory named after a hash
+ir_rows.py, atomics.py, kernels.py, jobs.py, crew.py, a module per number format in formats/ and
+its integer dot products), so their cache sits in a directory named after a hash
 of all of them: an edit of any one recompiles every kernel that may have inlined it.
 NUMBA_CACHE_DIR, when set, is used as is.
 """
@@ -17,7 +18,7 @@ JIT = dict(cache=True, nogil=True)
 # sequential sum only in rounding (~1e-7 relative), as any BLAS does
 JIT_FAST = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 KERNEL_FILES = ("jit.py", "ir.py", "ir_rows.py", "atomics.py", "kernels.py", "jobs.py", "crew.py", "formats/__init__.py",
-                "formats/int8.py", "formats/int4.py", "formats/fp8.py", "formats/mxfp4.py")
+                "formats/int8.py", "formats/int4.py", "formats/fp8.py", "formats/mxfp4.py", "formats/intdot.py")
 
 
 def _cache_dir() -> str:

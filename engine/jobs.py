@@ -23,7 +23,7 @@ from .kernels import CARVE_SLACK, u16_rows
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
 # did; then each job's descriptor
 BOARD_HEAD, JOB_LEN = 4, 21
-JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK = 1, 2, 3, 4  # a job's kind
+JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK, JOB_MOE_I8 = 1, 2, 3, 4, 5  # a job's kind
 # gate/up rows, down rows a unit of crew_g takes (~144 KiB, ~100 KiB of int4 at 2048 x 768):
 # whole ROW_BLOCKs, so that the prompt path's tiles are whole
 MOE_IN_ROWS, MOE_OUT_ROWS = 72, 264
@@ -49,6 +49,15 @@ def moe_q4_sizes(R, E, D, I, g):
 
 
 @nb.njit(**JIT)
+def moe_i8_sizes(R, E, D, I):
+    # (ints, work) lengths of a JOB_MOE_I8 job (ints as JOB_MOE_Q4's); work = xq [R, D] int8,
+    # xc [R, D/4] int32, xd [R, D/32], h, u [R, I], hq [R, I] int8, hc [R, I/4] int32, hd
+    # [R, I/32], out [R, D] (f32 unless said; the int8 arrays in float32's room, a quarter)
+    return (R + (E + 1) + N_ADDRS * E + (2 + 3 * E),
+            R * (D // 4 + D // 4 + D // 32 + 2 * I + I // 4 + I // 4 + I // 32 + D) + 9 * CARVE_SLACK)
+
+
+@nb.njit(**JIT)
 def moe_q4_ints(ints, R, E):
     # a JOB_MOE_Q4 job's ints -> views rows [R], starts [E + 1], addrs [E, N_ADDRS], ctl [2 + 3 E]
     a = R + E + 1
@@ -63,6 +72,14 @@ def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, 
     d[4], d[5], d[6], d[7], d[8] = ints.ctypes.data, R, E, work.ctypes.data, n_work
     d[9], d[10], d[11], d[12] = I, A, wts.ctypes.data, ys.ctypes.data
     d[13], d[14] = act, params.ctypes.data
+
+
+@nb.njit(**JIT)
+def describe_moe_i8(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params, bits, g):
+    # job `job`'s JOB_MOE_I8 descriptor: JOB_MOE_Q4's fields, then the weights' bits (4, 8) and group
+    describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params)
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[15], d[16] = JOB_MOE_I8, bits, g
 
 
 @nb.njit(**JIT)

@@ -17,10 +17,12 @@ import numpy as np
 from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, QuantWeight, ResidentExperts
 from .crew import crew_session
+from .errors import ActivationsUnsupported
 from .layers import linear, rmsnorm, to_f32
 from .rope import Rope, rope_inv_freq, rope_parameters
 from .sequence import KVCache, KVPool, Segment, Step
 
+ACTIVATIONS = ("float32", "int8")  # what the routed experts may compute on (MoEModel.set_activations)
 DTYPE_NAMES = {np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16", np.dtype(np.float32).str: "f32"}
 
 
@@ -157,6 +159,7 @@ class MoEModel:
         self.layers: list[dict[str, np.ndarray]] = []
         self.experts: ExpertSource | None = None
         self.source_precision: dict | None = None  # a container's precision, as its manifest says
+        self.activations = "float32"  # or "int8": the experts' integer path, lossy (set_activations)
         self.beat = 0.0  # when the last layer finished (time.monotonic): progress a watchdog can see
 
     def expert_names(self, il: int, ie: int) -> tuple[str, ...]:
@@ -227,7 +230,27 @@ class MoEModel:
         ]
         self.lm_head = self.glob["embed"] if self.args.tie_word_embeddings else self.glob["lm_head"]
         self.experts = experts or ResidentExperts(src, self.moe_layers, self.n_expert, self.expert_names)
+        self.set_activations((precision or {}).get("activations", "float32"))
         return self
+
+    def set_activations(self, name: str) -> None:
+        """Compute the routed experts on float32 activations (exact: the default), or on
+        activations quantised to int8 ("int8": formats/intdot.py, lossy, labelled in precision()
+        and so on every output). int8 needs int8 or int4 experts: raises ActivationsUnsupported
+        otherwise, ValueError for another name."""
+        if name not in ACTIVATIONS:
+            raise ValueError(f"activations {name!r}: not one of {', '.join(ACTIVATIONS)}")
+        if name == "int8" and self.expert_kind() not in ("int8", "int4"):
+            raise ActivationsUnsupported(f"activations int8 needs int8 or int4 experts; these are "
+                                         f"{self.expert_kind()} (colictl convert --dtype int4 or int8 makes them so)")
+        self.activations = name
+        self.experts.activations = name  # what moe() reads (engine/moe.py)
+
+    def expert_kind(self) -> str:
+        """The routed experts' number format (bf16, int4, fp8_e4m3, ...)."""
+        if self.source_precision is not None:
+            return self.source_precision.get("experts") or "?"
+        return self.precision()["experts"]
 
     # ---- what a family defines ----
     attn_spec = None  # AttnSpec
@@ -393,8 +416,12 @@ class MoEModel:
     def precision(self) -> dict:
         """The weights' precision in use, and whether it is lossy against the source checkpoint."""
         if self.source_precision is not None:
-            return self.source_precision
-        dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
-        fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
-        experts = self.experts.describe().get("experts_kind") or dt  # a checkpoint's: all resident
-        return {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}
+            p = dict(self.source_precision)
+        else:
+            dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
+            fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
+            experts = self.experts.describe().get("experts_kind") or dt  # a checkpoint's: all resident
+            p = {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}
+        p["activations"] = self.activations
+        p["lossy"] = bool(p["lossy"] or self.activations != "float32")
+        return p

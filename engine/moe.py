@@ -9,6 +9,7 @@ import numpy as np
 
 from ..storage.experts import ExpertSource, QuantWeight, int4_of
 from . import crew, kernels
+from .formats import intdot
 from .layers import swiglu
 from .sequence import Segment, Step
 
@@ -58,20 +59,25 @@ def softmax_top_k(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.nda
 
 
 def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None, team=None, tok_team=None,
-                 session=None) -> None:
+                 session=None, integer=False) -> None:
     # parts: [(rows, expert weights)], rows (t * A + a) of x [T, D] that chose the expert, each
     # row's output times its weight w_flat[row] into ys [T * A, D]. Each expert's rows by path:
     # a quantized expert's prompt rows (prompt_rows[t]: a sequence with several tokens in this
     # step) take the prompt path, its other rows the decode path; float experts have one path.
     # int4 decode rows: the crew's int4 job (`team`, group g); prompt rows and float experts:
     # its prompt-path job (`tok_team`, one per kind and shape); the rest one expert at a time,
-    # side by side. A row's result does not depend on the others computed with it, so a
-    # worker computing some of a step's experts (daemon/scaleout.py) gives the same rows.
+    # side by side. With `integer` (activations int8), int8 and int4 experts take the crew's
+    # integer job (formats/intdot.py), all their rows, prompt or not. A row's result does not
+    # depend on the others computed with it, so a worker computing some of a step's experts
+    # (daemon/scaleout.py) gives the same rows.
     crew_ffn = ffn is None or clamped is not None  # the crew's jobs compute this expert
     any_prompt = bool(prompt_rows.any())
-    q4, tok, rest = [], {}, []
+    q4, tok, rest, i8 = [], {}, [], {}
     for r, ew in parts:  # per expert per layer step: a decode step's int4 experts ask no more than they must
         quant = isinstance(ew[0], QuantWeight)
+        if integer and crew_ffn and quant and all(isinstance(w, QuantWeight) and intdot.takes(w) for w in ew[:3]):
+            i8.setdefault(tuple(w.layout for w in ew[:3]), []).append((r, ew))
+            continue
         facts = int4_of(ew) if quant else None
         q4_ok = crew_ffn and team is not None and facts is not None and facts[0] == g
         p = prompt_rows[r // A] if quant and any_prompt else None  # a quantized expert's prompt rows
@@ -101,6 +107,8 @@ def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None
 
     if q4:
         run(team.experts, q4)
+    for parts_ in i8.values():
+        run(tok_team.experts_i8, parts_)
     for parts_ in tok.values():
         run(tok_team.experts_tok, parts_)
     if not crew.threads_set() or len(rest) <= 1:
@@ -113,7 +121,8 @@ def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None
         crew.run_shared(rest, expert)
 
 
-def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, ffn=None, clamped=None) -> np.ndarray:
+def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, ffn=None, clamped=None,
+                integer=False) -> np.ndarray:
     # what moe() computes for some of a step's experts, on crews of its own (a worker that holds
     # them: daemon/scaleout.py): batches of [(expert, weights)] as a source streams them,
     # rows_of[expert] its rows (t * A + a) -> ys [T * A, D], zero outside those rows
@@ -123,7 +132,7 @@ def worker_rows(batches, rows_of: dict, x, A, w_flat, prompt_rows, g, ffn=None, 
     try:
         for batch in batches:
             compute_rows([(rows_of[ie], ew) for ie, ew in batch], x, A, w_flat, prompt_rows, ys, g, ffn, clamped,
-                         team, tok_team, None)
+                         team, tok_team, None, integer)
     finally:
         for c in {id(c): c for c in (team, tok_team) if c is not None}.values():
             c.close()
@@ -191,8 +200,10 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     else:
         routed = len(union)
 
+    integer = getattr(experts, "activations", "float32") == "int8"
+
     def compute(parts):  # [(rows, expert weights)] of this step into ys
-        compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session)
+        compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn, clamped, team, tok_team, session, integer)
 
     hits = None
     if ffn is None and team is not None and not any_prompt:
@@ -202,7 +213,7 @@ def moe(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts: ExpertSour
     try:
         if hits is not None:  # one decode job straight from the cache's slots (the rows in union order)
             g4, layouts, addrs = hits
-            team.experts_at(x, order, bounds, A, w_flat, addrs, g4, layouts, ys)
+            team.experts_at(x, order, bounds, A, w_flat, addrs, g4, layouts, ys, bits=4 if integer else None)
         elif experts.compute_into(il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn, clamped):
             pass  # a source that computed some experts elsewhere (ffn went along)
         else:

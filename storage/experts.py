@@ -76,6 +76,7 @@ class ExpertSource(Protocol):
     stats: ExpertStats
     int4_group: int | None  # the group size when the experts are int4 (the engine's kernels follow it)
     lookahead: bool  # whether the engine should predict the next MoE layer's experts and call prefetch
+    activations: str  # "float32", or "int8" (MoEModel.set_activations sets it; absent: float32)
 
     def begin_step(self) -> None:
         """A new forward step starts (for stats, the usage history and traces)."""

@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...storage.experts import FORMATS, QuantWeight
-from ..ir import F32, hsum, lanes_for, prefetch, row_at, splat_lanes, to8
+from ..ir import F32, hsum, lanes_for, prefetch, row_at, splat_lanes, to8, token_blocks
 from ..jit import JIT
 from ..kernels import ROW_BLOCK, f16_lut, rows_aligned, tiles
 
@@ -149,22 +149,9 @@ def q4_matmul(typingctx, xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_h
     sig = types.void(xe, xd, xsum8, q, scales, f16_lut, out, half, t_lo, t_hi, n_lo, n_hi)
 
     def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
         t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[8:12], sig.args[8:12]))
-
-        def rows(t, nt):  # the block of nt tokens from t through rows n_lo .. n_hi
-            with cgutils.for_range(builder, builder.sub(n_hi, n_lo)) as row:
-                q4_rows_dot(context, builder, sig, args, t, builder.add(n_lo, row.index), nt, nblk)
-
-        full = builder.sdiv(builder.sub(t_hi, t_lo), ir.Constant(i64, Q4_TOKENS))
-        with cgutils.for_range(builder, full) as tb:
-            rows(builder.add(t_lo, builder.mul(tb.index, ir.Constant(i64, Q4_TOKENS))), Q4_TOKENS)
-        rest = builder.sub(builder.sub(t_hi, t_lo), builder.mul(full, ir.Constant(i64, Q4_TOKENS)))
-        for nt in (2, 1):  # the last tokens: a block of 2, then 1, as many as there are
-            nt_c = ir.Constant(i64, nt)
-            with builder.if_then(builder.icmp_signed(">=", rest, nt_c)):
-                rows(builder.sub(t_hi, rest), nt)
-            rest = builder.select(builder.icmp_signed(">=", rest, nt_c), builder.sub(rest, nt_c), rest)
+        token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
+                     lambda t, n, nt: q4_rows_dot(context, builder, sig, args, t, n, nt, nblk), Q4_TOKENS)
         return context.get_dummy_value()
 
     return sig, codegen
