@@ -23,8 +23,8 @@ MEANING = {  # code -> what it means, as the README's table says it
            "matrices, a source that is already a container",
     MODEL: "the model is unusable: missing directory, no `config.json`, unknown `model_type` (the message lists the "
            "supported ones), a malformed or truncated safetensors file, a missing tensor or one of the wrong shape, "
-           "a container's dense file that fails its checksum, no tokenizer, no chat template; an expert that cannot "
-           "be read (MODEL_ERROR)",
+           "a container's dense file that fails its checksum, no tokenizer, no chat template, int8 activations asked "
+           "of experts that are not int8 or int4; an expert that cannot be read (MODEL_ERROR)",
     BAD_REQUEST: "the request cannot run as asked: input that is not UTF-8, invalid sampling values, a prompt longer "
                  "than the model's context or larger than the daemon takes, an expert budget that is unreadable, "
                  "below the minimum or above this box's RAM (or given for a checkpoint rather than a container), an "

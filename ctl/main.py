@@ -11,6 +11,7 @@ import time
 
 import click
 
+from ..daemon.protocol import precision_text
 from . import exitcodes, ops
 from .connect import fail, with_client
 from .lines import (
@@ -91,7 +92,7 @@ def status(client, as_json):
     if m is not None:
         p = m["precision"]
         click.echo(f"model     {m['type']} at {m['path']}: {m['n_layer']} layers, {m['n_expert']} experts, "
-                   f"dense {p['dense']}, experts {p['experts']}{' (LOSSY)' if p.get('lossy') else ''}")
+                   f"{precision_text(p)}")
         pl = m["placement"]
         slots = pl.get("slots_per_layer")
         click.echo(f"experts   {pl.get('placement')}" + (
@@ -312,7 +313,7 @@ def generate(client, max_tokens, temperature, top_k, top_p, seed, stop, chat, se
         raise ReplyError(msg)
     model = hello.get("model") or {}
     precision = ((msg.get("stats") or {}).get("model") or model).get("precision") or {}
-    lossy = " (LOSSY: experts converted to " + str(precision.get("experts")) + ")" if precision.get("lossy") else ""
+    lossy = f" ({precision_text(precision)})" if precision.get("lossy") else ""
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": msg.get("prompt_token_ids"), "token_ids": msg["token_ids"],
                                "text": msg["text"], "finish_reason": msg["finish_reason"], "stats": msg["stats"],

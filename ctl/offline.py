@@ -131,10 +131,14 @@ def resolve_model(model: str | None) -> str:
 @click.option("--session", "session_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="continue the conversation saved in FILE (started when absent): PROMPT is appended to it as "
                    "text, only its new tokens are computed, and FILE is rewritten after the turn")
+@click.option("--activations", type=click.Choice(["auto", "float32", "int8"]), default="auto", show_default=True,
+              help="int8: int8/int4 experts multiply activations quantised to 8 bits (integer dot products; lossy, "
+                   "and said so); float32: exact; auto: as the container was converted")
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file, input_errors):
+        reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file,
+        activations, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
     from ..engine.errors import InvalidRequest
@@ -168,6 +172,8 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
 
     placed = open_model(path, placement, build_model, checked=checked)
     model, tok = placed.model, tokenizers[0]
+    if activations != "auto":
+        model.set_activations(activations)
     layers.init(threads or None)  # compiles the kernels on a machine's first run
     load_s = time.perf_counter() - t0
     prior, keys, messages = None, None, [{"role": "user", "content": text_in}]
@@ -262,12 +268,9 @@ def state_text(info: dict) -> str:
 
 
 def describe_precision(p: dict) -> str:
-    g = f" g{p['group_size']}" if p.get("group_size") else ""
-    text = f"dense {p['dense']}, experts {p['experts']}{g}"
-    if p.get("lossy"):
-        src = p.get("source") or {}
-        text += f" (LOSSY: converted from {src.get('experts', '?')} experts / {src.get('dense', '?')} dense)"
-    return text
+    from ..daemon.protocol import precision_text
+
+    return precision_text(p)
 
 
 def describe_placement(e: dict) -> str:
@@ -326,6 +329,9 @@ def grouping(experts: dict) -> str:
               help="values per scale for int8/int4 (default: int4 64, int8 one scale per row)")
 @click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
               help="precision of the resident part (default: the checkpoint's own)")
+@click.option("--activations", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
+              help="what the container's int8/int4 experts compute on unless told otherwise (int8: integer dot "
+                   "products, lossy; run --activations and the daemon's activations key override it)")
 @click.option("--force", is_flag=True, help="replace DST if it exists")
 @click.option("--layout", type=click.Choice(["expert-id", "coactivation"]), default="expert-id", show_default=True,
               help="the order of each layer's expert records: by id, or experts chosen together side by side "
@@ -333,7 +339,7 @@ def grouping(experts: dict) -> str:
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="a routing trace (colictl run --routing-trace) for --layout coactivation")
 @guarded
-def convert(src, dst, dtype, group_size, dense_dtype, force, layout, trace_path):
+def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout, trace_path):
     """Convert the Hugging Face checkpoint SRC into a colibri container DST, laid out for
     streaming experts from disk."""
     from ..engine.registry import build_model
@@ -372,7 +378,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, force, layout, trace_path)
 
     manifest = run_convert(ckpt, dst, plan, expert_dtype=dtype, dense_dtype=dense_dtype,
                            group_size=int(group_size) if group_size else None, force=force, progress=progress,
-                           order=order)
+                           order=order, activations=activations)
     if bar:
         sys.stderr.write("\n")
     ex = manifest["experts"]

@@ -62,6 +62,7 @@ class Config:
     max_streams_per_client: int = 4  # requests one client may have running or queued; more get BUSY
     max_message_bytes: int = 1048576  # (protocol.DEFAULT_MAX_MESSAGE_BYTES) the largest request; larger ones get TOO_LARGE (far larger: disconnected)
     kv_cache: str = "512MiB"  # the prefix cache: KV blocks of computed prompts kept for requests that share them; 0: off
+    activations: str = "auto"  # routed experts on float32 or int8 activations (int8: lossy, int8/int4 experts only); auto: as the container was converted
     state_snapshot_tokens: int | str = "auto"  # hybrids: the prefix cache keeps their recurrent state every this many prompt tokens; auto: engine/prefix.snapshot_interval
     sessions_bytes: str = "4GiB"  # all session files together; beyond it the least recently used go
     sessions_age_days: float = 30.0  # a session unused this long is removed; 0: never
@@ -93,7 +94,7 @@ _KINDS = {  # key -> what a valid value is
     "prefill_chunk": "chunk",
     "max_tokens_limit": "positive",
     "max_streams_per_client": "positive", "max_message_bytes": "positive", "sessions_bytes": "disk", "kv_cache": "bytes",
-    "state_snapshot_tokens": "positive_auto",
+    "state_snapshot_tokens": "positive_auto", "activations": "activations",
     "sessions_age_days": "days",
     "watchdog_s": "seconds", "log_level": "level",
 }
@@ -180,6 +181,8 @@ def _valid(kind: str, v) -> str | None:
             and isinstance(b.get("threads", 0), int) and not isinstance(b.get("threads", 0), bool)
             and isinstance(b.get("weight", 1.0), int | float) for b in v)
         return None if ok else f"a list of {{{', '.join(sorted(BOX_KEYS))}}} (docs/scale-out.md)"
+    if kind == "activations":
+        return None if v in ("auto", "float32", "int8") else "auto, float32 or int8"
     if kind == "history":
         return None if isinstance(v, bool) or v == "read-only" else "true, false or read-only"
     if kind == "level":

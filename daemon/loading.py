@@ -100,6 +100,8 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
                                      cfg.ray_head_weight, placement.budget, cfg.io_threads)
         boot["boxes"] = model.experts.describe_boxes()
     model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
+    # on the source as the daemon wraps it; auto keeps what the container was converted with
+    model.set_activations(model.activations if cfg.activations == "auto" else cfg.activations)
     prefix = PrefixCache(kv, snapshot_interval(cfg.state_snapshot_tokens, model))
     snap = model.state_bytes_per_sequence()
     if snap and kv and kv < 4 * snap:

@@ -169,3 +169,31 @@ def socket_path_problem(path) -> str | None:
 def endpoint(socket_path: str) -> str:
     """The ZeroMQ endpoint of a socket file."""
     return f"ipc://{socket_path}"
+
+
+def precision_text(p: dict) -> str:
+    """What a model computes in, as every output says it: "dense bf16, experts int4 g64,
+    activations int8 (LOSSY: ...)" (p: a model's precision(), as hello, status and replies carry it). A lossy choice
+    is named with what it changed; nothing is said of the activations when they are float32."""
+    g = f" g{p['group_size']}" if p.get("group_size") else ""
+    text = f"dense {p.get('dense')}, experts {p.get('experts')}{g}"
+    acts = p.get("activations") or "float32"
+    if acts != "float32":
+        text += f", activations {acts}"
+    if not p.get("lossy"):
+        return text
+    src = p.get("source") or {}
+    why = []
+    if src and (src.get("experts") != p.get("experts") or src.get("dense") != p.get("dense")):
+        why.append(f"converted from {src.get('experts', '?')} experts / {src.get('dense', '?')} dense")
+    if acts != "float32":
+        why.append(f"{acts} activations")
+    return text + f" (LOSSY: {'; '.join(why) or 'converted'})"
+
+
+def precision_tag(p: dict) -> str:
+    """precision_text in one token, for an OpenAI reply's system_fingerprint:
+    colibri-int4g64-a8-lossy, colibri-bf16."""
+    g = f"g{p['group_size']}" if p.get("group_size") else ""
+    acts = "-a8" if (p.get("activations") or "float32") == "int8" else ""
+    return f"colibri-{p.get('experts')}{g}{acts}{'-lossy' if p.get('lossy') else ''}"

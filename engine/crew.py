@@ -139,13 +139,13 @@ def _make_crew(g: int, path: int):
                 # JOB_MOE_I8: the same units, the activations quantised (intdot.quantize_row)
                 # where JOB_MOE_Q4 splits them, the integer dot products where it has q4_matmul
                 integer = job_d[0] == JOB_MOE_I8
-                bits, gw = (job_d[15], job_d[16]) if integer else (4, g)
+                bits, gw, gd = (job_d[15], job_d[16], job_d[17]) if integer else (4, g, g)  # gate/up's group, down's
                 if integer:
                     n_ints, n_need = moe_i8_sizes(R, E, D, I)
                 else:
                     n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
                 x_all, rows, starts, addrs, ctl, work, wts, ys = expert_job(job_d, n_ints)
-                check_expert_job(rows, starts, ys, I % gw == 0 and D % gw == 0 and (not integer or gw % 32 == 0)
+                check_expert_job(rows, starts, ys, D % gw == 0 and I % gd == 0 and (not integer or gw % 32 + gd % 32 == 0)
                                  and f16_lut.shape[0] == 65536 and n_work >= n_need and (bits == 4 or bits == 8))
                 # work, carved as moe_q4_sizes (moe_i8_sizes) counts it: xe/xq, xd/xc, xs/xd; he/hq, hd/hc, hs/hd
                 xe, o = carve(work, 0, R, D // 4 if integer else D // 2)
@@ -213,13 +213,13 @@ def _make_crew(g: int, path: int):
                             pass
                         lo, hi = starts[e], starts[e + 1]
                         d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
-                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, qi)), nb.carray(u16_at(addrs[e, 5]), (D, I // gw))
+                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, qi)), nb.carray(u16_at(addrs[e, 5]), (D, I // gd))
                         if not integer:
                             q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, lo, hi, d_lo, d_hi)
                         elif bits == 4:
-                            idot(hq, hc, hs, dq, ds, f16_lut, out, gw, 4, path, lo, hi, d_lo, d_hi)
+                            idot(hq, hc, hs, dq, ds, f16_lut, out, gd, 4, path, lo, hi, d_lo, d_hi)
                         else:
-                            idot(hq, hc, hs, dq, ds, f16_lut, out, gw, 8, path, lo, hi, d_lo, d_hi)
+                            idot(hq, hc, hs, dq, ds, f16_lut, out, gd, 8, path, lo, hi, d_lo, d_hi)
                         weigh(out, addrs[e, 8], rows, wts, ys, starts[e], starts[e + 1], d_lo, d_hi)
                     atomic_add(ctl, 1, 1)
                     if serve:
@@ -448,14 +448,15 @@ class Crew:
         # up, down; every expert's); what `keep` holds stays alive through the job. The cache
         # hands a resident step's addresses out this way (ExpertCache.int4_hits): no view or
         # object per expert on the decode path. With bits (8 or 4), experts of that width on
-        # int8 activations (JOB_MOE_I8), any group from 32 that is a power of two
+        # int8 activations (JOB_MOE_I8), any group that is a multiple of 32
         E, R, D = len(addrs), len(rows), x.shape[1]
         gate = layouts[0]
         I = gate[2][0]
         kind, per = ("int8", 1) if bits == 8 else ("int4", 2)
-        if ((g != self.g if bits is None else (g < 32 or g & (g - 1) or I % g or D % g))
+        gd = g if bits is None else layouts[2][1]  # down's group (int8's one scale a row: gate's is D, down's I)
+        if ((g != self.g if bits is None else (g % 32 or gd % 32 or D % g or I % gd))
                 or gate != (kind, g, (I, D // per), (I, D // g)) or layouts[1] != gate
-                or layouts[2] != (kind, g, (D, I // per), (D, I // g)) or x.dtype != np.float32
+                or layouts[2] != (kind, gd, (D, I // per), (D, I // gd)) or x.dtype != np.float32
                 or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
                 or wts.shape != (x.shape[0] * A,) or addrs.shape[1] not in (6, N_ADDRS) or len(starts) != E + 1
                 or not (x.flags.c_contiguous and ys.flags.c_contiguous and wts.flags.c_contiguous)):
@@ -473,7 +474,7 @@ class Crew:
         if bits is None:
             self._run(describe_moe_q4, args, (x, ints, self.work, wts, ys, keep, params))
         else:
-            self._run(describe_moe_i8, args + (bits, g), (x, ints, self.work, wts, ys, keep, params))
+            self._run(describe_moe_i8, args + (bits, g, gd), (x, ints, self.work, wts, ys, keep, params))
 
     def experts_tok(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
                     experts: list, ys: np.ndarray, act: tuple | None = None) -> None:

@@ -75,11 +75,12 @@ def describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, 
 
 
 @nb.njit(**JIT)
-def describe_moe_i8(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params, bits, g):
-    # job `job`'s JOB_MOE_I8 descriptor: JOB_MOE_Q4's fields, then the weights' bits (4, 8) and group
+def describe_moe_i8(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params, bits, g, gd):
+    # job `job`'s JOB_MOE_I8 descriptor: JOB_MOE_Q4's fields, then the weights' bits (4, 8), gate
+    # and up's group, down's group
     describe_moe_q4(board, job, x_all, ints, R, E, work, n_work, I, A, wts, ys, act, params)
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
-    d[0], d[15], d[16] = JOB_MOE_I8, bits, g
+    d[0], d[15], d[16], d[17] = JOB_MOE_I8, bits, g, gd
 
 
 @nb.njit(**JIT)

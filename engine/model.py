@@ -243,8 +243,16 @@ class MoEModel:
         if name == "int8" and self.expert_kind() not in ("int8", "int4"):
             raise ActivationsUnsupported(f"activations int8 needs int8 or int4 experts; these are "
                                          f"{self.expert_kind()} (colictl convert --dtype int4 or int8 makes them so)")
+        g = (self.source_precision or {}).get("group_size")
+        cols = [shape[1] for shape in self.shapes()[2].values() if len(shape) == 2]
+        if name == "int8" and any(c % 32 or (g or c) % 32 for c in cols):
+            raise ActivationsUnsupported(f"activations int8 takes expert rows and groups of whole blocks of 32 "
+                                         f"columns; these rows have {sorted(set(cols))} (group {g or 'a row'})")
         self.activations = name
-        self.experts.activations = name  # what moe() reads (engine/moe.py)
+        src = self.experts  # what moe() reads (engine/moe.py): the source and each one it wraps (the Ray boxes')
+        while src is not None:
+            src.activations = name
+            src = getattr(src, "__dict__", {}).get("inner")
 
     def expert_kind(self) -> str:
         """The routed experts' number format (bf16, int4, fp8_e4m3, ...)."""

@@ -78,7 +78,7 @@ class Gateway:
                  trace: str | None = None):
         self.socket_path = socket_path or P.default_socket()
         self.token, self.max_body = token, max_body
-        self._model: tuple[float, str] | None = None
+        self._model: tuple[float, str, str] | None = None  # (when asked, name, system_fingerprint)
         self.trace = trace  # a routing trace the Atlas starts from
         self.atlas = None  # atlas.Atlas, made with the first map state
         self.atlas_step = 0  # the last step whose routing the Atlas has counted
@@ -102,14 +102,21 @@ class Gateway:
             c.close()
 
     async def model_id(self) -> str:
-        """The served model's name (its directory's), asked of colibrid at most every 10 s."""
+        """The served model's name (its directory's), asked of colibrid at most every 10 s;
+        its precision's tag kept with it (self.fingerprint)."""
         now = time.monotonic()
         if self._model is None or now - self._model[0] > 10:
             r = await asyncio.to_thread(self.call, "hello", protocol=P.PROTOCOL_VERSION, client="colibri-gateway")
             m = r.get("model") or {}
             name = (m.get("path") or "colibri").rstrip("/").rsplit("/", 1)[-1]
-            self._model = (now, name)
+            self._model = (now, name, P.precision_tag(m.get("precision") or {}))
         return self._model[1]
+
+    @property
+    def fingerprint(self) -> str:
+        """Every reply's and chunk's system_fingerprint: the served precision, lossy choices
+        named (colibri-int4g64-a8-lossy)."""
+        return self._model[2] if self._model else "colibri"
 
     async def body(self, request: Request) -> dict:
         """The JSON body, at most max_body bytes. Raises BadRequest (TOO_LARGE or invalid)."""
@@ -276,8 +283,8 @@ class Gateway:
         if final[0] == "error":
             return error(final[1], final[2])
         reply = final[1]
-        return JSONResponse(O.chat_object(rid, model, reply) if kind == "chat" else
-                            O.completion_object(rid, model, reply))
+        obj = O.chat_object(rid, model, reply) if kind == "chat" else O.completion_object(rid, model, reply)
+        return JSONResponse(obj | {"system_fingerprint": self.fingerprint})
 
     async def stream(self, request: Request, job: Job, kind: str, rid: str, model: str,
                      include_usage: bool) -> Response:
@@ -289,6 +296,8 @@ class Gateway:
         created = int(time.time())
 
         def event(obj) -> str:
+            if "object" in obj:  # a chunk (an error event has no fingerprint)
+                obj["system_fingerprint"] = self.fingerprint
             return f"data: {json.dumps(obj)}\n\n"
 
         def piece(text: str, reason: str | None = None) -> str:

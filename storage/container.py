@@ -189,11 +189,14 @@ class Container:
         return self.record_bytes * len(self.records)
 
     def precision(self) -> dict:
-        """Precision per tensor class, and `lossy`: whether it differs from the source's."""
+        """Precision per tensor class, the activations the experts compute on (as converted),
+        and `lossy`: whether any of it differs from the source's."""
         src = self.manifest["source"].get("dtypes", {})
         lossy = self.expert_dtype != src.get("experts") or self.dense_dtype != src.get("dense")
+        acts = self.manifest.get("activations", "float32")  # convert --activations
         return {"dense": self.dense_dtype, "dense_fp8": self.manifest["tensor_classes"]["dense"].get("fp8"),
-                "experts": self.expert_dtype, "group_size": self.group_size, "source": src, "lossy": bool(lossy)}
+                "experts": self.expert_dtype, "group_size": self.group_size, "source": src,
+                "lossy": bool(lossy or acts != "float32"), "activations": acts}
 
 
 def dense_header_crc(file: str) -> int:

@@ -118,13 +118,16 @@ def published_kind(src, plan: "ExpertPlan") -> QuantWeight | None:
 
 def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | None = None,
             dense_dtype: str | None = None, group_size: int | None = None, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, order: dict | None = None) -> dict:
+            progress: Callable[[int, int], None] | None = None, order: dict | None = None,
+            activations: str | None = None) -> dict:
     """Write the container for `src` at `dst`; return its manifest.
 
     expert_dtype: None (keep the checkpoint's), bf16, f16, f32, int8, int4; dense_dtype:
     None (keep), bf16, f16, f32. group_size: scale group for int8 (default: one per row)
     and int4 (default 64). order: {"layout": name, "source": fingerprint, "experts": {layer:
-    [expert ids in record order]}} (storage/layout.py; None: id order). Raises ConvertError
+    [expert ids in record order]}} (storage/layout.py; None: id order). activations: "int8"
+    records that the container runs on int8 activations unless told otherwise (int8 and int4
+    experts only; engine/formats/intdot.py). Raises ConvertError
     (dst exists without force, a group size that does not divide a matrix), the
     checkpoint's errors, OSError.
     """
@@ -138,6 +141,10 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     if expert_dtype is None and published is not None:
         expert_dtype = published.kind  # kept as published
     quant = expert_dtype in QUANT_DTYPES
+    if activations not in (None, "float32", "int8"):
+        raise ConvertError(f"activations {activations!r}: float32 or int8")
+    if activations == "int8" and expert_dtype not in ("int8", "int4"):
+        raise ConvertError("--activations int8 computes on int8 or int4 experts: add --dtype int4 or int8")
     gate0 = src.entry(plan.names(plan.moe_layers[0], 0)[0]) if plan.moe_layers else None
     # the three matrices' shapes, then the biases' when the family has them (gpt-oss)
     shapes = [src.entry(n).shape for n in plan.names(plan.moe_layers[0], 0)] if plan.moe_layers else []
@@ -153,6 +160,9 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     try:
         manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
                           order)
+        if activations == "int8":
+            manifest["activations"] = activations
+            write_manifest(tmp, manifest)
         if os.path.exists(dst):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
             os.rename(dst, os.path.join(old, "x"))

@@ -119,3 +119,4 @@ def from_record(kind: str, q: np.ndarray, scales: np.ndarray, block: tuple | Non
         rows, cols = block or (q.shape[0], q.shape[1] * fmt.per_byte)
         return QuantWeight(kind, q, scales, cols, rows)
     return QuantWeight(kind, q, scales, q.shape[1] * fmt.per_byte // scales.shape[1])
+

@@ -181,13 +181,12 @@ def _rows_dot(context, builder, sig, args, t0, n, nt: int, bits: int, path: int)
     npair = builder.sdiv(nblk, ir.Constant(I64, 2))
     v8f, v16f = _vec(F32, 8), _vec(F32, 16)
 
-    # log2(g / 32): blocks per weight group a power of two (takes() checks), so that a block's
-    # group is a shift away (a division per block had halved the kernel's speed)
-    gshift = builder.sub(ir.Constant(I64, 63), builder.call(_fn(builder, "llvm.ctlz.i64", I64, [I64, ir.IntType(1)]), [
-        builder.lshr(g_v, ir.Constant(I64, 5)), ir.Constant(ir.IntType(1), 1)]))
+    # a block's weight group k // (g / 32) as (k * m) >> 32, m = 2^32 // (g / 32) + 1: exact while
+    # k * g / 32 < 2^32 (a division per block had halved the kernel's speed)
+    m = builder.add(builder.udiv(ir.Constant(I64, 1 << 32), builder.lshr(g_v, ir.Constant(I64, 5))), ir.Constant(I64, 1))
 
     def wscale(k):  # the weight group's scale of block k
-        gi = builder.ashr(k, gshift)
+        gi = builder.lshr(builder.mul(k, m), ir.Constant(I64, 32))
         return builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [gi])), I64)]))
 
     def scale(i, k, sw):  # d_k * the weight's scale, one rounding
@@ -261,7 +260,7 @@ def idot(typingctx, xq, xc, xd, q, scales, f16_lut, out, g, bits, path, t_lo, t_
     """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = token t's quantised activations (xq
     [T, D] int8, xc [T, D/4] int32, xd [T, D/32] f32: quantize_rows) dotted with weight row n
     (q: int4 [N, D/2] uint8 or int8 [N, D] int8, scales [N, D/g] f16 bits), as the module's doc
-    says. `bits` (4 or 8) and `path` compile-time constants; g a power of two from 32, D a multiple of g; every
+    says. `bits` (4 or 8) and `path` compile-time constants; g a multiple of 32, D of g; every
     2-D array C-contiguous; the caller checks shapes and ranges. Tokens NT at a time, the rows
     the inner loop (a block of tokens' activations stay in L1 while the rows go past)."""
     arrays = (xq, xc, xd, q, scales, out)
@@ -292,7 +291,7 @@ def _make_linear(bits: int, path: int):
     def linear_i8(x, q, scales, g, f16_lut, out):
         T, D = x.shape
         N = q.shape[0]
-        if (D % 32 or g < 32 or g & (g - 1) or D % g or q.shape[1] * (8 // bits) != D or scales.shape[0] != N
+        if (D % 32 or g < 32 or g % 32 or D % g or q.shape[1] * (8 // bits) != D or scales.shape[0] != N
                 or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N or f16_lut.shape[0] != 65536):
             raise ValueError("int8 activations: weight, activation and output shapes do not match")
         xq, xc, xd = np.empty((T, D), np.int8), np.empty((T, D // 4), np.int32), np.empty((T, D // 32), np.float32)
@@ -316,8 +315,7 @@ def kernel(bits: int, path: int = PATH):
 def takes(w) -> bool:
     """Whether this path computes on QuantWeight w: int8 or int4 rows of whole blocks."""
     g = w.group_size
-    return w.kind in ("int8", "int4") and w.shape[1] % BLOCK == 0 and g >= BLOCK and g & (g - 1) == 0 \
-        and w.shape[1] % g == 0
+    return w.kind in ("int8", "int4") and w.shape[1] % BLOCK == 0 and g % BLOCK == 0 and w.shape[1] % g == 0
 
 
 def linear(x: np.ndarray, w, out: np.ndarray, path: int = PATH) -> None:

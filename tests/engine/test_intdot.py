@@ -69,12 +69,12 @@ def test_quantize_rows_matches_numpy(bits):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", 64),
-                                    ("int8", 128)])
+                                    ("int8", 128), ("int8", 96)])
 def test_integer_kernel_equals_its_reference_bit_for_bit(path, kind, g):
     """Every token count around NT (4), rows around linear's ROWS (72), and row lengths of
     one block, an odd count of blocks (the VNNI512 path's single last block) and many."""
     rng = np.random.default_rng(g + len(kind))
-    for D in sorted({g, 3 * g if g == 32 else g + 128, 256}):
+    for D in sorted({g, 3 * g if g in (32, 96) else g + 128, 256, 7 * g}):  # (int8's one scale a row: g = D)
         if D % g:
             continue
         for T, N in ((1, 3), (2, 1), (3, 5), (4, 73), (5, 7), (9, 72), (7, 145)):
@@ -111,10 +111,11 @@ def test_the_integer_dot_is_close_to_the_float_one():
         assert np.abs(out - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def experts_job(kind, g, D, I, rng, act=None):
+def experts_job(kind, g, D, I, rng):
     # the crew's integer job over three experts, and the same rows through the kernels one by one
+    # (g None: one scale a row, int8's default: gate and up's group D, down's I)
     E, T, A = 3, 5, 2
-    ex = [tuple(weight(kind, *shape, g, rng, 0.05) for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
+    ex = [tuple(weight(kind, *shape, g or shape[1], rng, 0.05) for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
     x = rng.standard_normal((T, D)).astype(np.float32)
     flat = np.array([0, 1, 2, 0, 1, 2, 0, 2, 1, 0])
     wts = rng.random(T * A).astype(np.float32)
@@ -138,9 +139,9 @@ def experts_job(kind, g, D, I, rng, act=None):
     return ys, ref
 
 
-@pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 128), ("int8", 64)])
+@pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 128), ("int8", 64), ("int8", None)])
 def test_the_crew_job_equals_the_kernels(kind, g):
-    ys, ref = experts_job(kind, g, 256, 384, np.random.default_rng(g))
+    ys, ref = experts_job(kind, g, 768, 384, np.random.default_rng(g or 1))
     np.testing.assert_array_equal(ys, ref)
 
 
@@ -169,7 +170,7 @@ def containers(tmp_path_factory):
     m = build_model(str(tmp / "hf"), load_config(str(tmp / "hf")))
     for kind in ("int4", "int8"):
         convert(open_checkpoint(str(tmp / "hf")), tmp / kind, ExpertPlan(m.moe_layers, m.n_expert, m.expert_names),
-                expert_dtype=kind, group_size=32)
+                expert_dtype=kind, group_size=32 if kind == "int4" else None)  # int8: a scale a row
     return tmp
 
 

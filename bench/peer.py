@@ -1,0 +1,476 @@
+"""colibri against llama.cpp on this box: the same weights, both engines measured in turn in
+one run, the ratios printed as JSON.
+
+    python bench/peer.py [--layers 8] [--parts warm,limit] [--rounds 2]
+
+What it does, each step skipped when its result is already in --workdir:
+1. llama.cpp's Python binding, installed into this environment on demand (never a colibri
+   dependency): built from PyPI's source with CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU
+   (about 9 minutes on 2 cores). llama_print_system_info() is checked and kept: a build
+   with AVX-512 dies with SIGILL on a CPU without it, so build it again on each machine.
+2. The benchmark model: a bf16 Hugging Face checkpoint of bench/synthetic.py's recipe in
+   Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of
+   768, top-8), --layers deep, vocabulary 8192.
+3. llama.cpp's own converter (convert_hf_to_gguf.py, from the same source release) writes
+   it as Q8_0; llama.cpp's quantizer makes Q4_0 of that. The converter cannot name the
+   synthetic byte-level tokenizer's pre-tokenizer, so it is told "default": the runs feed
+   token ids, never text. colictl convert writes int8 and int4 containers (group 32, the
+   same bytes per weight as Q8_0 and Q4_0).
+4. Each engine in a process of its own, in turn (colibri first in odd rounds, llama.cpp
+   first in even ones), two threads each, weights in RAM (llama.cpp without mmap):
+   warm decode (32 greedy tokens after a 16-token prompt) and prompts of 16, 40, 64, 512
+   and 2048 tokens; colibri with int8 activations and with exact float32 ones.
+5. --parts limit: decode under a cgroup memory limit of 25 % of the Q4_0 file, from a
+   cold page cache: llama.cpp with mmap at the drive's read-ahead and at 1 MiB (the better
+   is its figure), colibri streaming its experts with the cache that fits.
+The memory read bandwidth is measured in the same run (the ratio's context).
+"""
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
+    os.environ.setdefault(var, val)
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
+import synthetic  # noqa: E402
+
+from colibri.storage.container import DENSE_FILE  # noqa: E402
+
+LLAMA_VERSION = "0.3.36"  # llama-cpp-python: its sdist carries llama.cpp, its converter and gguf-py
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPE = synthetic.SHAPE | {"vocab_size": 8192, "architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+                           "max_position_embeddings": 4096, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                           "bos_token_id": None, "tie_word_embeddings": False}
+LENGTHS = (16, 40, 64, 512, 2048)
+DECODE_PROMPT, DECODE_TOKENS = 16, 32
+GROUP = 32  # Q4_0's and Q8_0's block: the same bytes per weight
+PAIRS = {"int4": "q4_0", "int8": "q8_0"}  # colibri's container -> llama.cpp's file
+
+
+def say(msg: str) -> None:
+    print(f"[peer] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- llama.cpp, on demand -------------------------------------------------------------------
+
+def llama_cpp():
+    """The binding, installed from source for this CPU when it is missing."""
+    try:
+        import llama_cpp as mod
+
+        return mod
+    except ImportError:
+        pass
+    say(f"building llama-cpp-python {LLAMA_VERSION} from source for this CPU (GGML_NATIVE; ~9 min on 2 cores)")
+    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON", FORCE_CMAKE="1")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python",
+                    f"llama-cpp-python=={LLAMA_VERSION}"], env=env, check=True)
+    import llama_cpp as mod
+
+    return mod
+
+
+def system_info(mod) -> dict:
+    """llama_print_system_info() as {feature: on}, and what it means on this CPU."""
+    text = mod.llama_print_system_info().decode()
+    flags = {k.strip(): v.strip() == "1" for part in text.split("|") if "=" in part
+             for k, v in [part.split(":")[-1].split("=", 1)]}
+    host = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    notes = []
+    if flags.get("AVX512"):
+        notes.append("built with AVX-512: on a CPU without it (AVX2 only) this build dies with SIGILL; "
+                     "build it again there (pip uninstall llama-cpp-python, then run this script)")
+    if " avx512_vnni" in host and not flags.get("AVX512_VNNI"):
+        notes.append("this CPU has AVX-512 VNNI and the build does not use it: not built with GGML_NATIVE here")
+    for n in notes:
+        say(n)
+    return {"text": text.strip(), "flags": flags, "notes": notes}
+
+
+def llama_source(workdir: str, sdist: str | None) -> str:
+    """llama.cpp's directory with convert_hf_to_gguf.py, conversion/ and gguf-py/, unpacked
+    from the binding's source release (downloaded from PyPI unless --sdist gives it)."""
+    root = os.path.join(workdir, "llama.cpp")
+    if os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
+        return root
+    if sdist is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_VERSION}", "-d", workdir], check=True)
+        sdist = os.path.join(workdir, f"llama_cpp_python-{LLAMA_VERSION}.tar.gz")
+    prefix = f"llama_cpp_python-{LLAMA_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as t:
+        members = [m for m in t.getmembers() if m.name.startswith(prefix) and (
+            m.name == prefix + "convert_hf_to_gguf.py" or m.name.startswith((prefix + "conversion/", prefix + "gguf-py/")))]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        t.extractall(root, members, filter="data")
+    return root
+
+
+# ---- the model, in every form ---------------------------------------------------------------
+
+def checkpoint(workdir: str, n_layer: int) -> str:
+    """The bf16 Hugging Face checkpoint (config, tokenizer, one safetensors file per layer)."""
+    from colibri.storage.demo import _tokenizer_json
+    from colibri.storage.safetensors import SafetensorsWriter
+
+    cfg = SHAPE | {"num_hidden_layers": n_layer}
+    path = os.path.join(workdir, f"hf-{n_layer}l")
+    stamp = os.path.join(path, "peer-stamp.json")
+    if os.path.isfile(stamp) and json.load(open(stamp)) == cfg | {"recipe": synthetic.RECIPE}:
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    for name, obj in (("config.json", cfg), ("tokenizer_config.json", {"eos_token": "<|im_end|>", "bos_token": None,
+                                                                       "pad_token": "<|endoftext|>",
+                                                                       "tokenizer_class": "PreTrainedTokenizerFast"})):
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(obj, f)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write(_tokenizer_json())
+    src = synthetic.SyntheticSource(path, cfg, precision="bf16")
+    files: dict[str, list[str]] = {}
+    for name in src.shapes:
+        part = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        files.setdefault(f"model-{part}.safetensors", []).append(name)
+    t0 = time.perf_counter()
+    index = {}
+    for fname, names in files.items():
+        w = SafetensorsWriter(os.path.join(path, fname), [(n, "BF16", src.shapes[n]) for n in names])
+        for n in names:
+            w.write(np.ascontiguousarray(src.read(n)))
+            index[n] = fname
+        w.close()
+        say(f"checkpoint: {fname} ({time.perf_counter() - t0:.0f} s)")
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f)
+    with open(stamp, "w") as f:
+        json.dump(cfg | {"recipe": synthetic.RECIPE}, f)
+    return path
+
+
+CONVERT = """
+import sys
+sys.path.insert(0, {root!r})
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "q8_0", "--outfile", {out!r}]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"  # a synthetic byte-level tokenizer
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def gguf_files(workdir: str, ckpt: str, root: str, mod) -> dict:
+    """{"q8_0": path, "q4_0": path}: llama.cpp's converter, then its quantizer."""
+    base = os.path.join(workdir, os.path.basename(ckpt))
+    out = {"q8_0": base + "-q8_0.gguf", "q4_0": base + "-q4_0.gguf"}
+    if not os.path.isfile(out["q8_0"]):
+        say("llama.cpp's converter: Q8_0")
+        subprocess.run([sys.executable, "-c", CONVERT.format(root=root, src=ckpt, out=out["q8_0"] + ".part")],
+                       check=True)
+        os.rename(out["q8_0"] + ".part", out["q8_0"])
+    if not os.path.isfile(out["q4_0"]):
+        say("llama.cpp's quantizer: Q4_0")
+        p = mod.llama_model_quantize_default_params()
+        p.ftype, p.allow_requantize, p.nthread = mod.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
+        if mod.llama_model_quantize(out["q8_0"].encode(), (out["q4_0"] + ".part").encode(), ctypes.byref(p)) != 0:
+            raise RuntimeError("llama_model_quantize failed")
+        os.rename(out["q4_0"] + ".part", out["q4_0"])
+    return out
+
+
+def containers(workdir: str, ckpt: str) -> dict:
+    """{"int4": path, "int8": path}: colictl convert of the same checkpoint, group 32."""
+    from colibri.engine.registry import build_model
+    from colibri.storage.checkpoint import load_config, open_checkpoint
+    from colibri.storage.convert import ExpertPlan, convert
+
+    out = {}
+    for kind in PAIRS:
+        path = os.path.join(workdir, f"{os.path.basename(ckpt)}-{kind}-g{GROUP}")
+        if not os.path.isfile(os.path.join(path, "manifest.json")):
+            say(f"colibri: converting to {kind} g{GROUP}")
+            m = build_model(ckpt, load_config(ckpt))
+            convert(open_checkpoint(ckpt), path, ExpertPlan(m.moe_layers, m.n_expert, m.expert_names),
+                    expert_dtype=kind, group_size=GROUP, force=True)
+        out[kind] = path
+    return out
+
+
+# ---- one engine's measurements, in a process of its own -------------------------------------
+
+def prompts(n: int, seed: int) -> list[int]:
+    return synthetic.prompt(np.random.default_rng(seed), n, vocab=SHAPE["vocab_size"])
+
+
+def colibri_worker(job: dict) -> dict:
+    from colibri.engine import layers
+
+    t0 = time.perf_counter()
+    model = synthetic.load_model(job["path"], budget=job.get("budget", "all"))
+    layers.init(job["threads"])
+    model.set_activations(job["activations"])
+    load_s = time.perf_counter() - t0
+    V = model.args.vocab_size
+
+    def last(logits):
+        return int(np.argmax(np.asarray(logits).reshape(-1, V)[-1]))
+
+    model.forward(np.asarray(prompts(16, 1)), model.new_cache(17))  # warm-up
+    out = {"load_s": round(load_s, 2), "prefill": {}}
+    for n in job["lengths"]:
+        ids = np.asarray(prompts(n, 100 + n))
+        best = None
+        for _ in range(3 if n <= 64 else 1):
+            t = time.perf_counter()
+            model.forward(ids, model.new_cache(n + 1))
+            best = min(best or 1e9, time.perf_counter() - t)
+        out["prefill"][str(n)] = round(n / best, 2)
+    ids = prompts(DECODE_PROMPT, 7)
+    cache = model.new_cache(DECODE_PROMPT + job["tokens"] + 1)
+    tok, toks, spent = last(model.forward(np.asarray(ids), cache)), [], 0.0
+    for _ in range(job["tokens"]):
+        toks.append(tok)
+        t = time.perf_counter()
+        tok = last(model.forward(np.asarray([tok]), cache))
+        spent += time.perf_counter() - t
+    out |= {"decode_tok_s": round(job["tokens"] / spent, 2), "tokens": toks,
+            "precision": model.precision(), "experts": model.experts.stats.as_dict()}
+    return out
+
+
+def llama_worker(job: dict) -> dict:
+    import llama_cpp
+
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(job["path"], n_ctx=4096, n_batch=2048, n_threads=job["threads"], n_threads_batch=job["threads"],
+                use_mmap=job.get("mmap", False), verbose=False, seed=0)
+    load_s = time.perf_counter() - t0
+
+    def last():
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    llm.reset()
+    llm.eval(prompts(16, 1))  # warm-up
+    out = {"load_s": round(load_s, 2), "prefill": {}, "version": llama_cpp.__version__}
+    for n in job["lengths"]:
+        ids = prompts(n, 100 + n)
+        best = None
+        for _ in range(3 if n <= 64 else 1):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(ids)
+            best = min(best or 1e9, time.perf_counter() - t)
+        out["prefill"][str(n)] = round(n / best, 2)
+    llm.reset()
+    llm.eval(prompts(DECODE_PROMPT, 7))
+    tok, toks, spent = last(), [], 0.0
+    for _ in range(job["tokens"]):
+        toks.append(tok)
+        t = time.perf_counter()
+        llm.eval([tok])
+        spent += time.perf_counter() - t
+        tok = last()
+    return out | {"decode_tok_s": round(job["tokens"] / spent, 2), "tokens": toks}
+
+
+def run_worker(job: dict, cgroup: str | None = None) -> dict:
+    """The job in a fresh process (in `cgroup` when given): its JSON, or {"error": ...}."""
+    env = dict(os.environ)
+    if job["engine"] == "llama":
+        env.pop("OMP_WAIT_POLICY", None)  # llama.cpp's OpenMP threads as its users run them
+    pre = None
+    if cgroup:
+        procs = os.path.join(cgroup, "cgroup.procs")
+
+        def pre():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)], env=env,
+                       capture_output=True, text=True, preexec_fn=pre)
+    if r.returncode != 0:
+        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- the memory limit -----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int):
+    """A memory cgroup of `limit` bytes (v1 or v2), removed after; its directory."""
+    v2 = os.path.isfile("/sys/fs/cgroup/cgroup.controllers")
+    path = f"/sys/fs/cgroup/{'' if v2 else 'memory/'}colibri-peer-{os.getpid()}"
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.max" if v2 else "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    if not v2:
+        with contextlib.suppress(OSError), open(os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
+            f.write(str(limit))  # no swapping past it either, where swap accounting is on
+    try:
+        yield path
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def read_ahead_file(path: str) -> str | None:
+    """The read_ahead_kb file of the block device under path, if it can be found."""
+    dev = os.stat(path).st_dev
+    sys_dev = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for cand in (os.path.join(sys_dev, "queue", "read_ahead_kb"), os.path.join(sys_dev, "..", "queue", "read_ahead_kb")):
+        if os.path.exists(cand):
+            return cand
+    return None
+
+
+def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: int) -> dict:
+    """Decode under a memory cgroup of 25 % of the Q4_0 file, cold: both engines, in turn."""
+    gguf = files["q4_0"]
+    limit = os.path.getsize(gguf) // 4
+    ra_file = read_ahead_file(gguf)
+    ra0 = int(open(ra_file).read()) if ra_file else None
+    overhead = 300 << 20  # colibri's process: Python, numpy, numba's compiled kernels, the KV cache
+    budget = max(limit - dense_bytes - overhead, 0)
+    job_c = {"engine": "colibri", "path": boxes["int4"], "activations": "int8", "threads": threads, "lengths": [],
+             "tokens": 16, "budget": budget if budget > 0 else "min"}
+    rows = {"colibri": [], **{f"llama_ra{ra}": [] for ra in (ra0, 1024) if ra is not None}}
+    with memory_cgroup(limit) as cg:
+        for r in range(rounds):
+            for engine in (("colibri", "llama") if r % 2 == 0 else ("llama", "colibri")):
+                if engine == "colibri":
+                    drop_caches()
+                    rows["colibri"].append(run_worker(job_c, cg))
+                    continue
+                for ra in (ra0, 1024):
+                    if ra is None:
+                        continue
+                    with open(ra_file, "w") as f:
+                        f.write(str(ra))
+                    drop_caches()
+                    rows[f"llama_ra{ra}"].append(run_worker({"engine": "llama", "path": gguf, "threads": threads,
+                                                             "lengths": [], "tokens": 16, "mmap": True}, cg))
+        if ra_file and ra0 is not None:
+            with open(ra_file, "w") as f:
+                f.write(str(ra0))
+
+    def best(rs):
+        ok = [x["decode_tok_s"] for x in rs if "decode_tok_s" in x]
+        return max(ok) if ok else None
+
+    peer = max((best(v) or 0 for k, v in rows.items() if k.startswith("llama")), default=0) or None
+    ours = best(rows["colibri"])
+    return {"limit_bytes": limit, "of": os.path.basename(gguf), "colibri_expert_cache": job_c["budget"],
+            "read_ahead_kb": {"drive": ra0, "tried": [ra for ra in (ra0, 1024) if ra is not None]},
+            "runs": rows, "colibri_tok_s": ours, "llama_tok_s": peer,
+            "ratio": round(ours / peer, 2) if ours and peer else None}
+
+
+# ---- the comparison -------------------------------------------------------------------------
+
+def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> dict:
+    """Warm decode and prompts, each configuration in turn, `rounds` times (the order flipped
+    every round); each figure the best of its rounds."""
+    jobs = {}
+    for kind, qtype in PAIRS.items():
+        for acts in ("int8", "float32"):
+            jobs[f"colibri-{kind}-{acts}"] = {"engine": "colibri", "path": boxes[kind], "activations": acts}
+        jobs[f"llama-{qtype}"] = {"engine": "llama", "path": files[qtype]}
+    runs = {k: [] for k in jobs}
+    for r in range(rounds):
+        order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
+        for k in order:
+            say(f"round {r + 1}: {k}")
+            runs[k].append(run_worker(jobs[k] | {"threads": threads, "lengths": lengths, "tokens": DECODE_TOKENS}))
+    best = {}
+    for k, rs in runs.items():
+        ok = [x for x in rs if "error" not in x]
+        if not ok:
+            best[k] = {"error": rs[-1]["error"]}
+            continue
+        best[k] = {"decode_tok_s": max(x["decode_tok_s"] for x in ok),
+                   "prefill_tok_s": {n: max(x["prefill"][n] for x in ok) for n in ok[0]["prefill"]},
+                   "tokens": ok[0]["tokens"]}
+    ratios = {}
+    for kind, qtype in PAIRS.items():
+        peer = best[f"llama-{qtype}"]
+        for acts in ("int8", "float32"):
+            ours = best[f"colibri-{kind}-{acts}"]
+            if "error" in ours or "error" in peer:
+                continue
+            ratios[f"{kind}-{acts} / {qtype}"] = {
+                "decode": round(ours["decode_tok_s"] / peer["decode_tok_s"], 2),
+                "prefill": {n: round(ours["prefill_tok_s"][n] / peer["prefill_tok_s"][n], 2)
+                            for n in ours["prefill_tok_s"]},
+                "greedy_agreement": round(float(np.mean(np.asarray(ours["tokens"]) == np.asarray(peer["tokens"]))), 3)}
+    return {"best": best, "ratios": ratios, "runs": runs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--parts", default="warm,limit", help="warm, limit, or both")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "colibri-bench-peer"))
+    ap.add_argument("--sdist", help="llama-cpp-python's source tarball (default: downloaded from PyPI)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        job = json.loads(a.worker)
+        print(json.dumps((colibri_worker if job["engine"] == "colibri" else llama_worker)(job)))
+        return
+    os.makedirs(a.workdir, exist_ok=True)
+    mod = llama_cpp()
+    info = system_info(mod)
+    root = llama_source(a.workdir, a.sdist)
+    ckpt = checkpoint(a.workdir, a.layers)
+    files = gguf_files(a.workdir, ckpt, root, mod)
+    boxes = containers(a.workdir, ckpt)
+    from colibri.engine import kernels
+
+    buf = np.ones(256 * 2**20 // 8, np.uint64)
+    kernels.read_bandwidth(buf, 1)
+    t0 = time.perf_counter()
+    kernels.read_bandwidth(buf, 2)
+    mem_gbs = 2 * buf.nbytes / (time.perf_counter() - t0) / 1e9
+    parts = set(a.parts.split(","))
+    out = {"benchmark": "peer", "model": {"checkpoint": ckpt, "layers": a.layers, "shape": SHAPE,
+                                           "files": {k: {"path": v, "bytes": os.path.getsize(v)} for k, v in files.items()},
+                                           "containers": boxes},
+           "llama_cpp": info | {"version": LLAMA_VERSION}, "threads": a.threads, "memory_read_gbs_1thread": round(mem_gbs, 1)}
+    if "warm" in parts:
+        out["warm"] = warm(files, boxes, a.threads, a.rounds, [int(x) for x in a.lengths.split(",") if x])
+    if "limit" in parts:
+        dense = os.path.getsize(os.path.join(boxes["int4"], DENSE_FILE))
+        out["limit"] = limited(files, boxes, a.threads, dense, a.rounds)
+    sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
