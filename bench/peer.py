@@ -253,7 +253,6 @@ def colibri_worker(job: dict) -> dict:
 
 def llama_worker(job: dict) -> dict:
     import llama_cpp
-
     from llama_cpp import Llama
 
     t0 = time.perf_counter()

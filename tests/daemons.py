@@ -1,11 +1,14 @@
 """A real colibrid for tests outside tests/daemon: started on a temporary socket with a
-configuration, waited for until it serves, stopped after."""
+configuration, waited for until it serves, stopped after; and a gateway in front of one."""
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
+
+import httpx
 
 from colibri.ctl.client import Client
 
@@ -30,3 +33,29 @@ def colibrid(tmp, model, config: str = ""):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gateway(sock, *extra):
+    """colibri-gateway on a free local port for the `with` block, in front of `sock`; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "colibri.gateway", "--port", str(port), "--socket", sock, *extra],
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                httpx.get(url + "/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from daemons import colibrid
+from daemons import colibrid, gateway
 from test_daemon import ctl
 
 from colibri.ctl import exitcodes
@@ -63,38 +63,19 @@ def test_int8_activations_of_float_experts_is_one_line(models):
 
 
 def test_the_daemon_takes_it_from_its_config_and_says_so(models, tmp_path):
-    import socket
-
     with colibrid(tmp_path, models / "q4", "activations: int8\n") as sock:
         st = ctl(sock, "status")
         assert "activations int8" in st.stdout, st.stdout
         g = ctl(sock, "generate", "--json", "--max-tokens", 4, "Once upon a time")
         assert g.returncode == 0 and "int8 activations" in g.stderr
         assert json.loads(ctl(sock, "status", "--json").stdout)["model"]["precision"]["activations"] == "int8"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        gw = subprocess.Popen([sys.executable, "-m", "colibri.gateway", "--port", str(port), "--socket", sock],
-                              stderr=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(200):
-                try:
-                    httpx.get(url + "/v1/models", timeout=1)
-                    break
-                except httpx.TransportError:
-                    import time
-
-                    time.sleep(0.05)
+        with gateway(sock) as url:
             r = httpx.post(url + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 3}, timeout=60).json()
             assert r["system_fingerprint"] == "colibri-int4g64-a8-lossy", r
             lines = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2, "stream": True},
                                timeout=60).text.split("\n\n")
             chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
             assert chunks and all(c["system_fingerprint"] == "colibri-int4g64-a8-lossy" for c in chunks)
-        finally:
-            gw.terminate()
-            gw.wait(10)
     r = subprocess.run([sys.executable, "-m", "colibri.daemon", "--print-config"], capture_output=True, text=True,
                        timeout=60)
     assert "activations: auto" in r.stdout

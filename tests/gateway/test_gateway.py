@@ -2,7 +2,6 @@
 `openai` client: the same tokens as colictl, streamed or not; OpenAI's error statuses; a
 client that leaves cancels its request; a non-loopback bind without a token is refused."""
 
-import contextlib
 import json
 import socket
 import subprocess
@@ -11,36 +10,11 @@ import time
 
 import httpx
 import pytest
-from daemons import colibrid
+from daemons import colibrid, free_port, gateway
 
 from colibri.storage.demo import write_demo_model
 
 openai = pytest.importorskip("openai")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def gateway(sock, *extra):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "colibri.gateway", "--port", str(port), "--socket", sock, *extra],
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            try:
-                httpx.get(url + "/v1/models", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
