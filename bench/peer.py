@@ -138,8 +138,12 @@ def checkpoint(workdir: str, n_layer: int) -> str:
                                                                        "tokenizer_class": "PreTrainedTokenizerFast"})):
         with open(os.path.join(path, name), "w") as f:
             json.dump(obj, f)
+    tok = json.loads(_tokenizer_json())
+    # one merge: llama.cpp refuses a BPE vocabulary without any (the bytes stay tokens 0-255)
+    tok["model"]["vocab"]["Ġt"] = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+    tok["model"]["merges"] = [["Ġ", "t"]]
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
-        f.write(_tokenizer_json())
+        json.dump(tok, f)
     src = synthetic.SyntheticSource(path, cfg, precision="bf16")
     files: dict[str, list[str]] = {}
     for name in src.shapes:
@@ -260,8 +264,9 @@ def llama_worker(job: dict) -> dict:
                 use_mmap=job.get("mmap", False), verbose=False, seed=0)
     load_s = time.perf_counter() - t0
 
-    def last():
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    def last():  # the last token's logits (the binding keeps none itself unless all are kept)
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1),
+                                                   shape=(llm.n_vocab(),))))
 
     llm.reset()
     llm.eval(prompts(16, 1))  # warm-up

@@ -1,18 +1,24 @@
-"""What quantizing the experts costs: int8 and int4 containers against the bf16 container
-of the same model, on the same prompts.
+"""What the lossy choices cost: int8 and int4 experts, each on exact float32 activations and
+on int8 ones (the integer dot products), against the model's bf16 experts, on the same text.
 
-    python bench/quality.py [--model HF_DIR] [--group-size 64] [--tokens 48]
+    python bench/quality.py [--model demo|peer|HF_DIR] [--group-size 64] [--windows 24]
 
-For every prompt, the bf16 model's greedy continuation is fed to all three models
-(teacher forcing); at every position the next-token distributions are compared:
-mean KL(bf16 || quantized) in nats, and top-1 agreement. Prints one JSON object.
-Without --model it uses a larger copy of the demo model (random weights, so the
-numbers say how much the kernels' and the format's error moves the outputs, not how a
-trained model's quality changes).
+The text is fed to every variant (teacher forcing) in windows of --window tokens; at every
+position the next-token distributions are compared: mean and max KL(bf16 || variant) in
+nats, top-1 agreement with bf16, and each variant's loss on the text's real next token.
+- demo (the default): the built-in demo model on its held-out fortunes (the 5 % that
+  tools/train_demo.py left out of training, drawn with its seed; needs `apt-get install
+  fortunes`), a trained model on text it never saw.
+- peer: bench/peer.py's benchmark model (random weights from bench/synthetic.py's recipe,
+  --layers deep) on text drawn from the recipe: how far the kernels' and formats' errors
+  move its outputs, not how a trained model's quality changes.
+- a Hugging Face checkpoint directory: on the held-out fortunes too.
+Prints one JSON object with provenance.
 """
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 
@@ -21,21 +27,19 @@ for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
 import provenance  # noqa: E402
 from synthetic import load_model  # noqa: E402
 
 from colibri.engine import layers  # noqa: E402
-from colibri.engine.generate import SamplingParams, generate  # noqa: E402
 from colibri.engine.registry import build_model  # noqa: E402
 from colibri.engine.tokenizer import Tokenizer  # noqa: E402
 from colibri.storage.checkpoint import load_config, open_checkpoint  # noqa: E402
 from colibri.storage.convert import ExpertPlan, convert  # noqa: E402
-from colibri.storage.demo import write_random_model  # noqa: E402
 
-PROMPTS = ["The history of the printing press", "def fibonacci(n):", "Dear colleagues, the meeting on",
-           "In 1969 the first humans", "Mixture-of-experts models route each token"]
-DEMO_SHAPE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=32, head_dim=64, num_hidden_layers=4)
+VARIANTS = [("int8", "float32"), ("int8", "int8"), ("int4", "float32"), ("int4", "int8")]
 
 
 def log_softmax(x):
@@ -43,49 +47,99 @@ def log_softmax(x):
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+def held_out_fortunes(src: str) -> list[str]:
+    """The demo's held-out fortunes: tools/train_demo.py's corpus, shuffled with the seed its
+    training.json records, the first 5 %."""
+    import json
+
+    from train_demo import read_corpus
+
+    seed = 20261201
+    info = os.path.join(src, "training.json")
+    if os.path.isfile(info):
+        seed = json.load(open(info)).get("seed", seed)
+    _, texts = read_corpus()
+    random.Random(seed).shuffle(texts)
+    return texts[: len(texts) // 20]
+
+
+def windows(ids: list[int], n: int, length: int) -> list[np.ndarray]:
+    return [np.asarray(ids[i : i + length]) for i in range(0, len(ids) - length, length)][:n]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="a Hugging Face checkpoint directory (default: a larger demo model)")
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--model", default="demo", help="demo, peer, or a Hugging Face checkpoint directory")
+    ap.add_argument("--layers", type=int, default=2, help="--model peer: layers of the benchmark model")
+    ap.add_argument("--group-size", type=int, default=64, help="int8 and int4 weights' group")
+    ap.add_argument("--windows", type=int, default=24)
+    ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colibri-bench-quality"))
     a = ap.parse_args()
     layers.init()
-    src = a.model or os.path.join(a.workdir, "demo-hf")
-    if not a.model and not os.path.isfile(os.path.join(src, "config.json")):
-        write_random_model(src, force=True, **DEMO_SHAPE)
+    os.makedirs(a.workdir, exist_ok=True)
+    if a.model == "demo":
+        from colibri.storage.demo import write_demo_model
+
+        src = os.path.join(a.workdir, "demo")
+        if not os.path.isfile(os.path.join(src, "config.json")):
+            write_demo_model(src)
+    elif a.model == "peer":
+        import peer
+
+        src = peer.checkpoint(a.workdir, a.layers)
+    else:
+        src = a.model
     structure = build_model(src, load_config(src))
     plan = ExpertPlan(structure.moe_layers, structure.n_expert, structure.expert_names)
     ckpt = open_checkpoint(src)
-    models = {}
-    for dtype in ("bf16", "int8", "int4"):
-        dst = os.path.join(a.workdir, f"c-{dtype}-g{a.group_size}")
-        convert(ckpt, dst, plan, expert_dtype=dtype, group_size=a.group_size if dtype != "bf16" else None,
-                force=True)
-        models[dtype] = load_model(dst, budget="all")
-    tok = Tokenizer(src)
-    kl = {"int8": [], "int4": []}
-    agree = {"int8": [], "int4": []}
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        cont = [e.token_id for e in generate(models["bf16"], ids, SamplingParams(max_tokens=a.tokens))
-                if e.kind == "token"]
-        seq = np.asarray(ids + cont[:-1])
-        ref = log_softmax(models["bf16"].forward(seq, models["bf16"].new_cache(len(seq)), all_logits=True)
-                          .astype(np.float64))[len(ids) - 1:]
-        for dtype in ("int8", "int4"):
-            m = models[dtype]
-            lq = log_softmax(m.forward(seq, m.new_cache(len(seq)), all_logits=True).astype(np.float64))[len(ids) - 1:]
-            kl[dtype] += list((np.exp(ref) * (ref - lq)).sum(axis=-1))
-            agree[dtype] += list(ref.argmax(-1) == lq.argmax(-1))
-    out = {"benchmark": "quality", "model": os.path.abspath(src), "reference": "bf16 container",
-           "group_size": a.group_size, "n_prompts": len(PROMPTS), "n_positions": len(agree["int8"]),
-           "results": [{"dtype": d, "mean_kl_nats": round(float(np.mean(kl[d])), 6),
-                        "max_kl_nats": round(float(np.max(kl[d])), 6),
-                        "top1_agreement": round(float(np.mean(agree[d])), 4),
-                        "expert_bytes": models[d].experts.c.expert_bytes} for d in ("int8", "int4")]}
+    if a.model == "peer":
+        import peer
+        import synthetic
+
+        texts, seqs = "synthetic recipe", [np.asarray(synthetic.prompt(np.random.default_rng(900 + i), a.window,
+                                                                        vocab=peer.SHAPE["vocab_size"]))
+                                           for i in range(a.windows)]
+    else:
+        tok = Tokenizer(src)
+        eot = tok.token_id("<|endoftext|>")
+        ids = []
+        for t in held_out_fortunes(src):
+            ids += tok.encode(t, special=False) + ([eot] if eot is not None else [])
+        texts, seqs = "held-out fortunes (tools/train_demo.py's split)", windows(ids, a.windows, a.window)
+    ref_model = load_model(src)  # the checkpoint as it is: bf16 experts, exact
+    conts = {}
+    for kind in ("int8", "int4"):
+        dst = os.path.join(a.workdir, f"{os.path.basename(src.rstrip('/'))}-{kind}-g{a.group_size}")
+        if not os.path.isfile(os.path.join(dst, "manifest.json")):
+            convert(ckpt, dst, plan, expert_dtype=kind, group_size=a.group_size, force=True)
+        conts[kind] = dst
+    rows = {v: {"kl": [], "agree": [], "nll": []} for v in VARIANTS}
+    ref_nll = []
+    refs = []
+    for seq in seqs:
+        lr = log_softmax(ref_model.forward(seq, ref_model.new_cache(len(seq)), all_logits=True).astype(np.float64))
+        refs.append(lr)
+        ref_nll += list(-lr[np.arange(len(seq) - 1), seq[1:]])
+    del ref_model
+    for kind, acts in VARIANTS:
+        m = load_model(conts[kind], budget="all")
+        m.set_activations(acts)
+        r = rows[kind, acts]
+        for seq, lr in zip(seqs, refs):
+            lq = log_softmax(m.forward(seq, m.new_cache(len(seq)), all_logits=True).astype(np.float64))
+            r["kl"] += list((np.exp(lr) * (lr - lq)).sum(axis=-1))
+            r["agree"] += list(lr.argmax(-1) == lq.argmax(-1))
+            r["nll"] += list(-lq[np.arange(len(seq) - 1), seq[1:]])
+        del m
+    out = {"benchmark": "quality", "model": os.path.abspath(src), "text": texts, "reference": "bf16 experts (exact)",
+           "group_size": a.group_size, "n_windows": len(seqs), "window": a.window,
+           "n_positions": len(rows[VARIANTS[0]]["agree"]), "reference_loss_nats": round(float(np.mean(ref_nll)), 4),
+           "results": [{"experts": k, "activations": acts, "mean_kl_nats": round(float(np.mean(r["kl"])), 6),
+                        "max_kl_nats": round(float(np.max(r["kl"])), 6),
+                        "top1_agreement": round(float(np.mean(r["agree"])), 4),
+                        "loss_nats": round(float(np.mean(r["nll"])), 4)} for (k, acts), r in rows.items()]}
     sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
-    print()
 
 
 if __name__ == "__main__":

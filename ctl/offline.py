@@ -329,9 +329,10 @@ def grouping(experts: dict) -> str:
               help="values per scale for int8/int4 (default: int4 64, int8 one scale per row)")
 @click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
               help="precision of the resident part (default: the checkpoint's own)")
-@click.option("--activations", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
-              help="what the container's int8/int4 experts compute on unless told otherwise (int8: integer dot "
-                   "products, lossy; run --activations and the daemon's activations key override it)")
+@click.option("--activations", type=click.Choice(["float32", "int8"]),
+              help="what the experts compute on unless told otherwise: int8 (integer dot products, lossy, the "
+                   "default for --dtype int8/int4), or float32 (exact; the default for every other dtype); "
+                   "run --activations and the daemon's activations key override it")
 @click.option("--force", is_flag=True, help="replace DST if it exists")
 @click.option("--layout", type=click.Choice(["expert-id", "coactivation"]), default="expert-id", show_default=True,
               help="the order of each layer's expert records: by id, or experts chosen together side by side "

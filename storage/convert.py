@@ -125,9 +125,12 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     expert_dtype: None (keep the checkpoint's), bf16, f16, f32, int8, int4; dense_dtype:
     None (keep), bf16, f16, f32. group_size: scale group for int8 (default: one per row)
     and int4 (default 64). order: {"layout": name, "source": fingerprint, "experts": {layer:
-    [expert ids in record order]}} (storage/layout.py; None: id order). activations: "int8"
-    records that the container runs on int8 activations unless told otherwise (int8 and int4
-    experts only; engine/formats/intdot.py). Raises ConvertError
+    [expert ids in record order]}} (storage/layout.py; None: id order). activations: what
+    the container's experts compute on unless told otherwise, recorded in the manifest:
+    "int8" (int8 and int4 experts only: the integer dot products, engine/formats/intdot.py),
+    "float32", or None: int8 for int8 and int4 experts whose rows and groups are whole
+    blocks of 32 (it adds ~1-4 % to int4's KL divergence and is up to 4x faster:
+    docs/benchmarks.md), else float32. Raises ConvertError
     (dst exists without force, a group size that does not divide a matrix), the
     checkpoint's errors, OSError.
     """
@@ -154,15 +157,20 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
             why = check_group(expert_dtype, shape, group_size or shape[1])
             if why:
                 raise ConvertError(f"cannot quantize {part} [{shape[0]}, {shape[1]}] to {expert_dtype}: {why}")
+    whole = all(shape[1] % 32 == 0 and (group_size or shape[1]) % 32 == 0 for shape in shapes[:3])
+    if activations == "int8" and not whole:
+        raise ConvertError(f"--activations int8 takes rows and groups of whole blocks of 32 columns: the experts' "
+                           f"rows are {sorted({shape[1] for shape in shapes[:3]})} (group {group_size or 'a row'})")
+    if activations is None:
+        activations = "int8" if expert_dtype in ("int8", "int4") and whole else "float32"
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
     try:
         manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
                           order)
-        if activations == "int8":
-            manifest["activations"] = activations
-            write_manifest(tmp, manifest)
+        manifest["activations"] = activations
+        write_manifest(tmp, manifest)
         if os.path.exists(dst):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=parent)
             os.rename(dst, os.path.join(old, "x"))

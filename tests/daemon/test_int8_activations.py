@@ -27,7 +27,7 @@ def colictl(*args):
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("a8")
     demo = write_demo_model(tmp / "demo")
-    for name, extra in (("q4", ()), ("q4a8", ("--activations", "int8"))):
+    for name, extra in (("q4", ("--activations", "float32")), ("q4a8", ())):  # int4's default: int8 activations
         r = colictl("convert", "--dtype", "int4", *extra, demo, tmp / name)
         assert r.returncode == 0, r.stderr
     return tmp
@@ -41,7 +41,7 @@ def run_json(model, *args):
 
 def test_convert_records_it_and_run_follows_or_overrides(models):
     assert open_container(str(models / "q4a8")).manifest["activations"] == "int8"
-    assert "activations" not in open_container(str(models / "q4")).manifest
+    assert open_container(str(models / "q4")).manifest["activations"] == "float32"
     on, err = run_json(models / "q4a8")
     assert on["stats"]["model"]["precision"]["activations"] == "int8"
     assert "activations int8" in err and "int8 activations" in err and "LOSSY" in err

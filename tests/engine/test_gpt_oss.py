@@ -76,7 +76,7 @@ def test_the_crew_computes_the_clamped_experts_as_the_family_does(tmp_path, monk
     model = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
     convert(model.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "q",
             ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()),
-            expert_dtype="int4", group_size=32)
+            expert_dtype="int4", group_size=32, activations="float32")
     ids = [np.array([t]) for t in (3, 9, 27, 4, 11)]  # one token a step: the decode path
 
     def decode(m):

@@ -170,7 +170,8 @@ def containers(tmp_path_factory):
     m = build_model(str(tmp / "hf"), load_config(str(tmp / "hf")))
     for kind in ("int4", "int8"):
         convert(open_checkpoint(str(tmp / "hf")), tmp / kind, ExpertPlan(m.moe_layers, m.n_expert, m.expert_names),
-                expert_dtype=kind, group_size=32 if kind == "int4" else None)  # int8: a scale a row
+                expert_dtype=kind, group_size=32 if kind == "int4" else None,  # int8: a scale a row
+                activations="float32")
     return tmp
 
 
@@ -215,3 +216,31 @@ def test_the_label_is_on_exactly_when_the_path_is(containers):
         published.set_activations("int8")
     tokens = [e.token_id for e in generate(published, [1, 2, 3], SamplingParams(max_tokens=4)) if e.kind == "token"]
     assert len(tokens) == 4
+
+
+def test_int4_containers_default_to_it_and_gpt_oss_clamped_experts_take_it(tmp_path):
+    """convert's default for int4 records int8 activations; gpt-oss's biased, clamped experts
+    take the integer job (its activation and biases): the same bits at every budget, alone or
+    batched, and close to the float path."""
+    from colibri.storage.container import open_container
+
+    build("gpt_oss", "sinks_sliding_clamped", tmp_path / "hf", seed=6, hidden_size=64, intermediate_size=64)
+    m = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
+    convert(m.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "q",
+            ExpertPlan(m.moe_layers, m.n_expert, m.expert_names, m.dense_names()), expert_dtype="int4", group_size=32)
+    assert open_container(str(tmp_path / "q")).manifest["activations"] == "int8"
+    ids = [np.array([t]) for t in (3, 9, 27, 4, 11)]
+
+    def decode(model):
+        cache = model.new_cache(8)
+        return np.concatenate([model.forward(t, cache) for t in ids])
+
+    full = load_model(str(tmp_path / "q"), budget="all")
+    assert full.precision()["activations"] == "int8"
+    want = decode(full)
+    np.testing.assert_array_equal(decode(load_model(str(tmp_path / "q"), budget="min")), want)
+    both = full.forward_batch([(ids[0], full.new_cache(8)), (ids[1], full.new_cache(8))])
+    np.testing.assert_array_equal(both[0], want[0:1])
+    full.set_activations("float32")
+    exact = decode(full)
+    assert not np.array_equal(exact, want) and np.abs(exact - want).max() < 0.05 * np.abs(exact).max()
