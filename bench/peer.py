@@ -15,7 +15,8 @@ What it does, each step skipped when its result is already in --workdir:
    it as Q8_0; llama.cpp's quantizer makes Q4_0 of that. The converter cannot name the
    synthetic byte-level tokenizer's pre-tokenizer, so it is told "default": the runs feed
    token ids, never text. colictl convert writes int8 and int4 containers (group 32, the
-   same bytes per weight as Q8_0 and Q4_0).
+   same bytes per weight as Q8_0 and Q4_0), the dense part's attention matrices and LM head
+   in int8 (and, as a third container, int4 ones beside int4 experts).
 4. Each engine in a process of its own, in turn (colibri first in odd rounds, llama.cpp
    first in even ones), two threads each, weights in RAM (llama.cpp without mmap):
    warm decode (32 greedy tokens after a 16-token prompt) and prompts of 16, 40, 64, 512
@@ -55,8 +56,16 @@ SHAPE = synthetic.SHAPE | {"vocab_size": 8192, "architectures": ["Qwen3MoeForCau
                            "bos_token_id": None, "tie_word_embeddings": False}
 LENGTHS = (16, 40, 64, 512, 2048)
 DECODE_PROMPT, DECODE_TOKENS = 16, 32
+# under the memory limit: tokens decoded at most, and the seconds after which a run stops
+# (llama.cpp's mmap thrashes: at the drive's 8 MiB read-ahead 16 tokens took over 7 minutes)
+LIMIT_TOKENS, LIMIT_SECONDS = 16, 120
 GROUP = 32  # Q4_0's and Q8_0's block: the same bytes per weight
 PAIRS = {"int4": "q4_0", "int8": "q8_0"}  # colibri's container -> llama.cpp's file
+# colibri's containers: (experts, dense matrices); llama.cpp's Q4_0 keeps attention in Q4_0 and
+# the LM head in Q6_K, its Q8_0 both in Q8_0
+BOXES = {"int4": ("int4", None), "int4d8": ("int4", "int8"), "int4d4": ("int4", "int4"), "int8d8": ("int8", "int8")}
+# the runs: container -> activations (float32: the exact path, on the bf16 dense part)
+RUNS = {"int4": ("float32", "int8"), "int4d8": ("int8",), "int4d4": ("int8",), "int8d8": ("int8", "float32")}
 
 
 def say(msg: str) -> None:
@@ -196,20 +205,21 @@ def gguf_files(workdir: str, ckpt: str, root: str, mod) -> dict:
 
 
 def containers(workdir: str, ckpt: str) -> dict:
-    """{"int4": path, "int8": path}: colictl convert of the same checkpoint, group 32."""
+    """{name: path} for BOXES: colictl convert of the same checkpoint, group 32."""
     from colibri.engine.registry import build_model
     from colibri.storage.checkpoint import load_config, open_checkpoint
     from colibri.storage.convert import ExpertPlan, convert
 
     out = {}
-    for kind in PAIRS:
-        path = os.path.join(workdir, f"{os.path.basename(ckpt)}-{kind}-g{GROUP}")
+    for name, (kind, dense) in BOXES.items():
+        path = os.path.join(workdir, f"{os.path.basename(ckpt)}-{kind}-g{GROUP}-d{dense or 'bf16'}")
         if not os.path.isfile(os.path.join(path, "manifest.json")):
-            say(f"colibri: converting to {kind} g{GROUP}")
+            say(f"colibri: converting to {kind} g{GROUP}, dense matrices {dense or 'bf16'}")
             m = build_model(ckpt, load_config(ckpt))
-            convert(open_checkpoint(ckpt), path, ExpertPlan(m.moe_layers, m.n_expert, m.expert_names),
-                    expert_dtype=kind, group_size=GROUP, force=True)
-        out[kind] = path
+            convert(open_checkpoint(ckpt), path, ExpertPlan(m.moe_layers, m.n_expert, m.expert_names, None,
+                                                            m.int_dense_names()),
+                    expert_dtype=kind, group_size=GROUP, dense_dtype=dense, force=True)
+        out[name] = path
     return out
 
 
@@ -250,7 +260,9 @@ def colibri_worker(job: dict) -> dict:
         t = time.perf_counter()
         tok = last(model.forward(np.asarray([tok]), cache))
         spent += time.perf_counter() - t
-    out |= {"decode_tok_s": round(job["tokens"] / spent, 2), "tokens": toks,
+        if spent > job.get("seconds", 1e9):  # under a memory limit: as many tokens as the time allows
+            break
+    out |= {"decode_tok_s": round(len(toks) / spent, 3), "tokens": toks, "decode_s": round(spent, 2),
             "precision": model.precision(), "experts": model.experts.stats.as_dict()}
     return out
 
@@ -289,7 +301,9 @@ def llama_worker(job: dict) -> dict:
         llm.eval([tok])
         spent += time.perf_counter() - t
         tok = last()
-    return out | {"decode_tok_s": round(job["tokens"] / spent, 2), "tokens": toks}
+        if spent > job.get("seconds", 1e9):
+            break
+    return out | {"decode_tok_s": round(len(toks) / spent, 3), "tokens": toks, "decode_s": round(spent, 2)}
 
 
 def run_worker(job: dict, cgroup: str | None = None) -> dict:
@@ -305,8 +319,11 @@ def run_worker(job: dict, cgroup: str | None = None) -> dict:
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)], env=env,
-                       capture_output=True, text=True, preexec_fn=pre)
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)], env=env,
+                           capture_output=True, text=True, preexec_fn=pre, timeout=job["seconds"] * 4 + 600 if "seconds" in job else None)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out (the prompt alone took longer than the run's time)"}
     if r.returncode != 0:
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -359,15 +376,16 @@ def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: in
     ra_file = read_ahead_file(gguf)
     ra0 = int(open(ra_file).read()) if ra_file else None
     overhead = 300 << 20  # colibri's process: Python, numpy, numba's compiled kernels, the KV cache
-    budget = max(limit - dense_bytes - overhead, 0)
-    job_c = {"engine": "colibri", "path": boxes["int4"], "activations": "int8", "threads": threads, "lengths": [],
-             "tokens": 16, "budget": budget if budget > 0 else "min"}
+    budget = limit - dense_bytes - overhead
+    job_c = {"engine": "colibri", "path": boxes["int4d4"], "activations": "int8", "threads": threads, "lengths": [],
+             "tokens": LIMIT_TOKENS, "seconds": LIMIT_SECONDS, "budget": budget if budget > 64 << 20 else "min"}
     rows = {"colibri": [], **{f"llama_ra{ra}": [] for ra in (ra0, 1024) if ra is not None}}
     with memory_cgroup(limit) as cg:
         for r in range(rounds):
             for engine in (("colibri", "llama") if r % 2 == 0 else ("llama", "colibri")):
                 if engine == "colibri":
                     drop_caches()
+                    say(f"limit, round {r + 1}: colibri")
                     rows["colibri"].append(run_worker(job_c, cg))
                     continue
                 for ra in (ra0, 1024):
@@ -376,8 +394,10 @@ def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: in
                     with open(ra_file, "w") as f:
                         f.write(str(ra))
                     drop_caches()
+                    say(f"limit, round {r + 1}: llama.cpp, mmap, read-ahead {ra} KiB")
                     rows[f"llama_ra{ra}"].append(run_worker({"engine": "llama", "path": gguf, "threads": threads,
-                                                             "lengths": [], "tokens": 16, "mmap": True}, cg))
+                                                             "lengths": [], "tokens": LIMIT_TOKENS,
+                                                             "seconds": LIMIT_SECONDS, "mmap": True}, cg))
         if ra_file and ra0 is not None:
             with open(ra_file, "w") as f:
                 f.write(str(ra0))
@@ -401,8 +421,9 @@ def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> 
     every round); each figure the best of its rounds."""
     jobs = {}
     for kind, qtype in PAIRS.items():
-        for acts in ("int8", "float32"):
-            jobs[f"colibri-{kind}-{acts}"] = {"engine": "colibri", "path": boxes[kind], "activations": acts}
+        for name in (b for b in BOXES if BOXES[b][0] == kind):
+            for acts in RUNS[name]:
+                jobs[f"colibri-{name}-{acts}"] = {"engine": "colibri", "path": boxes[name], "activations": acts}
         jobs[f"llama-{qtype}"] = {"engine": "llama", "path": files[qtype]}
     runs = {k: [] for k in jobs}
     for r in range(rounds):
@@ -420,13 +441,14 @@ def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> 
                    "prefill_tok_s": {n: max(x["prefill"][n] for x in ok) for n in ok[0]["prefill"]},
                    "tokens": ok[0]["tokens"]}
     ratios = {}
-    for kind, qtype in PAIRS.items():
+    for name, (kind, _) in BOXES.items():
+        qtype = PAIRS[kind]
         peer = best[f"llama-{qtype}"]
-        for acts in ("int8", "float32"):
-            ours = best[f"colibri-{kind}-{acts}"]
+        for acts in RUNS[name]:
+            ours = best[f"colibri-{name}-{acts}"]
             if "error" in ours or "error" in peer:
                 continue
-            ratios[f"{kind}-{acts} / {qtype}"] = {
+            ratios[f"{name}-{acts} / {qtype}"] = {
                 "decode": round(ours["decode_tok_s"] / peer["decode_tok_s"], 2),
                 "prefill": {n: round(ours["prefill_tok_s"][n] / peer["prefill_tok_s"][n], 2)
                             for n in ours["prefill_tok_s"]},
@@ -471,7 +493,7 @@ def main():
     if "warm" in parts:
         out["warm"] = warm(files, boxes, a.threads, a.rounds, [int(x) for x in a.lengths.split(",") if x])
     if "limit" in parts:
-        dense = os.path.getsize(os.path.join(boxes["int4"], DENSE_FILE))
+        dense = os.path.getsize(os.path.join(boxes["int4d4"], DENSE_FILE))
         out["limit"] = limited(files, boxes, a.threads, dense, a.rounds)
     sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
 

@@ -1,5 +1,6 @@
 """What the lossy choices cost: int8 and int4 experts, each on exact float32 activations and
-on int8 ones (the integer dot products), against the model's bf16 experts, on the same text.
+on int8 ones (the integer dot products), and with the dense matrices in int8 or int4 too,
+against the model as published, on the same text.
 
     python bench/quality.py [--model demo|peer|HF_DIR] [--group-size 64] [--windows 24]
 
@@ -39,7 +40,9 @@ from colibri.engine.tokenizer import Tokenizer  # noqa: E402
 from colibri.storage.checkpoint import load_config, open_checkpoint  # noqa: E402
 from colibri.storage.convert import ExpertPlan, convert  # noqa: E402
 
-VARIANTS = [("int8", "float32"), ("int8", "int8"), ("int4", "float32"), ("int4", "int8")]
+# (experts, activations, dense matrices): the dense part bf16 (None) or int8 / int4 (attention and LM head)
+VARIANTS = [("int8", "float32", None), ("int8", "int8", None), ("int4", "float32", None), ("int4", "int8", None),
+            ("int8", "int8", "int8"), ("int4", "int8", "int8"), ("int4", "int8", "int4")]
 
 
 def log_softmax(x):
@@ -91,7 +94,8 @@ def main():
     else:
         src = a.model
     structure = build_model(src, load_config(src))
-    plan = ExpertPlan(structure.moe_layers, structure.n_expert, structure.expert_names)
+    plan = ExpertPlan(structure.moe_layers, structure.n_expert, structure.expert_names, None,
+                      structure.int_dense_names())
     ckpt = open_checkpoint(src)
     if a.model == "peer":
         import peer
@@ -109,11 +113,11 @@ def main():
         texts, seqs = "held-out fortunes (tools/train_demo.py's split)", windows(ids, a.windows, a.window)
     ref_model = load_model(src)  # the checkpoint as it is: bf16 experts, exact
     conts = {}
-    for kind in ("int8", "int4"):
-        dst = os.path.join(a.workdir, f"{os.path.basename(src.rstrip('/'))}-{kind}-g{a.group_size}")
+    for kind, _, dense in VARIANTS:
+        dst = os.path.join(a.workdir, f"{os.path.basename(src.rstrip('/'))}-{kind}-g{a.group_size}-d{dense or 'bf16'}")
         if not os.path.isfile(os.path.join(dst, "manifest.json")):
-            convert(ckpt, dst, plan, expert_dtype=kind, group_size=a.group_size, force=True)
-        conts[kind] = dst
+            convert(ckpt, dst, plan, expert_dtype=kind, group_size=a.group_size, dense_dtype=dense, force=True)
+        conts[kind, dense] = dst
     rows = {v: {"kl": [], "agree": [], "nll": []} for v in VARIANTS}
     ref_nll = []
     refs = []
@@ -122,10 +126,10 @@ def main():
         refs.append(lr)
         ref_nll += list(-lr[np.arange(len(seq) - 1), seq[1:]])
     del ref_model
-    for kind, acts in VARIANTS:
-        m = load_model(conts[kind], budget="all")
+    for kind, acts, dense in VARIANTS:
+        m = load_model(conts[kind, dense], budget="all")
         m.set_activations(acts)
-        r = rows[kind, acts]
+        r = rows[kind, acts, dense]
         for seq, lr in zip(seqs, refs):
             lq = log_softmax(m.forward(seq, m.new_cache(len(seq)), all_logits=True).astype(np.float64))
             r["kl"] += list((np.exp(lr) * (lr - lq)).sum(axis=-1))
@@ -135,10 +139,11 @@ def main():
     out = {"benchmark": "quality", "model": os.path.abspath(src), "text": texts, "reference": "bf16 experts (exact)",
            "group_size": a.group_size, "n_windows": len(seqs), "window": a.window,
            "n_positions": len(rows[VARIANTS[0]]["agree"]), "reference_loss_nats": round(float(np.mean(ref_nll)), 4),
-           "results": [{"experts": k, "activations": acts, "mean_kl_nats": round(float(np.mean(r["kl"])), 6),
+           "results": [{"experts": k, "activations": acts, "dense_matrices": dense or "bf16",
+                        "mean_kl_nats": round(float(np.mean(r["kl"])), 6),
                         "max_kl_nats": round(float(np.max(r["kl"])), 6),
                         "top1_agreement": round(float(np.mean(r["agree"])), 4),
-                        "loss_nats": round(float(np.mean(r["nll"])), 4)} for (k, acts), r in rows.items()]}
+                        "loss_nats": round(float(np.mean(r["nll"])), 4)} for (k, acts, dense), r in rows.items()]}
     sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
 
 

@@ -327,8 +327,9 @@ def grouping(experts: dict) -> str:
                    "either from FP8 or MXFP4, or int8/int4 from any, is lossy")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]),
               help="values per scale for int8/int4 (default: int4 64, int8 one scale per row)")
-@click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32"]),
-              help="precision of the resident part (default: the checkpoint's own)")
+@click.option("--dense-dtype", type=click.Choice(["bf16", "f16", "f32", "int8", "int4"]),
+              help="precision of the resident part (default: the checkpoint's own); int8/int4: its attention "
+                   "matrices and untied LM head only, group 32, on int8 activations (lossy)")
 @click.option("--activations", type=click.Choice(["float32", "int8"]),
               help="what the experts compute on unless told otherwise: int8 (integer dot products, lossy, the "
                    "default for --dtype int8/int4), or float32 (exact; the default for every other dtype); "
@@ -360,7 +361,8 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     model = build_model(src, cfg)
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
-    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names())
+    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names(),
+                      model.int_dense_names())
     order = None
     if trace_path:
         from ..storage.layout import coactivation_order

@@ -176,7 +176,8 @@ def precision_text(p: dict) -> str:
     activations int8 (LOSSY: ...)" (p: a model's precision(), as hello, status and replies carry it). A lossy choice
     is named with what it changed; nothing is said of the activations when they are float32."""
     g = f" g{p['group_size']}" if p.get("group_size") else ""
-    text = f"dense {p.get('dense')}, experts {p.get('experts')}{g}"
+    matrices = f" (matrices {p['dense_int']})" if p.get("dense_int") else ""
+    text = f"dense {p.get('dense')}{matrices}, experts {p.get('experts')}{g}"
     acts = p.get("activations") or "float32"
     if acts != "float32":
         text += f", activations {acts}"
@@ -184,7 +185,7 @@ def precision_text(p: dict) -> str:
         return text
     src = p.get("source") or {}
     why = []
-    if src and (src.get("experts") != p.get("experts") or src.get("dense") != p.get("dense")):
+    if src and (src.get("experts") != p.get("experts") or src.get("dense") != p.get("dense") or p.get("dense_int")):
         why.append(f"converted from {src.get('experts', '?')} experts / {src.get('dense', '?')} dense")
     if acts != "float32":
         why.append(f"{acts} activations")
@@ -196,4 +197,5 @@ def precision_tag(p: dict) -> str:
     colibri-int4g64-a8-lossy, colibri-bf16."""
     g = f"g{p['group_size']}" if p.get("group_size") else ""
     acts = "-a8" if (p.get("activations") or "float32") == "int8" else ""
-    return f"colibri-{p.get('experts')}{g}{acts}{'-lossy' if p.get('lossy') else ''}"
+    dense = f"-d{p['dense_int'].split()[0]}" if p.get("dense_int") else ""
+    return f"colibri-{p.get('experts')}{g}{dense}{acts}{'-lossy' if p.get('lossy') else ''}"

@@ -26,6 +26,7 @@ from .jobs import (
     BOARD_HEAD,
     DTYPE_CODES,
     JOB_F32,
+    JOB_I8,
     JOB_LEN,
     JOB_MOE_I8,
     JOB_MOE_Q4,
@@ -40,6 +41,7 @@ from .jobs import (
     activate,
     check_expert_job,
     describe_matmul,
+    describe_matmul_i8,
     describe_moe_i8,
     describe_moe_q4,
     describe_moe_tok,
@@ -104,6 +106,8 @@ def _make_crew(g: int, path: int):
         # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
         #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
         #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
+        # - JOB_I8: a dense int8 / int4 matrix times quantised activations (jobs.describe_matmul_i8),
+        #   ROWS_PER_TASK rows a unit, as formats/intdot.py's linear computes it.
         # serve == 0: publish job `job` and do it with whoever joins, returning when it is
         # done. serve == 1 (a helper): do each job from `job` on as it is published, until the
         # board is closed or nothing comes for SPIN_LIMIT spins.
@@ -296,7 +300,7 @@ def _make_crew(g: int, path: int):
                     pass
             else:
                 T, D, N = job_d[2], job_d[3], job_d[5]
-                x, ctl = nb.carray(f32_at(job_d[1]), (T, D)), nb.carray(i64_at(job_d[7]), (2,))
+                x, ctl = nb.carray(f32_at(job_d[1]), (T, D if job_d[0] != JOB_I8 else 0)), nb.carray(i64_at(job_d[7]), (2,))
                 out = nb.carray(f32_at(job_d[6]), (T, N))
                 total = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
                 while True:
@@ -304,7 +308,16 @@ def _make_crew(g: int, path: int):
                     if c >= total:
                         break
                     r_hi = min(N, (c + 1) * ROWS_PER_TASK)
-                    if job_d[0] == JOB_U16:
+                    if job_d[0] == JOB_I8:  # (x is the quantised activations' int8 values)
+                        xq = nb.carray(i8_at(job_d[1]), (T, D))
+                        xc, xd = nb.carray(i32_at(job_d[10]), (T, D // 4)), nb.carray(f32_at(job_d[11]), (T, D // 32))
+                        gw, qd = job_d[12], D // 2 if job_d[8] == 4 else D
+                        q, sc = nb.carray(u8_at(job_d[4]), (N, qd)), nb.carray(u16_at(job_d[9]), (N, D // gw))
+                        if job_d[8] == 4:
+                            idot(xq, xc, xd, q, sc, f16_lut, out, gw, 4, path, 0, T, c * ROWS_PER_TASK, r_hi)
+                        else:
+                            idot(xq, xc, xd, q, sc, f16_lut, out, gw, 8, path, 0, T, c * ROWS_PER_TASK, r_hi)
+                    elif job_d[0] == JOB_U16:
                         matmul_u16_rows(x, nb.carray(u16_at(job_d[4]), (N, D)), job_d[8] != 0, f16_lut, out, c * ROWS_PER_TASK, r_hi)
                     else:
                         tiles(x, nb.carray(f32_at(job_d[4]), (N, D)), c * ROWS_PER_TASK, r_hi, out, 0)
@@ -530,6 +543,22 @@ class Crew:
         ctl = np.zeros(2, np.int64)
         bits = w.view(np.uint16) if w.dtype == np.float16 else w  # (numba takes no float16 arrays; the kernel reads bits)
         self._run(describe_matmul, (kind, x, bits, out, ctl, w.dtype == np.uint16), (x, w, out, ctl))
+
+    def matmul_i8(self, x: np.ndarray, w: QuantWeight, out: np.ndarray) -> None:
+        # out [T, N] = x [T, D] f32 @ w.T for an int8 / int4 QuantWeight w [N, D] on int8
+        # activations: as formats/intdot.py's linear computes it, ROWS_PER_TASK rows a unit
+        T, D = x.shape
+        if (w.kind not in ("int8", "int4") or w.shape != (out.shape[1], D) or out.shape[0] != T or D % 32
+                or w.group_size % 32 or D % w.group_size or out.dtype != np.float32 or not out.flags.c_contiguous
+                or not (w.q.flags.c_contiguous and w.scales.flags.c_contiguous)):
+            raise ValueError("matmul: weight, activation and output shapes do not match")
+        bits = 8 if w.kind == "int8" else 4
+        xq, xc, xd = np.empty((T, D), np.int8), np.empty((T, D // 4), np.int32), np.empty((T, D // 32), np.float32)
+        intdot.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), bits, xq, xc, xd)
+        ctl = np.zeros(2, np.int64)
+        q, scales = w.q.view(np.uint8), w.scales.view(np.uint16)
+        self._run(describe_matmul_i8, (xq, xc, xd, q, scales, w.group_size, bits, out, ctl),
+                  (xq, xc, xd, q, scales, out, ctl))
 
     def close(self) -> None:
         # the helpers leave (and are called back by the next job, if any: `close` also parks

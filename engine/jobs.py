@@ -23,7 +23,7 @@ from .kernels import CARVE_SLACK, u16_rows
 # Crew's board (crew_g): published jobs, the closed flag, helpers in, units the helpers
 # did; then each job's descriptor
 BOARD_HEAD, JOB_LEN = 4, 21
-JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK, JOB_MOE_I8 = 1, 2, 3, 4, 5  # a job's kind
+JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK, JOB_MOE_I8, JOB_I8 = 1, 2, 3, 4, 5, 6  # a job's kind
 # gate/up rows, down rows a unit of crew_g takes (~144 KiB, ~100 KiB of int4 at 2048 x 768):
 # whole ROW_BLOCKs, so that the prompt path's tiles are whole
 MOE_IN_ROWS, MOE_OUT_ROWS = 72, 264
@@ -133,6 +133,16 @@ def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
     d[0], d[1], d[2], d[3] = kind, x.ctypes.data, x.shape[0], x.shape[1]
     d[4], d[5], d[6], d[7], d[8] = w.ctypes.data, w.shape[0], out.ctypes.data, ctl.ctypes.data, is_bf16
+
+
+@nb.njit(**JIT)
+def describe_matmul_i8(board, job, xq, xc, xd, q, scales, g, bits, out, ctl):
+    # job `job`'s JOB_I8 descriptor: a dense int8 / int4 matrix q [N, D or D/2] (scales [N, D/g]
+    # f16 bits) times quantised activations (intdot.quantize_rows: xq [T, D], xc, xd) into out [T, N]
+    d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
+    d[0], d[1], d[2], d[3] = JOB_I8, xq.ctypes.data, xq.shape[0], xq.shape[1]
+    d[4], d[5], d[6], d[7], d[8] = q.ctypes.data, q.shape[0], out.ctypes.data, ctl.ctypes.data, bits
+    d[9], d[10], d[11], d[12] = scales.ctypes.data, xc.ctypes.data, xd.ctypes.data, g
 
 
 @nb.njit(**JIT)

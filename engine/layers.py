@@ -13,7 +13,7 @@ import numpy as np
 
 from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of
 from . import crew, kernels
-from .formats import KERNELS, int4
+from .formats import KERNELS, int4, intdot
 from .kernels import NO_SINKS, f16_lut
 from .sequence import KV_BLOCK, KVPool
 
@@ -120,7 +120,13 @@ def qlinear(x: np.ndarray, w: QuantWeight, prompt: bool = False) -> np.ndarray:
 def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     # x [T, D] f32, w [N, D] in storage precision or a QuantWeight -> [T, N] f32
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if isinstance(w, QuantWeight):
+    if isinstance(w, QuantWeight) and getattr(w, "integer", False):  # a dense int8/int4 matrix on int8 activations
+        y = kernels.empty_aligned((x.shape[0], w.q.shape[0]))  # (MoEModel.set_activations marks it)
+        if w.q.size >= crew.CREW_MIN_ELEMENTS and crew.session() is not None:
+            crew.session().matmul_i8(x, w, y)
+        else:
+            intdot.linear(x, w, y)
+    elif isinstance(w, QuantWeight):
         y = qlinear(x, w)
     elif w.size >= crew.CREW_MIN_ELEMENTS and w.flags.c_contiguous and crew.session() is not None:
         y = kernels.empty_aligned((x.shape[0], w.shape[0]))  # on the step's crew, as matmul_f32 / matmul_u16 below

@@ -178,6 +178,19 @@ class MoEModel:
         where a family's checkpoints come in more than one (kimi_k25: the hub's and the one
         transformers writes). Called before the names are checked."""
 
+    INT_DENSE_KEYS: tuple = ()  # per-layer matrices computed only by linear(): what --dense-dtype int8/int4 quantizes
+
+    def int_dense_names(self) -> list[str]:
+        """The checkpoint names of the dense matrices a container may keep in int8 or int4
+        (INT_DENSE_KEYS of every layer, and an untied LM head): each goes through linear()
+        alone, which computes on a QuantWeight as on an array."""
+        if not self.INT_DENSE_KEYS:
+            return []
+        glob, per_layer, _ = self.shapes()
+        names = [self.NAMES[k].format(il=il) for il in range(self.n_layer) for k in self.INT_DENSE_KEYS
+                 if k in per_layer(il)]
+        return names + ([self.NAMES["lm_head"]] if "lm_head" in glob and not self.args.tie_word_embeddings else [])
+
     def dense_names(self) -> list[str]:
         """The checkpoint names of every tensor the model reads but the routed experts (a
         converted container keeps these and nothing else: e.g. not DeepSeek's MTP layers)."""
@@ -236,22 +249,32 @@ class MoEModel:
     def set_activations(self, name: str) -> None:
         """Compute the routed experts on float32 activations (exact: the default), or on
         activations quantised to int8 ("int8": formats/intdot.py, lossy, labelled in precision()
-        and so on every output). int8 needs int8 or int4 experts: raises ActivationsUnsupported
+        and so on every output); the same for dense matrices a container keeps in int8 or int4.
+        int8 needs int8 or int4 experts or such dense matrices: raises ActivationsUnsupported
         otherwise, ValueError for another name."""
         if name not in ACTIVATIONS:
             raise ValueError(f"activations {name!r}: not one of {', '.join(ACTIVATIONS)}")
-        if name == "int8" and self.expert_kind() not in ("int8", "int4"):
+        dense = [w for L in [self.glob, *self.layers] for w in L.values()
+                 if isinstance(w, QuantWeight) and w.kind in ("int8", "int4")]  # convert --dense-dtype int8/int4
+        int_experts = self.expert_kind() in ("int8", "int4")
+        if name == "int8" and not int_experts and not dense:
             raise ActivationsUnsupported(f"activations int8 needs int8 or int4 experts; these are "
                                          f"{self.expert_kind()} (colictl convert --dtype int4 or int8 makes them so)")
         g = (self.source_precision or {}).get("group_size")
         cols = [shape[1] for shape in self.shapes()[2].values() if len(shape) == 2]
-        if name == "int8" and any(c % 32 or (g or c) % 32 for c in cols):
+        if name == "int8" and int_experts and any(c % 32 or (g or c) % 32 for c in cols):
             raise ActivationsUnsupported(f"activations int8 takes expert rows and groups of whole blocks of 32 "
                                          f"columns; these rows have {sorted(set(cols))} (group {g or 'a row'})")
+        for L in [self.glob, *self.layers]:  # what linear() reads (engine/layers.py)
+            for k, w in L.items():
+                if isinstance(w, QuantWeight) and w.kind in ("int8", "int4"):
+                    L[k] = dataclasses.replace(w, integer=name == "int8")
+        if not self.args.tie_word_embeddings and "lm_head" in self.glob:
+            self.lm_head = self.glob["lm_head"]
         self.activations = name
         src = self.experts  # what moe() reads (engine/moe.py): the source and each one it wraps (the Ray boxes')
         while src is not None:
-            src.activations = name
+            src.activations = name if int_experts else "float32"
             src = getattr(src, "__dict__", {}).get("inner")
 
     def expert_kind(self) -> str:

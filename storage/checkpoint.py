@@ -23,8 +23,9 @@ from .errors import (
     WeightsMissing,
     read_json,
 )
+from .formats import FORMATS
 from .fpformats import FP8_DTYPES, QuantConfig, check_fp4, check_fp8, quant_config, read_fp4, read_fp8
-from .quant import QuantWeight
+from .quant import QuantWeight, quantized_shapes
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
 INTEGER_DTYPES = ("I32", "I64")
@@ -43,6 +44,7 @@ class Checkpoint:
     where: dict[str, str]  # tensor name -> file name
     quant: QuantConfig | None = None  # how its quantized weights are scaled (fpformats)
     crc32: dict[str, int] | None = None  # tensor name -> crc32 of its bytes (a container's dense file), checked on read
+    int_dense: dict | None = None  # name -> (kind, group): a container's int8/int4 dense matrices (scales at NAME.scales)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -62,6 +64,15 @@ class Checkpoint:
         """
         e = self.entry(name)
         file = self.files[self.where[name]].path
+        if self.int_dense and name in self.int_dense:  # colibri's own int8/int4, with its scales
+            kind, g = self.int_dense[name]
+            qshape, sshape = quantized_shapes(kind, tuple(shape), g)
+            s = self.entry(name + ".scales")
+            if e.shape != qshape or e.dtype != FORMATS[kind].code_dtype or s.shape != sshape or s.dtype != "F16":
+                raise TensorShapeMismatch(f"{file}: tensor {name!r} is {e.dtype} {list(e.shape)} with scales "
+                                          f"{s.dtype} {list(s.shape)}; {kind} g{g} of {list(shape)} is "
+                                          f"{FORMATS[kind].code_dtype} {list(qshape)} with F16 {list(sshape)}")
+            return e
         if e.dtype == "I8" and not integer and len(shape) == 2:  # FP4 experts: half the columns (fpformats)
             check_fp4(self, name, e, tuple(shape))
             return e
@@ -99,6 +110,9 @@ class Checkpoint:
         tensor a QuantWeight of its codes and scales (fpformats.read_fp8). Raises
         TensorMissing, ScalesMismatch, NonFiniteWeights, OSError."""
         dtype = self.entry(name).dtype
+        if self.int_dense and name in self.int_dense:
+            kind, g = self.int_dense[name]
+            return QuantWeight(kind, self.read(name), self.read(name + ".scales"), g)
         if dtype in FP8_DTYPES:
             return read_fp8(self, name)
         if dtype == "I8" and self.quant is not None and self.quant.fp4_experts:

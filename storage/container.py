@@ -115,7 +115,9 @@ class Container:
         self.dense = Checkpoint(path=path, config=self.config, files={DENSE_FILE: dense},
                                 where=dict.fromkeys(dense.entries, DENSE_FILE),
                                 quant=quant_config(self.config, os.path.join(path, "config.json")),
-                                crc32={n: int(c) for n, c in dense_sums["tensors"].items()} if dense_sums else None)
+                                crc32={n: int(c) for n, c in dense_sums["tensors"].items()} if dense_sums else None,
+                int_dense={n: (q["kind"], int(q["group_size"])) for q in [m["tensor_classes"]["dense"].get("int")]
+                           if q for n in q["names"]} or None)
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")
@@ -194,9 +196,11 @@ class Container:
         src = self.manifest["source"].get("dtypes", {})
         lossy = self.expert_dtype != src.get("experts") or self.dense_dtype != src.get("dense")
         acts = self.manifest.get("activations", "float32")  # convert --activations
+        q = self.manifest["tensor_classes"]["dense"].get("int")  # convert --dense-dtype int8/int4
         return {"dense": self.dense_dtype, "dense_fp8": self.manifest["tensor_classes"]["dense"].get("fp8"),
+                "dense_int": f"{q['kind']} g{q['group_size']}" if q else None,
                 "experts": self.expert_dtype, "group_size": self.group_size, "source": src,
-                "lossy": bool(lossy or acts != "float32"), "activations": acts}
+                "lossy": bool(lossy or acts != "float32" or q), "activations": acts}
 
 
 def dense_header_crc(file: str) -> int:

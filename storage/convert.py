@@ -38,6 +38,7 @@ from .quant import QuantWeight, check_group, dequantize, quantize, quantized_sha
 from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
 
 FLOAT_DTYPES = ("bf16", "f16", "f32")
+DENSE_GROUP = 32  # --dense-dtype int8/int4: one scale per 32 columns (Q8_0's and Q4_0's block)
 ST_NAME = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 OUR_NAME = {v: k for k, v in ST_NAME.items()}
 CODE_DTYPES = {f.code_dtype for f in FORMATS.values()}  # how a record's codes are typed (read back as bytes)
@@ -55,6 +56,7 @@ class ExpertPlan:
     n_expert: int
     names: Callable[[int, int], tuple[str, str, str]]  # (il, ie) -> gate, up, down tensor names
     dense: list[str] | None = None  # the other tensors the model reads (None: every other tensor)
+    int_dense: list[str] | None = None  # the dense matrices an int8/int4 dense_dtype quantizes (MoEModel.int_dense_names)
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -161,8 +163,18 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     if activations == "int8" and not whole:
         raise ConvertError(f"--activations int8 takes rows and groups of whole blocks of 32 columns: the experts' "
                            f"rows are {sorted({shape[1] for shape in shapes[:3]})} (group {group_size or 'a row'})")
+    if dense_dtype in QUANT_DTYPES:
+        if not plan.int_dense:
+            raise ConvertError(f"--dense-dtype {dense_dtype}: this family's dense matrices are not computed in "
+                               f"{dense_dtype} yet (bf16, f16 or f32)")
+        for n in plan.int_dense:
+            why = check_group(dense_dtype, src.entry(n).shape, DENSE_GROUP)
+            if why or src.entry(n).shape[1] % 32:
+                raise ConvertError(f"cannot quantize {n} {list(src.entry(n).shape)} to {dense_dtype}: "
+                                   f"{why or 'rows must be whole blocks of 32'}")
     if activations is None:
-        activations = "int8" if expert_dtype in ("int8", "int4") and whole else "float32"
+        activations = "int8" if (expert_dtype in ("int8", "int4") and whole) or dense_dtype in QUANT_DTYPES \
+            else "float32"
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
@@ -225,17 +237,33 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     done = 0
 
     entries = []
-    recast = {n for n in dense_names if dense_dtype and src.entry(n).dtype in OUR_NAME and n not in scales}
+    # --dense-dtype int8/int4: the matrices the family computes by linear() (plan.int_dense) in
+    # that format, each stored under its own name with its scales beside it (NAME.scales);
+    # the rest (norms, embeddings, routers) keeps its precision
+    qdense = {n for n in plan.int_dense or () if n in dense_names and src.entry(n).dtype in OUR_NAME} \
+        if dense_dtype in QUANT_DTYPES else set()
+    float_dtype = dense_dtype if dense_dtype in FLOAT_DTYPES else None
+    recast = {n for n in dense_names if float_dtype and src.entry(n).dtype in OUR_NAME and n not in scales}
     for n in dense_names:
         e = src.entry(n)
-        entries.append((n, ST_NAME[dense_dtype] if n in recast else e.dtype, e.shape))
+        if n in qdense:
+            qshape, sshape = quantized_shapes(dense_dtype, e.shape, DENSE_GROUP)
+            entries += [(n, FORMATS[dense_dtype].code_dtype, qshape), (n + ".scales", "F16", sshape)]
+            continue
+        entries.append((n, ST_NAME[float_dtype] if n in recast else e.dtype, e.shape))
     w = SafetensorsWriter(os.path.join(tmp, DENSE_FILE), entries, {"format": "pt", "colibri": "dense"})
     dense_crc = {}  # every byte of the dense file is checksummed: its header, and each tensor
     for n in dense_names:
         a = src.read(n)
-        data = np.ascontiguousarray(cast(a, dense_dtype) if n in recast else a).reshape(-1).view(np.uint8)
-        dense_crc[n] = crc32(data)
-        w.write(data)
+        if n in qdense:
+            qw = quantize(to_f32(a), dense_dtype, DENSE_GROUP)
+            parts = [(n, qw.q), (n + ".scales", qw.scales)]
+        else:
+            parts = [(n, cast(a, float_dtype) if n in recast else a)]
+        for name, arr in parts:
+            data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            dense_crc[name] = crc32(data)
+            w.write(data)
         done += 1
         if progress:
             progress(done, total)
@@ -305,7 +333,9 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         "model_type": src.config.get("model_type"),
         "tensor_classes": {
             # its FP8 matrices (with their scales) are kept as published whatever dtype the rest has
-            "dense": {"dtype": dense_dtype or OUR_NAME[src_dense], **({"fp8": fp8_dense} if fp8_dense else {})},
+            "dense": {"dtype": float_dtype or OUR_NAME[src_dense], **({"fp8": fp8_dense} if fp8_dense else {}),
+                      **({"int": {"kind": dense_dtype, "group_size": DENSE_GROUP, "names": sorted(qdense)}}
+                         if qdense else {})},
             "experts": {"dtype": expert_dtype or src_experts,
                         "group_size": block[1] if block else None if published else group_size if quant else None,
                         **({"block": block} if published else {})},

@@ -21,6 +21,7 @@ class QuantWeight:
     scales: np.ndarray  # float16 [N, D/g] (int8, int4), float32 [ceil(N/row_block), ceil(D/g)] (fp8), uint8 e8m0 [N, D/32] (mxfp4)
     group_size: int  # g: the columns one scale covers
     row_block: int = 1  # the rows one scale covers (fp8's block height)
+    integer: bool = False  # a dense int8 / int4 matrix on int8 activations (engine: MoEModel.set_activations)
 
     @property
     def shape(self) -> tuple[int, int]:

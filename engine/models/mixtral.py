@@ -53,6 +53,7 @@ def route(logits: np.ndarray, n_expert_used: int) -> tuple[np.ndarray, np.ndarra
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
+    INT_DENSE_KEYS = ("q", "k", "v", "o")  # the attention's matrices: only linear() reads them
     ROPE_DEFAULTS = {"rope_theta": 1e6, "rope_type": "default"}
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):

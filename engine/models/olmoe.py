@@ -45,6 +45,7 @@ def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     NAMES = HF_NAMES
+    INT_DENSE_KEYS = ("q", "k", "v", "o")  # the attention's matrices: only linear() reads them
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         hd = args.hidden_size // args.num_attention_heads
