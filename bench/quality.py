@@ -38,6 +38,7 @@ from colibri.engine import layers  # noqa: E402
 from colibri.engine.registry import build_model  # noqa: E402
 from colibri.engine.tokenizer import Tokenizer  # noqa: E402
 from colibri.storage.checkpoint import load_config, open_checkpoint  # noqa: E402
+from colibri.storage.container import MANIFEST  # noqa: E402
 from colibri.storage.convert import ExpertPlan, convert  # noqa: E402
 
 # (experts, activations, dense matrices): the dense part bf16 (None) or int8 / int4 (attention and LM head)
@@ -115,7 +116,7 @@ def main():
     conts = {}
     for kind, _, dense in VARIANTS:
         dst = os.path.join(a.workdir, f"{os.path.basename(src.rstrip('/'))}-{kind}-g{a.group_size}-d{dense or 'bf16'}")
-        if not os.path.isfile(os.path.join(dst, "manifest.json")):
+        if not os.path.isfile(os.path.join(dst, MANIFEST)):
             convert(ckpt, dst, plan, expert_dtype=kind, group_size=a.group_size, dense_dtype=dense, force=True)
         conts[kind, dense] = dst
     rows = {v: {"kl": [], "agree": [], "nll": []} for v in VARIANTS}
