@@ -24,7 +24,9 @@ What it does, each step skipped when its result is already in --workdir:
    first in even ones), two threads each, weights in RAM (llama.cpp without mmap):
    warm decode (32 greedy tokens after a 16-token prompt) and prompts of 16, 40, 64, 512
    and 2048 tokens; colibri with int8 activations and with exact float32 ones.
-5. --parts limit: decode under a cgroup memory limit of 25 % of the Q4_0 file, from a
+5. --parts exact: colibri on the bf16 checkpoint itself against llama.cpp's F16 file of it
+   (both exact; another 2 bytes a weight of disk).
+6. --parts limit: decode under a cgroup memory limit of 25 % of the Q4_0 file, from a
    cold page cache: llama.cpp with mmap at the drive's read-ahead and at 1 MiB (the better
    is its figure), colibri streaming its experts with the cache that fits.
 The memory read bandwidth is measured in the same run (the ratio's context).
@@ -185,7 +187,7 @@ def checkpoint(workdir: str, n_layer: int) -> str:
 CONVERT = """
 import sys
 sys.path.insert(0, {root!r})
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "q8_0", "--outfile", {out!r}]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"  # a synthetic byte-level tokenizer
 import convert_hf_to_gguf
@@ -199,8 +201,8 @@ def gguf_files(workdir: str, ckpt: str, root: str, mod) -> dict:
     out = {"q8_0": base + "-q8_0.gguf", "q4_0": base + "-q4_0.gguf"}
     if not os.path.isfile(out["q8_0"]):
         say("llama.cpp's converter: Q8_0")
-        subprocess.run([sys.executable, "-c", CONVERT.format(root=root, src=ckpt, out=out["q8_0"] + ".part")],
-                       check=True)
+        subprocess.run([sys.executable, "-c", CONVERT.format(root=root, src=ckpt, out=out["q8_0"] + ".part",
+                                                            outtype="q8_0")], check=True)
         os.rename(out["q8_0"] + ".part", out["q8_0"])
     if not os.path.isfile(out["q4_0"]):
         say("llama.cpp's quantizer: Q4_0")
@@ -241,7 +243,10 @@ def colibri_worker(job: dict) -> dict:
     from colibri.engine import layers
 
     t0 = time.perf_counter()
-    model = synthetic.load_model(job["path"], budget=job.get("budget", "all"))
+    from colibri.storage.container import is_container
+
+    budget = job.get("budget", "all") if is_container(job["path"]) else None  # (a checkpoint: all in RAM)
+    model = synthetic.load_model(job["path"], **({"budget": budget} if budget else {}))
     layers.init(job["threads"])
     model.set_activations(job["activations"])
     load_s = time.perf_counter() - t0
@@ -444,15 +449,9 @@ def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: in
 
 # ---- the comparison -------------------------------------------------------------------------
 
-def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> dict:
-    """Warm decode and prompts, each configuration in turn, `rounds` times (the order flipped
-    every round); each figure the best of its rounds."""
-    jobs = {}
-    for kind, qtype in PAIRS.items():
-        for name in (b for b in BOXES if BOXES[b][0] == kind):
-            for acts in RUNS[name]:
-                jobs[f"colibri-{name}-{acts}"] = {"engine": "colibri", "path": boxes[name], "activations": acts}
-        jobs[f"llama-{qtype}"] = {"engine": "llama", "path": files[qtype]}
+def compare(jobs: dict, pairs: list, threads: int, rounds: int, lengths: list) -> dict:
+    """Warm decode and prompts, each job in turn, `rounds` times (the order flipped every
+    round); each figure the best of its rounds; each pair (ours, theirs) as ratios."""
     runs = {k: [] for k in jobs}
     for r in range(rounds):
         order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
@@ -469,25 +468,47 @@ def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> 
                    "prefill_tok_s": {n: max(x["prefill"][n] for x in ok) for n in ok[0]["prefill"]},
                    "tokens": ok[0]["tokens"]}
     ratios = {}
-    for name, (kind, _) in BOXES.items():
-        qtype = PAIRS[kind]
-        peer = best[f"llama-{qtype}"]
-        for acts in RUNS[name]:
-            ours = best[f"colibri-{name}-{acts}"]
-            if "error" in ours or "error" in peer:
-                continue
-            ratios[f"{name}-{acts} / {qtype}"] = {
-                "decode": round(ours["decode_tok_s"] / peer["decode_tok_s"], 2),
-                "prefill": {n: round(ours["prefill_tok_s"][n] / peer["prefill_tok_s"][n], 2)
-                            for n in ours["prefill_tok_s"]},
-                "greedy_agreement": round(float(np.mean(np.asarray(ours["tokens"]) == np.asarray(peer["tokens"]))), 3)}
+    for ours_k, peer_k in pairs:
+        ours, peer = best[ours_k], best[peer_k]
+        if "error" in ours or "error" in peer:
+            continue
+        ratios[f"{ours_k.removeprefix('colibri-')} / {peer_k.removeprefix('llama-')}"] = {
+            "decode": round(ours["decode_tok_s"] / peer["decode_tok_s"], 2),
+            "prefill": {n: round(ours["prefill_tok_s"][n] / peer["prefill_tok_s"][n], 2) for n in ours["prefill_tok_s"]},
+            "greedy_agreement": round(float(np.mean(np.asarray(ours["tokens"]) == np.asarray(peer["tokens"]))), 3)}
     return {"best": best, "ratios": ratios, "runs": runs}
+
+
+def warm(files: dict, boxes: dict, threads: int, rounds: int, lengths: list) -> dict:
+    """Every container (RUNS) against the llama.cpp file of its experts' width."""
+    jobs, pairs = {}, []
+    for kind, qtype in PAIRS.items():
+        for name in (b for b in BOXES if BOXES[b][0] == kind):
+            for acts in RUNS[name]:
+                jobs[f"colibri-{name}-{acts}"] = {"engine": "colibri", "path": boxes[name], "activations": acts}
+                pairs.append((f"colibri-{name}-{acts}", f"llama-{qtype}"))
+        jobs[f"llama-{qtype}"] = {"engine": "llama", "path": files[qtype]}
+    return compare(jobs, pairs, threads, rounds, lengths)
+
+
+def exact(workdir: str, ckpt: str, root: str, threads: int, rounds: int, lengths: list) -> dict:
+    """The exact paths: colibri on the bf16 checkpoint itself (float32 activations) against
+    llama.cpp's F16 file of it (its converter's --outtype f16)."""
+    f16 = os.path.join(workdir, os.path.basename(ckpt)) + "-f16.gguf"
+    if not os.path.isfile(f16):
+        say("llama.cpp's converter: F16")
+        subprocess.run([sys.executable, "-c", CONVERT.format(root=root, src=ckpt, out=f16 + ".part", outtype="f16")],
+                       check=True)
+        os.rename(f16 + ".part", f16)
+    jobs = {"colibri-bf16": {"engine": "colibri", "path": ckpt, "activations": "float32"},
+            "llama-f16": {"engine": "llama", "path": f16}}
+    return compare(jobs, [("colibri-bf16", "llama-f16")], threads, rounds, lengths) | {"f16_bytes": os.path.getsize(f16)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--parts", default="warm,limit", help="warm, limit, or both")
+    ap.add_argument("--parts", default="warm,limit", help="warm, limit, exact (bf16 against F16), comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -502,10 +523,13 @@ def main():
     os.makedirs(a.workdir, exist_ok=True)
     mod = llama_cpp()
     info = system_info(mod)
+    parts = set(a.parts.split(","))
     root = llama_source(a.workdir, a.sdist)
     ckpt = checkpoint(a.workdir, a.layers)
-    files = gguf_files(a.workdir, ckpt, root, mod)
-    boxes = containers(a.workdir, ckpt)
+    files, boxes = {}, {}
+    if parts & {"warm", "limit"}:
+        files = gguf_files(a.workdir, ckpt, root, mod)
+        boxes = containers(a.workdir, ckpt)
     from colibri.engine import kernels
 
     buf = np.ones(256 * 2**20 // 8, np.uint64)
@@ -513,13 +537,15 @@ def main():
     t0 = time.perf_counter()
     kernels.read_bandwidth(buf, 2)
     mem_gbs = 2 * buf.nbytes / (time.perf_counter() - t0) / 1e9
-    parts = set(a.parts.split(","))
     out = {"benchmark": "peer", "model": {"checkpoint": ckpt, "layers": a.layers, "shape": SHAPE,
                                            "files": {k: {"path": v, "bytes": os.path.getsize(v)} for k, v in files.items()},
                                            "containers": boxes},
            "llama_cpp": info | {"version": LLAMA_VERSION}, "threads": a.threads, "memory_read_gbs_1thread": round(mem_gbs, 1)}
+    lengths = [int(x) for x in a.lengths.split(",") if x]
     if "warm" in parts:
-        out["warm"] = warm(files, boxes, a.threads, a.rounds, [int(x) for x in a.lengths.split(",") if x])
+        out["warm"] = warm(files, boxes, a.threads, a.rounds, lengths)
+    if "exact" in parts:
+        out["exact"] = exact(a.workdir, ckpt, root, a.threads, a.rounds, lengths)
     if "limit" in parts and os.geteuid() != 0:
         out["limit"] = {"skipped": "the memory limit needs root (a memory cgroup, dropping the page cache, the "
                                    "drive's read-ahead)"}
