@@ -36,10 +36,9 @@ from numba.extending import intrinsic
 
 from ..ir import F32, host_features, prefetch, row_at, token_blocks
 from ..jit import JIT
+from ..kernels import f16_lut
 
-KINDS = ()  # computes on int8 and int4 containers' weights, registered by their own modules
 BLOCK = 32  # activation columns per scale
-LANES = 8  # int32 lanes per block
 EXCESS = {4: 8, 8: 128}  # weight bits -> what vpdpbusd's unsigned weight adds to the true one
 PATH_GENERIC, PATH_AVX2, PATH_VNNI256, PATH_VNNI512 = 0, 1, 2, 3
 PATH_NAMES = {"generic": PATH_GENERIC, "avx2": PATH_AVX2, "vnni256": PATH_VNNI256, "vnni512": PATH_VNNI512}
@@ -322,12 +321,7 @@ def linear(x: np.ndarray, w, out: np.ndarray, path: int = PATH) -> None:
     # x [T, D] f32 C-contiguous, w an int8 or int4 QuantWeight [N, D] (takes(w)), out [T, N] f32
     bits = 8 if w.kind == "int8" else 4
     q = w.q.view(np.uint8) if bits == 8 else w.q
-    kernel(bits, path)(x, q, w.scales.view(np.uint16), w.group_size, _lut(), out)
-
-
-def _lut():
-    from ..kernels import f16_lut
-    return f16_lut()
+    kernel(bits, path)(x, q, w.scales.view(np.uint16), w.group_size, f16_lut(), out)
 
 
 # ---- the numpy reference (tests/engine/test_intdot.py) ----
