@@ -362,7 +362,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
     plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names(),
-                      model.int_dense_names())
+                      model.int_dense_names(), model.CREW_EXPERTS)
     order = None
     if trace_path:
         from ..storage.layout import coactivation_order

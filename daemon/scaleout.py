@@ -98,8 +98,10 @@ class ExpertWorker:
                 ffn=None, clamped=None, integer=False) -> tuple[np.ndarray, np.ndarray, dict]:
         """parts [(expert, rows)] of layer il -> (rows, their outputs [n, D], the box's
         counters) (see moe(): ffn, clamped a family's own expert; integer: activations int8)."""
+        from ..engine.formats.intdot import arrange_expert
         from ..engine.moe import worker_rows
 
+        self.cache.arrange(arrange_expert if integer else None)  # (the integer kernels take tiles of rows)
         rows_of = {ie: np.asarray(r) for ie, r in parts}
         self.cache.begin_step()
         ys = worker_rows(self.cache.stream(il, list(rows_of)), rows_of, x, A, w_flat, prompt_rows,
@@ -254,6 +256,9 @@ class RayExperts(LocalSource):
             if theirs:
                 box.actor.prefetch.remote(il, theirs, tokens)  # one way: the box reads ahead while the head attends
         return self.local.prefetch(il, mine, tokens) if mine else 0
+
+    def arrange(self, fn) -> None:
+        self.local.arrange(fn)  # (the boxes arrange their own as the calls say: ExpertWorker.compute)
 
     def compute_into(self, il, rows_of, x, w_flat, prompt_rows, A, ys, compute, ffn=None, clamped=None) -> bool:
         """The step's experts of layer il: each box's by one call, the head's own meanwhile

@@ -15,16 +15,18 @@ import numba as nb
 import numpy as np
 
 from ..storage.experts import FORMATS, QuantWeight, bf16_to_f32, int4_of
-from .atomics import atomic_add, atomic_load, f32_at, i8_at, i32_at, i64_at, u8_at, u16_at, yield_cpu
+from .atomics import atomic_add, atomic_load, f32_at, i8_at, i64_at, u8_at, u16_at, yield_cpu
 from .formats import intdot
 from .formats.int4 import q4_matmul, q4_split_row
-from .formats.intdot import idot, quantize_row
+from .formats.intdot import idot, quantize_row, record_len
 from .jit import JIT
 from .jobs import (
     ACT_CLAMPED,
     ACT_SILU,
     BOARD_HEAD,
     DTYPE_CODES,
+    I8_IN_ROWS,
+    I8_OUT_ROWS,
     JOB_F32,
     JOB_I8,
     JOB_LEN,
@@ -106,8 +108,8 @@ def _make_crew(g: int, path: int):
         # - JOB_U16, JOB_F32: addresses and sizes of x [T, D] f32, w [N, D] (bf16 or f16 bits,
         #   or f32), out [T, N] f32, ctl [2] int64 zeros, then is_bf16: out = x @ w.T,
         #   ROWS_PER_TASK rows a unit, as matmul_u16 and matmul_f32 compute it.
-        # - JOB_I8: a dense int8 / int4 matrix times quantised activations (jobs.describe_matmul_i8),
-        #   ROWS_PER_TASK rows a unit, as formats/intdot.py's linear computes it.
+        # - JOB_I8: a dense int8 / int4 matrix in tiles times quantised activations
+        #   (jobs.describe_matmul_i8), I8_IN_ROWS rows a unit, as formats/intdot.py's linear computes it.
         # serve == 0: publish job `job` and do it with whoever joins, returning when it is
         # done. serve == 1 (a helper): do each job from `job` on as it is published, until the
         # board is closed or nothing comes for SPIN_LIMIT spins.
@@ -141,7 +143,8 @@ def _make_crew(g: int, path: int):
                 D, R, E, n_work, I, A = job_d[3], job_d[5], job_d[6], job_d[8], job_d[9], job_d[10]
                 act, params = job_d[13], nb.carray(f32_at(job_d[14]), (2,))
                 # JOB_MOE_I8: the same units, the activations quantised (intdot.quantize_row)
-                # where JOB_MOE_Q4 splits them, the integer dot products where it has q4_matmul
+                # where JOB_MOE_Q4 splits them, the integer dot products (the weights in tiles of
+                # 16 rows, I8_IN_ROWS / I8_OUT_ROWS rows a unit) where it has q4_matmul
                 integer = job_d[0] == JOB_MOE_I8
                 bits, gw, gd = (job_d[15], job_d[16], job_d[17]) if integer else (4, g, g)  # gate/up's group, down's
                 if integer:
@@ -149,23 +152,25 @@ def _make_crew(g: int, path: int):
                 else:
                     n_ints, n_need = moe_q4_sizes(R, E, D, I, g)
                 x_all, rows, starts, addrs, ctl, work, wts, ys = expert_job(job_d, n_ints)
-                check_expert_job(rows, starts, ys, D % gw == 0 and I % gd == 0 and (not integer or gw % 32 + gd % 32 == 0)
+                check_expert_job(rows, starts, ys, D % gw == 0 and I % gd == 0 and (not integer or gw % 32 + gd % 32 + I % 16 + D % 16 == 0)
                                  and f16_lut.shape[0] == 65536 and n_work >= n_need and (bits == 4 or bits == 8))
                 # work, carved as moe_q4_sizes (moe_i8_sizes) counts it: xe/xq, xd/xc, xs/xd; he/hq, hd/hc, hs/hd
-                xe, o = carve(work, 0, R, D // 4 if integer else D // 2)
-                xd, o = carve(work, o, R, D // 4 if integer else D // 2)
-                xs, o = carve(work, o, R, D // 32 if integer else D // g)
+                # (JOB_MOE_I8: xe holds x's records, he h's: intdot.quantize_row; xd, xs, hd, hs empty)
+                xe, o = carve(work, 0, R, record_len(D) // 4 if integer else D // 2)
+                xd, o = carve(work, o, R, 0 if integer else D // 2)
+                xs, o = carve(work, o, R, 0 if integer else D // g)
                 h, o = carve(work, o, R, I)
                 u, o = carve(work, o, R, I)
-                he, o = carve(work, o, R, I // 4 if integer else I // 2)
-                hd, o = carve(work, o, R, I // 4 if integer else I // 2)
-                hs, o = carve(work, o, R, I // 32 if integer else I // g)
+                he, o = carve(work, o, R, record_len(I) // 4 if integer else I // 2)
+                hd, o = carve(work, o, R, 0 if integer else I // 2)
+                hs, o = carve(work, o, R, 0 if integer else I // g)
                 out, o = carve(work, o, R, D)
-                xq, xc = nb.carray(i8_at(xe.ctypes.data), (R, D)), nb.carray(i32_at(xd.ctypes.data), (R, D // 4))
-                hq, hc = nb.carray(i8_at(he.ctypes.data), (R, I)), nb.carray(i32_at(hd.ctypes.data), (R, I // 4))
+                xr = nb.carray(i8_at(xe.ctypes.data), (R, record_len(D) if integer else 0))
+                hr = nb.carray(i8_at(he.ctypes.data), (R, record_len(I) if integer else 0))
                 qd = D // 2 if bits == 4 else D  # bytes of a gate / up row, of a down row
                 qi = I // 2 if bits == 4 else I
-                n_in, n_out = (I + MOE_IN_ROWS - 1) // MOE_IN_ROWS, (D + MOE_OUT_ROWS - 1) // MOE_OUT_ROWS
+                in_rows, out_rows = (I8_IN_ROWS, I8_OUT_ROWS) if integer else (MOE_IN_ROWS, MOE_OUT_ROWS)
+                n_in, n_out = (I + in_rows - 1) // in_rows, (D + out_rows - 1) // out_rows
                 # units: [0, E) x split; then E * n_in gate/up; then E h split; then E * n_out down.
                 # ctl[0]: next unit; ctl[1]: units done; ctl[2 + e]: e's x split; ctl[2 + E + e]: its
                 # gate/up units done; ctl[2 + 2 E + e]: its h split
@@ -178,7 +183,7 @@ def _make_crew(g: int, path: int):
                     if k < u_in:
                         for i in range(starts[k], starts[k + 1]):
                             if integer:
-                                quantize_row(x_all, rows[i] // A, bits, xq, xc, xs, i)
+                                quantize_row(x_all, rows[i] // A, bits, xr, i)
                             else:
                                 q4_split_row(x_all, rows[i] // A, g, xe, xd, xs, i)
                         atomic_add(ctl, 2 + k, 1)
@@ -187,18 +192,21 @@ def _make_crew(g: int, path: int):
                         while atomic_load(ctl, 2 + e) == 0:
                             pass
                         lo, hi = starts[e], starts[e + 1]
-                        n_lo, n_hi = c * MOE_IN_ROWS, min(I, (c + 1) * MOE_IN_ROWS)
-                        gq, gs = nb.carray(u8_at(addrs[e, 0]), (I, qd)), nb.carray(u16_at(addrs[e, 1]), (I, D // gw))
-                        uq, us = nb.carray(u8_at(addrs[e, 2]), (I, qd)), nb.carray(u16_at(addrs[e, 3]), (I, D // gw))
+                        n_lo, n_hi = c * in_rows, min(I, (c + 1) * in_rows)
                         if not integer:
+                            gq, gs = nb.carray(u8_at(addrs[e, 0]), (I, qd)), nb.carray(u16_at(addrs[e, 1]), (I, D // gw))
+                            uq, us = nb.carray(u8_at(addrs[e, 2]), (I, qd)), nb.carray(u16_at(addrs[e, 3]), (I, D // gw))
                             q4_matmul(xe, xd, xs, gq, gs, f16_lut, h, half, lo, hi, n_lo, n_hi)
                             q4_matmul(xe, xd, xs, uq, us, f16_lut, u, half, lo, hi, n_lo, n_hi)
-                        elif bits == 4:
-                            idot(xq, xc, xs, gq, gs, f16_lut, h, gw, 4, path, lo, hi, n_lo, n_hi)
-                            idot(xq, xc, xs, uq, us, f16_lut, u, gw, 4, path, lo, hi, n_lo, n_hi)
-                        else:
-                            idot(xq, xc, xs, gq, gs, f16_lut, h, gw, 8, path, lo, hi, n_lo, n_hi)
-                            idot(xq, xc, xs, uq, us, f16_lut, u, gw, 8, path, lo, hi, n_lo, n_hi)
+                        else:  # the weights in tiles of 16 rows (intdot.retile)
+                            gq, gs = nb.carray(u8_at(addrs[e, 0]), (I // 16, 16 * qd)), nb.carray(u16_at(addrs[e, 1]), (I // 16, 16 * (D // gw)))
+                            uq, us = nb.carray(u8_at(addrs[e, 2]), (I // 16, 16 * qd)), nb.carray(u16_at(addrs[e, 3]), (I // 16, 16 * (D // gw)))
+                            if bits == 4:
+                                idot(xr, gq, gs, h, gw, D, 4, path, lo, hi, n_lo // 16, n_hi // 16)
+                                idot(xr, uq, us, u, gw, D, 4, path, lo, hi, n_lo // 16, n_hi // 16)
+                            else:
+                                idot(xr, gq, gs, h, gw, D, 8, path, lo, hi, n_lo // 16, n_hi // 16)
+                                idot(xr, uq, us, u, gw, D, 8, path, lo, hi, n_lo // 16, n_hi // 16)
                         activate(act, h, u, params, addrs[e, 6], addrs[e, 7], I, lo, hi, n_lo, n_hi)
                         atomic_add(ctl, 2 + E + e, 1)
                     elif k < u_out:
@@ -207,7 +215,7 @@ def _make_crew(g: int, path: int):
                             pass
                         for i in range(starts[e], starts[e + 1]):
                             if integer:
-                                quantize_row(h, i, bits, hq, hc, hs, i)
+                                quantize_row(h, i, bits, hr, i)
                             else:
                                 q4_split_row(h, i, g, he, hd, hs, i)
                         atomic_add(ctl, 2 + 2 * E + e, 1)
@@ -216,14 +224,16 @@ def _make_crew(g: int, path: int):
                         while atomic_load(ctl, 2 + 2 * E + e) == 0:
                             pass
                         lo, hi = starts[e], starts[e + 1]
-                        d_lo, d_hi = c * MOE_OUT_ROWS, min(D, (c + 1) * MOE_OUT_ROWS)
-                        dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, qi)), nb.carray(u16_at(addrs[e, 5]), (D, I // gd))
+                        d_lo, d_hi = c * out_rows, min(D, (c + 1) * out_rows)
                         if not integer:
+                            dq, ds = nb.carray(u8_at(addrs[e, 4]), (D, qi)), nb.carray(u16_at(addrs[e, 5]), (D, I // gd))
                             q4_matmul(he, hd, hs, dq, ds, f16_lut, out, half, lo, hi, d_lo, d_hi)
-                        elif bits == 4:
-                            idot(hq, hc, hs, dq, ds, f16_lut, out, gd, 4, path, lo, hi, d_lo, d_hi)
                         else:
-                            idot(hq, hc, hs, dq, ds, f16_lut, out, gd, 8, path, lo, hi, d_lo, d_hi)
+                            dq, ds = nb.carray(u8_at(addrs[e, 4]), (D // 16, 16 * qi)), nb.carray(u16_at(addrs[e, 5]), (D // 16, 16 * (I // gd)))
+                            if bits == 4:
+                                idot(hr, dq, ds, out, gd, I, 4, path, lo, hi, d_lo // 16, d_hi // 16)
+                            else:
+                                idot(hr, dq, ds, out, gd, I, 8, path, lo, hi, d_lo // 16, d_hi // 16)
                         weigh(out, addrs[e, 8], rows, wts, ys, starts[e], starts[e + 1], d_lo, d_hi)
                     atomic_add(ctl, 1, 1)
                     if serve:
@@ -302,21 +312,22 @@ def _make_crew(g: int, path: int):
                 T, D, N = job_d[2], job_d[3], job_d[5]
                 x, ctl = nb.carray(f32_at(job_d[1]), (T, D if job_d[0] != JOB_I8 else 0)), nb.carray(i64_at(job_d[7]), (2,))
                 out = nb.carray(f32_at(job_d[6]), (T, N))
-                total = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+                per = I8_IN_ROWS if job_d[0] == JOB_I8 else ROWS_PER_TASK  # (JOB_I8: whole tiles of 16 rows)
+                total = (N + per - 1) // per
                 while True:
                     c = atomic_add(ctl, 0, 1)
                     if c >= total:
                         break
-                    r_hi = min(N, (c + 1) * ROWS_PER_TASK)
-                    if job_d[0] == JOB_I8:  # (x is the quantised activations' int8 values)
-                        xq = nb.carray(i8_at(job_d[1]), (T, D))
-                        xc, xd = nb.carray(i32_at(job_d[10]), (T, D // 4)), nb.carray(f32_at(job_d[11]), (T, D // 32))
+                    r_hi = min(N, (c + 1) * per)
+                    if job_d[0] == JOB_I8:  # (x is the quantised activations' records; the weights in tiles)
+                        xr = nb.carray(i8_at(job_d[1]), (T, record_len(D)))
                         gw, qd = job_d[12], D // 2 if job_d[8] == 4 else D
-                        q, sc = nb.carray(u8_at(job_d[4]), (N, qd)), nb.carray(u16_at(job_d[9]), (N, D // gw))
+                        n_tiles = (N + 15) // 16  # (padded to whole tiles: intdot.arranged)
+                        q, sc = nb.carray(u8_at(job_d[4]), (n_tiles, 16 * qd)), nb.carray(u16_at(job_d[9]), (n_tiles, 16 * (D // gw)))
                         if job_d[8] == 4:
-                            idot(xq, xc, xd, q, sc, f16_lut, out, gw, 4, path, 0, T, c * ROWS_PER_TASK, r_hi)
+                            idot(xr, q, sc, out, gw, D, 4, path, 0, T, c * per // 16, (r_hi + 15) // 16)
                         else:
-                            idot(xq, xc, xd, q, sc, f16_lut, out, gw, 8, path, 0, T, c * ROWS_PER_TASK, r_hi)
+                            idot(xr, q, sc, out, gw, D, 8, path, 0, T, c * per // 16, (r_hi + 15) // 16)
                     elif job_d[0] == JOB_U16:
                         matmul_u16_rows(x, nb.carray(u16_at(job_d[4]), (N, D)), job_d[8] != 0, f16_lut, out, c * ROWS_PER_TASK, r_hi)
                     else:
@@ -438,8 +449,9 @@ class Crew:
 
     def experts_i8(self, x: np.ndarray, rows: np.ndarray, starts: np.ndarray, A: int, wts: np.ndarray,
                    experts: list, ys: np.ndarray, act: tuple | None = None) -> None:
-        # int8 or int4 experts of one shape (intdot.takes each matrix) on int8 activations
-        # (formats/intdot.py), decode and prompt rows alike; arguments as experts'
+        # int8 or int4 experts of one shape (intdot.takes each matrix), their bytes in tiles
+        # (intdot.arrange_expert), on int8 activations (formats/intdot.py), decode and prompt
+        # rows alike; arguments as experts'
         gate = experts[0][0]
         layouts = tuple(w.layout for w in experts[0][:3])
         if (any(tuple(w.layout for w in e[:3]) != layouts for e in experts) or gate.kind not in ("int8", "int4")
@@ -467,7 +479,7 @@ class Crew:
         I = gate[2][0]
         kind, per = ("int8", 1) if bits == 8 else ("int4", 2)
         gd = g if bits is None else layouts[2][1]  # down's group (int8's one scale a row: gate's is D, down's I)
-        if ((g != self.g if bits is None else (g % 32 or gd % 32 or D % g or I % gd))
+        if ((g != self.g if bits is None else (g % 32 or gd % 32 or D % g or I % gd or I % 16 or D % 16))
                 or gate != (kind, g, (I, D // per), (I, D // g)) or layouts[1] != gate
                 or layouts[2] != (kind, gd, (D, I // per), (D, I // gd)) or x.dtype != np.float32
                 or ys.dtype != np.float32 or wts.dtype != np.float32 or ys.shape != (x.shape[0] * A, D)
@@ -545,20 +557,20 @@ class Crew:
         self._run(describe_matmul, (kind, x, bits, out, ctl, w.dtype == np.uint16), (x, w, out, ctl))
 
     def matmul_i8(self, x: np.ndarray, w: QuantWeight, out: np.ndarray) -> None:
-        # out [T, N] = x [T, D] f32 @ w.T for an int8 / int4 QuantWeight w [N, D] on int8
-        # activations: as formats/intdot.py's linear computes it, ROWS_PER_TASK rows a unit
+        # out [T, N] = x [T, D] f32 @ w.T for an int8 / int4 QuantWeight w [N, D] in tiles
+        # (intdot.arranged) on int8 activations: as formats/intdot.py's linear computes it
         T, D = x.shape
-        if (w.kind not in ("int8", "int4") or w.shape != (out.shape[1], D) or out.shape[0] != T or D % 32
+        if (w.kind not in ("int8", "int4") or not w.integer or w.shape != (out.shape[1], D) or out.shape[0] != T
+                or D % 32
                 or w.group_size % 32 or D % w.group_size or out.dtype != np.float32 or not out.flags.c_contiguous
                 or not (w.q.flags.c_contiguous and w.scales.flags.c_contiguous)):
             raise ValueError("matmul: weight, activation and output shapes do not match")
         bits = 8 if w.kind == "int8" else 4
-        xq, xc, xd = np.empty((T, D), np.int8), np.empty((T, D // 4), np.int32), np.empty((T, D // 32), np.float32)
-        intdot.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), bits, xq, xc, xd)
+        rec = np.empty((T, intdot.record_len(D)), np.int8)
+        intdot.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), bits, rec)
         ctl = np.zeros(2, np.int64)
-        q, scales = w.q.view(np.uint8), w.scales.view(np.uint16)
-        self._run(describe_matmul_i8, (xq, xc, xd, q, scales, w.group_size, bits, out, ctl),
-                  (xq, xc, xd, q, scales, out, ctl))
+        q, scales = intdot.tiles(w)
+        self._run(describe_matmul_i8, (rec, D, q, scales, w.group_size, bits, out, ctl), (rec, q, scales, out, ctl))
 
     def close(self) -> None:
         # the helpers leave (and are called back by the next job, if any: `close` also parks

@@ -15,6 +15,7 @@ from .atomics import f32_at, i8_at, i64_at, u8_at, u16_at
 from .formats.fp8 import f8_rows
 from .formats.int4 import q4_rows_32, q4_rows_64, q4_rows_128
 from .formats.int8 import q8_rows
+from .formats.intdot import record_len
 from .formats.mxfp4 import mx4_rows
 from .ir_rows import clamped_rows, silu_mul_rows
 from .jit import JIT
@@ -27,6 +28,7 @@ JOB_MOE_Q4, JOB_U16, JOB_F32, JOB_MOE_TOK, JOB_MOE_I8, JOB_I8 = 1, 2, 3, 4, 5, 6
 # gate/up rows, down rows a unit of crew_g takes (~144 KiB, ~100 KiB of int4 at 2048 x 768):
 # whole ROW_BLOCKs, so that the prompt path's tiles are whole
 MOE_IN_ROWS, MOE_OUT_ROWS = 72, 264
+I8_IN_ROWS, I8_OUT_ROWS = 64, 256  # the integer job's (JOB_MOE_I8): whole tiles of 16 rows (formats/intdot.py)
 
 
 N_ADDRS = 9  # per expert: gate q, scales, up q, scales, down q, scales, then its biases (0: none)
@@ -50,11 +52,11 @@ def moe_q4_sizes(R, E, D, I, g):
 
 @nb.njit(**JIT)
 def moe_i8_sizes(R, E, D, I):
-    # (ints, work) lengths of a JOB_MOE_I8 job (ints as JOB_MOE_Q4's); work = xq [R, D] int8,
-    # xc [R, D/4] int32, xd [R, D/32], h, u [R, I], hq [R, I] int8, hc [R, I/4] int32, hd
-    # [R, I/32], out [R, D] (f32 unless said; the int8 arrays in float32's room, a quarter)
+    # (ints, work) lengths of a JOB_MOE_I8 job (ints as JOB_MOE_Q4's); work = x's records [R,
+    # record_len(D)] int8, h, u [R, I], h's records [R, record_len(I)] int8, out [R, D] (f32
+    # unless said; the records in float32's room, a quarter)
     return (R + (E + 1) + N_ADDRS * E + (2 + 3 * E),
-            R * (D // 4 + D // 4 + D // 32 + 2 * I + I // 4 + I // 4 + I // 32 + D) + 9 * CARVE_SLACK)
+            R * (record_len(D) // 4 + 2 * I + record_len(I) // 4 + D) + 9 * CARVE_SLACK)
 
 
 @nb.njit(**JIT)
@@ -136,13 +138,14 @@ def describe_matmul(board, job, kind, x, w, out, ctl, is_bf16):
 
 
 @nb.njit(**JIT)
-def describe_matmul_i8(board, job, xq, xc, xd, q, scales, g, bits, out, ctl):
-    # job `job`'s JOB_I8 descriptor: a dense int8 / int4 matrix q [N, D or D/2] (scales [N, D/g]
-    # f16 bits) times quantised activations (intdot.quantize_rows: xq [T, D], xc, xd) into out [T, N]
+def describe_matmul_i8(board, job, rec, D, q, scales, g, bits, out, ctl):
+    # job `job`'s JOB_I8 descriptor: a dense int8 / int4 matrix q [N, D or D/2] in tiles (scales
+    # [N, D/g] f16 bits; formats/intdot.py) times quantised activations (intdot.quantize_rows'
+    # records rec [T, .] of D columns) into out [T, N]
     d = board[BOARD_HEAD + job * JOB_LEN : BOARD_HEAD + (job + 1) * JOB_LEN]
-    d[0], d[1], d[2], d[3] = JOB_I8, xq.ctypes.data, xq.shape[0], xq.shape[1]
-    d[4], d[5], d[6], d[7], d[8] = q.ctypes.data, q.shape[0], out.ctypes.data, ctl.ctypes.data, bits
-    d[9], d[10], d[11], d[12] = scales.ctypes.data, xc.ctypes.data, xd.ctypes.data, g
+    d[0], d[1], d[2], d[3] = JOB_I8, rec.ctypes.data, rec.shape[0], D
+    d[4], d[5], d[6], d[7], d[8] = q.ctypes.data, out.shape[1], out.ctypes.data, ctl.ctypes.data, bits
+    d[9], d[12] = scales.ctypes.data, g
 
 
 @nb.njit(**JIT)

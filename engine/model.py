@@ -18,6 +18,8 @@ from ..storage.errors import ConfigInvalid
 from ..storage.experts import ExpertSource, QuantWeight, ResidentExperts
 from .crew import crew_session
 from .errors import ActivationsUnsupported
+from .formats import intdot
+from .formats.intdot import TILE
 from .layers import linear, rmsnorm, to_f32
 from .rope import Rope, rope_inv_freq, rope_parameters
 from .sequence import KVCache, KVPool, Segment, Step
@@ -138,6 +140,7 @@ class MoEModel:
     EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")  # an expert's tensors, in the record's order
     # keys widened to float32 at load (small vectors and the routers); everything else keeps
     # the checkpoint's precision. A family with other small tensors names its own set.
+    CREW_EXPERTS = True  # the routed experts are the crew's SwiGLU (or gpt-oss's clamped one): int8 activations take them
     INTEGER_KEYS: frozenset = frozenset()  # keys of integer tables (DeepSeek-V4's tid2eid), not weights
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
                           "o_bias", "router", "shared_gate", "sinks"})
@@ -250,8 +253,11 @@ class MoEModel:
         """Compute the routed experts on float32 activations (exact: the default), or on
         activations quantised to int8 ("int8": formats/intdot.py, lossy, labelled in precision()
         and so on every output); the same for dense matrices a container keeps in int8 or int4.
-        int8 needs int8 or int4 experts or such dense matrices: raises ActivationsUnsupported
-        otherwise, ValueError for another name."""
+        The integer kernels take the weights in tiles of 16 rows: the dense matrices are copied
+        so, the expert source lays its experts out so in RAM (ExpertCache.arrange), and both back
+        to rows for float32. int8 needs int8 or int4 experts (or such dense matrices) of whole
+        tiles and blocks, computed by the crew: raises ActivationsUnsupported otherwise,
+        ValueError for another name."""
         if name not in ACTIVATIONS:
             raise ValueError(f"activations {name!r}: not one of {', '.join(ACTIVATIONS)}")
         dense = [w for L in [self.glob, *self.layers] for w in L.values()
@@ -261,20 +267,27 @@ class MoEModel:
             raise ActivationsUnsupported(f"activations int8 needs int8 or int4 experts; these are "
                                          f"{self.expert_kind()} (colictl convert --dtype int4 or int8 makes them so)")
         g = (self.source_precision or {}).get("group_size")
-        cols = [shape[1] for shape in self.shapes()[2].values() if len(shape) == 2]
-        if name == "int8" and int_experts and any(c % 32 or (g or c) % 32 for c in cols):
-            raise ActivationsUnsupported(f"activations int8 takes expert rows and groups of whole blocks of 32 "
-                                         f"columns; these rows have {sorted(set(cols))} (group {g or 'a row'})")
+        shapes = [shape for shape in self.shapes()[2].values() if len(shape) == 2]
+        if name == "int8" and int_experts and any(n % TILE or c % 32 or (g or c) % 32 or c % (g or c)
+                                                  for n, c in shapes):
+            raise ActivationsUnsupported(f"activations int8 takes expert matrices of whole tiles of {TILE} rows and "
+                                         f"blocks of 32 columns (and groups); these are "
+                                         f"{sorted(set(shapes))} (group {g or 'a row'})")
+        if name == "int8" and int_experts and not self.CREW_EXPERTS:
+            raise ActivationsUnsupported(f"activations int8: {self.args.model_type}'s experts are not computed by "
+                                         f"the integer kernels; convert with --activations float32")
         for L in [self.glob, *self.layers]:  # what linear() reads (engine/layers.py)
             for k, w in L.items():
-                if isinstance(w, QuantWeight) and w.kind in ("int8", "int4"):
-                    L[k] = dataclasses.replace(w, integer=name == "int8")
+                if isinstance(w, QuantWeight) and w.kind in ("int8", "int4") and w.integer != (name == "int8"):
+                    L[k] = intdot.arranged(w, name == "int8")
         if not self.args.tie_word_embeddings and "lm_head" in self.glob:
             self.lm_head = self.glob["lm_head"]
         self.activations = name
         src = self.experts  # what moe() reads (engine/moe.py): the source and each one it wraps (the Ray boxes')
         while src is not None:
             src.activations = name if int_experts else "float32"
+            if int_experts and hasattr(src, "arrange"):
+                src.arrange(intdot.arrange_expert if name == "int8" else None)
             src = getattr(src, "__dict__", {}).get("inner")
 
     def expert_kind(self) -> str:

@@ -75,7 +75,9 @@ def compute_rows(parts, x, A, w_flat, prompt_rows, ys, g, ffn=None, clamped=None
     q4, tok, rest, i8 = [], {}, [], {}
     for r, ew in parts:  # per expert per layer step: a decode step's int4 experts ask no more than they must
         quant = isinstance(ew[0], QuantWeight)
-        if integer and crew_ffn and quant and all(isinstance(w, QuantWeight) and intdot.takes(w) for w in ew[:3]):
+        if integer and quant and ew[0].kind in ("int8", "int4"):  # in tiles (MoEModel.set_activations saw to it)
+            if not (crew_ffn and all(isinstance(w, QuantWeight) and intdot.takes(w) for w in ew[:3])):
+                raise ValueError("activations int8: an expert the integer job cannot take")
             i8.setdefault(tuple(w.layout for w in ew[:3]), []).append((r, ew))
             continue
         facts = int4_of(ew) if quant else None

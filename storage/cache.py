@@ -71,6 +71,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
         self.unchosen: dict[int, list[tuple]] = {}  # il -> [(ie, slot, read future)]: predicted, not chosen, in flight
         self.row = {il: i for i, il in enumerate(container.moe_layers)}  # layer -> its row in the history
         self.main: dict[tuple[int, int], int] = {}  # `learned`: (il, ie) -> slot, kept by usage
+        self.arranged = None  # arrange(): how the engine lays the experts out in RAM (None: as the records)
         self._place(budget)
         self.stats = ExpertStats()
         self.reader = ExpertReader(container, self.stats, io_threads, direct, verify, drives, faults, coalesce, reader,
@@ -124,6 +125,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
                     self.main_free.append(slot)
                 continue
             self.stats.bytes_read += self.record_bytes
+            self._arrive(slot)
             if not pin:
                 self._admit(key, slot)
         if failed:
@@ -132,6 +134,29 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
 
     def close(self) -> None:
         self.reader.close()
+
+    def arrange(self, fn) -> None:
+        """Lay the experts' bytes out for the engine's kernels: every slot's now, and each
+        record's as its read lands from here on (when it is waited for, after its checksum).
+        fn(expert weights, on) rearranges one expert in place, to the kernels' layout (on) or
+        back to the records' (off); None: the records' layout again. The engine's choice
+        (MoEModel.set_activations: int8 activations compute on tiles of rows); the files, the
+        reads and their checksums keep the records as written. (On the I/O threads instead, the
+        25 % memory-limit decode ran 18.5 against 22.3 tok/s: a thread laying an expert out
+        issues no read, and the drive is the bottleneck there.)"""
+        if fn is self.arranged:
+            return
+        self.settle_prefetch()  # (no read is in flight while every slot is rearranged)
+        for slot in range(len(self.arena)):  # (a free slot's bytes too: harmless, overwritten by its next read)
+            if self.arranged is not None:
+                self.arranged(self.views(slot), False)
+            if fn is not None:
+                fn(self.views(slot), True)
+        self.arranged = fn
+
+    def _arrive(self, slot: int) -> None:
+        if self.arranged is not None:
+            self.arranged(self.views(slot), True)
 
     def views(self, slot: int) -> tuple:
         v = self._views.get(slot)
@@ -251,6 +276,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
                 st.io_wait_s += time.perf_counter() - t0
             st.bytes_read += self.record_bytes
             self.by_layer[il][2] += self.record_bytes
+            self._arrive(slot)
             self._keep(il, ie, slot)
             return ie, self.views(slot)
 
@@ -295,6 +321,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
         """A read started ahead has landed (or is waited for): its expert is resident."""
         try:
             fut.result()
+            self._arrive(slot)
             self._keep(il, ie, slot)
         except ExpertReadError:
             self._release(il, slot)

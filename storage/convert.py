@@ -57,6 +57,7 @@ class ExpertPlan:
     names: Callable[[int, int], tuple[str, str, str]]  # (il, ie) -> gate, up, down tensor names
     dense: list[str] | None = None  # the other tensors the model reads (None: every other tensor)
     int_dense: list[str] | None = None  # the dense matrices an int8/int4 dense_dtype quantizes (MoEModel.int_dense_names)
+    integer_experts: bool = True  # the family's experts can take int8 activations (MoEModel.CREW_EXPERTS)
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -159,10 +160,15 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
             why = check_group(expert_dtype, shape, group_size or shape[1])
             if why:
                 raise ConvertError(f"cannot quantize {part} [{shape[0]}, {shape[1]}] to {expert_dtype}: {why}")
-    whole = all(shape[1] % 32 == 0 and (group_size or shape[1]) % 32 == 0 for shape in shapes[:3])
+    # int8 activations compute on whole tiles of 16 rows and blocks of 32 columns (engine/formats/intdot.py)
+    whole = all(shape[0] % 16 == 0 and shape[1] % 32 == 0 and (group_size or shape[1]) % 32 == 0
+                for shape in shapes[:3])
     if activations == "int8" and not whole:
-        raise ConvertError(f"--activations int8 takes rows and groups of whole blocks of 32 columns: the experts' "
-                           f"rows are {sorted({shape[1] for shape in shapes[:3]})} (group {group_size or 'a row'})")
+        raise ConvertError(f"--activations int8 takes matrices of whole tiles of 16 rows and blocks of 32 columns "
+                           f"(and groups): the experts' are {sorted({tuple(shape) for shape in shapes[:3]})} "
+                           f"(group {group_size or 'a row'})")
+    if activations == "int8" and not plan.integer_experts:
+        raise ConvertError("--activations int8: this family's experts are not computed by the integer kernels")
     if dense_dtype in QUANT_DTYPES:
         if not plan.int_dense:
             raise ConvertError(f"--dense-dtype {dense_dtype}: this family's dense matrices are not computed in "
@@ -173,8 +179,8 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
                 raise ConvertError(f"cannot quantize {n} {list(src.entry(n).shape)} to {dense_dtype}: "
                                    f"{why or 'rows must be whole blocks of 32'}")
     if activations is None:
-        activations = "int8" if (expert_dtype in ("int8", "int4") and whole) or dense_dtype in QUANT_DTYPES \
-            else "float32"
+        activations = "int8" if (expert_dtype in ("int8", "int4") and whole and plan.integer_experts) \
+            or dense_dtype in QUANT_DTYPES else "float32"
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)

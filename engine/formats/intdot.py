@@ -1,29 +1,42 @@
 """Integer dot products: int8 and int4 weights times activations quantised to int8, the lossy
 `activations: int8` path (named, labelled on every output; off unless asked for).
 
-Each activation row is quantised on its own, per block of BLOCK (32) columns: d = max|x| /
-127, q = rint(x / d) (quantize_rows); a row's result never depends on the rows beside it. A
-weight row is dotted with it a block at a time in integers, exactly: eight int32 lanes per
-block, lane l the sum of four products (for int8 weights columns 4l .. 4l + 3; for int4 the
-block's columns are taken even ones first, then odd ones, the order the packed nibbles come
-apart in, and the activations are stored in that order). Then in float32, in this order and
-no other: each lane times s_k = d_k * (the weight group's scale), added into one of two
-eight-lane sums, the even blocks' and the odd blocks', the two added, the eight lanes summed
-left to right. Every instruction path gives these bits (tests/engine/test_intdot.py checks
-each against the numpy reference here):
+A vector lane is a weight row. The weights are computed on in tiles of TILE (16) rows
+(tile(): MoEModel.set_activations lays the dense matrices and the expert cache's records out
+so, in RAM; containers keep rows): a tile's bytes block by block (32 columns), a block as
+chunks of 64 bytes, chunk c holding four bytes of each of the sixteen rows (row j at 4 j): int8
+columns 4c .. 4c + 3, int4 packed bytes 4c .. 4c + 3 (columns 8c .. 8c + 7, low nibbles the even
+ones); then per tile and weight group the sixteen rows' f16 scales.
 
-- PATH_VNNI512 (AVX-512 VNNI): `vpdpbusd` on 64 bytes, two blocks at once;
-- PATH_VNNI256 (AVX-VNNI, or AVX-512 VNNI on 32 bytes): `vpdpbusd` a block at a time;
-- PATH_AVX2: `vpmaddubsw` + `vpmaddwd` (the signs moved onto the weights for int8, so the
-  16-bit pair sums cannot saturate: |x| <= 127 and |w| <= 127);
+Each token's activations are quantised on their own, per block of 32 columns: d = max|x| /
+127, q = rint(x / d) (int4 weights: per eight columns the four even ones, then the four odd
+ones, the order the nibbles come apart in), and the block's sum of q (quantize_row: one record
+a token). A row's result never depends on the rows beside it.
+
+One `vpdpbusd` multiplies a chunk by four activations broadcast to every lane, so a block's
+integer dot is complete in its lane after four (int4: eight) of them, exact in int32; then
+one float step a block for sixteen rows: out[t, n] = the sum over blocks k, in order, in
+float32, of float(dot_k) * (d_k * s_k(n)), each product and each sum rounded. Every
+instruction path gives these bits (tests/engine/test_intdot.py checks each against the numpy
+reference here):
+
+- PATH_VNNI512 (AVX-512 VNNI): `vpdpbusd` on a whole tile;
+- PATH_VNNI256 (AVX-VNNI, or AVX-512 VNNI on 32 bytes): a tile as two halves;
+- PATH_AVX2: `vpmaddubsw` + `vpmaddwd` (int8: the activations' signs moved onto the weights,
+  so the 16-bit pair sums cannot saturate: |x| <= 127 and |w| <= 127);
 - PATH_GENERIC: widened integer multiplies LLVM lowers for any CPU.
 
 `vpdpbusd` multiplies unsigned bytes by signed ones: int4 weights are unsigned as stored (v +
-8), int8 ones made so by + 128; the lane's excess, 8 or 128 times the sum of its four
-activations, is what the accumulator starts from (xc, made with the activations).
-COLIBRI_INT8_PATH (vnni512, vnni256, avx2, generic) forces a path for the process.
+8), int8 ones made so by + 128; the excess, 8 or 128 times the block's sum of activations, is
+what a block's accumulator starts from. COLIBRI_INT8_PATH (vnni512, vnni256, avx2, generic)
+forces a path for the process.
+
+The row-major kernel this replaced (eight lanes of one row a block, a float multiply, convert
+and add for every 64 columns of every row) ran 1.4 ns per row, 64 columns and token at one
+token and 0.9-1.1 at 2-40; this one 1.0 and 0.25-0.55 (int4 g32, one thread, AMD EPYC Zen 5).
 """
 
+import dataclasses
 import os
 import warnings
 
@@ -36,14 +49,16 @@ from numba.extending import intrinsic
 
 from ..ir import F32, host_features, prefetch, row_at, token_blocks
 from ..jit import JIT
-from ..kernels import f16_lut
 
-BLOCK = 32  # activation columns per scale
-EXCESS = {4: 8, 8: 128}  # weight bits -> what vpdpbusd's unsigned weight adds to the true one
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+TILE = 16  # weight rows a tile (a 512-bit vector's int32 lanes)
+BLOCK = 32  # activation columns a scale
 PATH_GENERIC, PATH_AVX2, PATH_VNNI256, PATH_VNNI512 = 0, 1, 2, 3
 PATH_NAMES = {"generic": PATH_GENERIC, "avx2": PATH_AVX2, "vnni256": PATH_VNNI256, "vnni512": PATH_VNNI512}
-ROWS = 72  # weight rows linear takes through every token at a time (crew.MOE_IN_ROWS)
-NT = 4  # tokens a row is taken through at once (its weight bytes unpacked once for them)
+# tokens through a tile at once: on the AMD EPYC (Zen 5), one thread, int4 768 x 2048 from DRAM,
+# the 512-bit path with 2 or 3 ran a third faster at 2-8 tokens than with 4 or 6 (the same at 40)
+NT = {PATH_VNNI512: 3, PATH_VNNI256: 2, PATH_AVX2: 2, PATH_GENERIC: 2}
+TILE_ROWS = 64  # weight rows (four tiles) linear takes through every token at a time: they stay in L2
 
 
 def host_paths() -> list[int]:
@@ -75,12 +90,18 @@ PATH = chosen_path()
 
 
 @nb.njit(**JIT)
-def quantize_row(x, t, bits, xq, xc, xd, i):
-    # row t of x [T, D] f32 -> row i of xq [., D] int8 (int4 weights: each block's even columns,
-    # then its odd ones), xc [., D/4] int32 (-EXCESS[bits] * each lane's four activations),
-    # xd [., D/32] f32 (each block's scale): d = max|x| / 127, q = rint(x / d)
+def record_len(D):
+    # bytes of a token's quantised activations: D values, then D/32 int32 sums, D/32 f32 scales
+    return D + D // 4
+
+
+@nb.njit(**JIT)
+def quantize_row(x, t, bits, rec, i):
+    # row t of x [T, D] f32 -> record i of rec [., D + D/4] int8 (the module's doc)
     D = x.shape[1]
-    excess = 8 if bits == 4 else 128
+    row = rec[i]
+    tail = row[D:]
+    sums, scales = tail.view(np.int32)[: D // 32], tail.view(np.float32)[D // 32 :]
     for k in range(D // 32):
         amax = np.float32(0.0)
         for j in range(32 * k, 32 * k + 32):
@@ -88,215 +109,293 @@ def quantize_row(x, t, bits, xq, xc, xd, i):
             if a > amax:
                 amax = a
         d = amax / np.float32(127.0)
-        xd[i, k] = d
+        scales[k] = d
+        s = 0
         for p in range(32):
-            col = 32 * k + (p if bits == 8 else (2 * p if p < 16 else 2 * (p - 16) + 1))
+            col = 32 * k + p
+            if bits == 4:  # position p of eight: 0-3 the even columns, 4-7 the odd ones
+                e = p % 8
+                col = 32 * k + 8 * (p // 8) + (2 * e if e < 4 else 2 * (e - 4) + 1)
             v = np.float32(0.0)
             if d > 0:
                 v = np.rint(x[t, col] / d)
             v = min(max(v, np.float32(-127.0)), np.float32(127.0))
-            xq[i, 32 * k + p] = np.int8(v)
-        for lane in range(8):
-            s = 0
-            for p in range(4 * lane, 4 * lane + 4):
-                s += np.int32(xq[i, 32 * k + p])
-            xc[i, 8 * k + lane] = -excess * s
+            row[32 * k + p] = np.int8(v)
+            s += np.int32(v)
+        sums[k] = s
 
 
 @nb.njit(**JIT)
-def quantize_rows(x, bits, xq, xc, xd):
-    # every row of x through quantize_row
+def quantize_rows(x, bits, rec):
     for t in range(x.shape[0]):
-        quantize_row(x, t, bits, xq, xc, xd, t)
+        quantize_row(x, t, bits, rec, t)
 
 
 def _fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
-I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-
-
 def _vec(t, n):
     return ir.VectorType(t, n)
 
 
-def _load(builder, row, off, ty):
-    return builder.load(builder.bitcast(builder.gep(row, [off]), ty.as_pointer()), align=1)
-
-
-def _block_weights(builder, qrow, k, bits, nblk: int):
-    # the weight bytes of nblk (1 or 2) blocks from block k: <32 nblk x i8>, int4's nibbles
-    # unsigned (each block's low nibbles, then its high ones), int8's signed as stored
-    if bits == 8:
-        return _load(builder, qrow, builder.mul(k, ir.Constant(I64, 32)), _vec(I8, 32 * nblk))
-    b = _load(builder, qrow, builder.mul(k, ir.Constant(I64, 16)), _vec(I8, 16 * nblk))
-    lo = builder.and_(b, ir.Constant(_vec(I8, 16 * nblk), [15] * 16 * nblk))
-    hi = builder.lshr(b, ir.Constant(_vec(I8, 16 * nblk), [4] * 16 * nblk))
-    order = [j for h in range(nblk) for j in list(range(16 * h, 16 * h + 16)) + list(range(16 * nblk + 16 * h,
-                                                                                              16 * nblk + 16 * h + 16))]
-    return builder.shuffle_vector(lo, hi, ir.Constant(_vec(I32, 32 * nblk), order))
-
-
-def _lanes8(builder, w, x, xc, bits, path):
-    # <8 x i32>: one block's lanes (the module's doc) from its weight bytes w <32 x i8>, its
-    # activations x <32 x i8> and their excess xc <8 x i32>, on a 256-bit path
-    v8i32, v32i8 = _vec(I32, 8), _vec(I8, 32)
-    if path == PATH_VNNI256:
-        u = w if bits == 4 else builder.xor(w, ir.Constant(v32i8, [-128] * 32))
-        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
-        return builder.call(f, [xc, builder.bitcast(u, v8i32), builder.bitcast(x, v8i32)])
-    if path == PATH_AVX2:
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [v32i8, v32i8])
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [_vec(I16, 16)] * 2)
-        ones = ir.Constant(_vec(I16, 16), [1] * 16)
-        if bits == 4:  # unsigned nibbles by signed activations, the excess taken off after
-            return builder.add(builder.call(maddwd, [builder.call(maddubs, [w, x]), ones]), xc)
-        absx = builder.call(_fn(builder, "llvm.abs.v32i8", v32i8, [v32i8, ir.IntType(1)]), [x, ir.Constant(ir.IntType(1), 0)])
-        signed = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8]), [w, x])
-        return builder.call(maddwd, [builder.call(maddubs, [absx, signed]), ones])
-    v32i32 = _vec(I32, 32)
-    wv = builder.sub(builder.zext(w, v32i32), ir.Constant(v32i32, [8] * 32)) if bits == 4 else builder.sext(w, v32i32)
-    prod = builder.mul(wv, builder.sext(x, v32i32))
-    parts = [builder.shuffle_vector(prod, prod, ir.Constant(v8i32, [4 * lane + i for lane in range(8)])) for i in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+def _load(builder, ptr, off, ty):
+    return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
 
 
 def _splat(builder, v, n):
-    vf = _vec(F32, n)
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), v, ir.Constant(I32, 0)),
-                                  ir.Constant(vf, None), ir.Constant(_vec(I32, n), [0] * n))
+    vt = _vec(v.type, n)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vt, None), v, ir.Constant(I32, 0)),
+                                  ir.Constant(vt, None), ir.Constant(_vec(I32, n), [0] * n))
 
 
-def _rows_dot(context, builder, sig, args, t0, n, nt: int, bits: int, path: int):
-    # out[t0 + i, n] for i < nt: the tokens' dots with weight row n (the module's doc)
-    xq_v, xc_v, xd_v, q_v, sc_v, lut_v, out_v, g_v = args[:8]
+def _madd(builder, acc, w, x4, bits, path, lanes):
+    # acc <lanes x i32> + each lane's four weight bytes (w <4 lanes x i8>: int4 unsigned nibbles,
+    # int8 signed) times the four activations x4 (i32: four int8) broadcast to every lane
+    vw, vi = _vec(I8, 4 * lanes), _vec(I32, lanes)
+    xb = builder.bitcast(_splat(builder, x4, lanes), vw)
+    if path in (PATH_VNNI512, PATH_VNNI256):
+        u = w if bits == 4 else builder.xor(w, ir.Constant(vw, [-128] * 4 * lanes))
+        f = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vi, [vi] * 3)
+        return builder.call(f, [acc, builder.bitcast(u, vi), builder.bitcast(xb, vi)])
+    if path == PATH_AVX2:
+        v32 = _vec(I8, 32)
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [v32, v32])
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [_vec(I16, 16)] * 2)
+        ones = ir.Constant(_vec(I16, 16), [1] * 16)
+        if bits == 4:  # unsigned nibbles by signed activations: the excess is in acc's start
+            return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [w, xb]), ones]))
+        absx = builder.call(_fn(builder, "llvm.abs.v32i8", v32, [v32, ir.IntType(1)]), [xb, ir.Constant(ir.IntType(1), 0)])
+        signed = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32]), [w, xb])
+        return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [absx, signed]), ones]))
+    vw32 = _vec(I32, 4 * lanes)
+    wv = builder.zext(w, vw32) if bits == 4 else builder.sext(w, vw32)
+    prod = builder.mul(wv, builder.sext(xb, vw32))
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(vi, [4 * lane + i for lane in range(lanes)]))
+             for i in range(4)]
+    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
+
+
+F16C = "+f16c" in host_features()
+
+
+def _widen(builder, h, f16c: bool = F16C):
+    # <n x i16> f16 bits -> <n x float>, exactly: vcvtph2ps where the CPU has F16C (every AVX2
+    # one), else by the bits (LLVM's f16 conversion without F16C is a library call numba lacks)
+    n = h.type.count
+    vf, vi = _vec(F32, n), _vec(I32, n)
+    if f16c:
+        return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), n)), vf)
+
+    def c(v):
+        return ir.Constant(vi, [v] * n)
+
+    x = builder.zext(h, vi)
+    sign = builder.shl(builder.and_(x, c(0x8000)), c(16))
+    e, m = builder.and_(builder.lshr(x, c(10)), c(0x1F)), builder.and_(x, c(0x3FF))
+    normal = builder.or_(builder.shl(builder.add(e, c(112)), c(23)), builder.shl(m, c(13)))
+    quiet = builder.select(builder.icmp_unsigned("!=", m, c(0)), c(1 << 22), c(0))  # (a NaN comes out quiet, as from vcvtph2ps)
+    special = builder.or_(builder.or_(c(255 << 23), builder.shl(m, c(13))), quiet)  # inf, nan
+    bits = builder.select(builder.icmp_unsigned("==", e, c(31)), special, normal)
+    tiny = builder.fmul(builder.sitofp(m, vf), ir.Constant(vf, [2.0 ** -24] * n))  # zero and subnormals: m 2^-24
+    v = builder.select(builder.icmp_unsigned("==", e, c(0)), builder.bitcast(tiny, vi), bits)
+    return builder.bitcast(builder.or_(v, sign), vf)
+
+
+def _excess(bits: int, path: int) -> int:
+    # what the weights as the instructions take them add per unit of an activation: int4's
+    # nibbles are v + 8 on every path; int8 is made unsigned (+ 128) for vpdpbusd only
+    return 8 if bits == 4 else (128 if path in (PATH_VNNI512, PATH_VNNI256) else 0)
+
+
+def _tile_dot(context, builder, sig, args, t0, n16, nt: int, bits: int, path: int):
+    # out[t0 + i, 16 n16 .. 16 n16 + 16] for i < nt (the module's doc)
+    rec_v, w_v, s_v, out_v, g_v, D = args
     ts = [builder.add(t0, ir.Constant(I64, i)) for i in range(nt)]
-    xrows, crows, drows = ([row_at(context, builder, sig.args[k], args[k], t) for t in ts] for k in range(3))
-    qrow, srow = (row_at(context, builder, sig.args[k], args[k], n) for k in (3, 4))
-    lut = context.make_array(sig.args[5])(context, builder, lut_v).data
-    D = builder.extract_value(context.make_array(sig.args[0])(context, builder, xq_v).shape, 1)
+    recs = [row_at(context, builder, sig.args[0], rec_v, t) for t in ts]
+    wrow, srow = row_at(context, builder, sig.args[1], w_v, n16), row_at(context, builder, sig.args[2], s_v, n16)
+    lanes = 16 if path == PATH_VNNI512 else 8  # a vector's rows; 256-bit paths take a tile in two halves
+    halves = TILE // lanes
+    chunks = 4 if bits == 4 else 8
     nblk = builder.sdiv(D, ir.Constant(I64, 32))
-    npair = builder.sdiv(nblk, ir.Constant(I64, 2))
-    v8f, v16f = _vec(F32, 8), _vec(F32, 16)
-
-    # a block's weight group k // (g / 32) as (k * m) >> 32, m = 2^32 // (g / 32) + 1: exact while
-    # k * g / 32 < 2^32 (a division per block had halved the kernel's speed)
-    m = builder.add(builder.udiv(ir.Constant(I64, 1 << 32), builder.lshr(g_v, ir.Constant(I64, 5))), ir.Constant(I64, 1))
-
-    def wscale(k):  # the weight group's scale of block k
-        gi = builder.lshr(builder.mul(k, m), ir.Constant(I64, 32))
-        return builder.load(builder.gep(lut, [builder.zext(builder.load(builder.gep(srow, [gi])), I64)]))
-
-    def scale(i, k, sw):  # d_k * the weight's scale, one rounding
-        return builder.fmul(builder.load(builder.gep(drows[i], [k])), sw)
-
-    def lanes(i, w, k):  # a 256-bit block's lanes of token i
-        x = _load(builder, xrows[i], builder.mul(k, ir.Constant(I64, 32)), _vec(I8, 32))
-        xc = _load(builder, crows[i], builder.mul(k, ir.Constant(I64, 8)), _vec(I32, 8))
-        return _lanes8(builder, w, x, xc, bits, path)
-
-    if path == PATH_VNNI512:
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(nt)]
-        dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _vec(I32, 16), [_vec(I32, 16)] * 3)
-        with cgutils.for_range(builder, npair) as loop:
-            k = builder.mul(loop.index, ir.Constant(I64, 2))
-            k1 = builder.add(k, ir.Constant(I64, 1))
-            prefetch(builder, qrow, builder.mul(k, ir.Constant(I64, 4 * bits)))
-            w = _block_weights(builder, qrow, k, bits, 2)
-            u = w if bits == 4 else builder.xor(w, ir.Constant(_vec(I8, 64), [-128] * 64))
-            sw2 = builder.insert_element(builder.insert_element(ir.Constant(_vec(F32, 2), None), wscale(k),
-                                                                ir.Constant(I32, 0)), wscale(k1), ir.Constant(I32, 1))
+    per_group = builder.lshr(g_v, ir.Constant(I64, 5))
+    ngroup = builder.sdiv(nblk, per_group)
+    vf = _vec(F32, lanes)
+    excess = _excess(bits, path)
+    facc = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(halves)]
+            for _ in range(nt)]
+    with cgutils.for_range(builder, ngroup) as gl:
+        gi = gl.index
+        sw = [_widen(builder, _load(builder, srow, builder.add(builder.mul(gi, ir.Constant(I64, TILE)),
+                                                             ir.Constant(I64, lanes * h)), _vec(I16, lanes)))
+              for h in range(halves)]
+        with cgutils.for_range(builder, per_group) as bl:
+            k = builder.add(builder.mul(gi, per_group), bl.index)
+            wblk = builder.mul(k, ir.Constant(I64, 64 * chunks))
+            prefetch(builder, wrow, wblk)
+            iacc = []
             for i in range(nt):
-                x = _load(builder, xrows[i], builder.mul(k, ir.Constant(I64, 32)), _vec(I32, 16))
-                xc = _load(builder, crows[i], builder.mul(k, ir.Constant(I64, 8)), _vec(I32, 16))
-                li = builder.call(dp, [xc, builder.bitcast(u, _vec(I32, 16)), x])
-                s2 = builder.fmul(_load(builder, drows[i], k, _vec(F32, 2)), sw2)  # [d_k, d_k+1] * their weights' scales
-                sv = builder.shuffle_vector(s2, s2, ir.Constant(_vec(I32, 16), [0] * 8 + [1] * 8))
-                builder.store(builder.fadd(builder.load(accs[i]), builder.fmul(builder.sitofp(li, v16f), sv)), accs[i])
-        evens = [builder.shuffle_vector(builder.load(a), builder.load(a), ir.Constant(_vec(I32, 8), list(range(8))))
-                 for a in accs]
-        odds = [builder.shuffle_vector(builder.load(a), builder.load(a), ir.Constant(_vec(I32, 8), list(range(8, 16))))
-                for a in accs]
-        tail_path = PATH_VNNI256
-    else:
-        ev = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-        od = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-        with cgutils.for_range(builder, npair) as loop:
-            k = builder.mul(loop.index, ir.Constant(I64, 2))
-            prefetch(builder, qrow, builder.mul(k, ir.Constant(I64, 4 * bits)))
-            for kk, accs in ((k, ev), (builder.add(k, ir.Constant(I64, 1)), od)):
-                w = _block_weights(builder, qrow, kk, bits, 1)
-                sw = wscale(kk)
-                for i in range(nt):
-                    f = builder.sitofp(lanes(i, w, kk), v8f)
-                    builder.store(builder.fadd(builder.load(accs[i]), builder.fmul(f, _splat(builder, scale(i, kk, sw), 8))),
-                                  accs[i])
-        evens, odds = [builder.load(a) for a in ev], [builder.load(a) for a in od]
-        tail_path = path
-    # an odd count of blocks: the last one into the even sums
-    evens = [cgutils.alloca_once_value(builder, e) for e in evens]
-    with builder.if_then(builder.icmp_signed("!=", builder.mul(npair, ir.Constant(I64, 2)), nblk)):
-        k = builder.sub(nblk, ir.Constant(I64, 1))
-        w = _block_weights(builder, qrow, k, bits, 1)
-        sw = wscale(k)
-        for i in range(nt):
-            x = _load(builder, xrows[i], builder.mul(k, ir.Constant(I64, 32)), _vec(I8, 32))
-            xc = _load(builder, crows[i], builder.mul(k, ir.Constant(I64, 8)), _vec(I32, 8))
-            f = builder.sitofp(_lanes8(builder, w, x, xc, bits, tail_path), v8f)
-            builder.store(builder.fadd(builder.load(evens[i]), builder.fmul(f, _splat(builder, scale(i, k, sw), 8))),
-                          evens[i])
+                s = builder.load(builder.gep(builder.bitcast(builder.gep(recs[i], [D]), I32.as_pointer()), [k]))
+                iacc.append([_splat(builder, builder.mul(s, ir.Constant(I32, -excess)), lanes)] * halves)
+            for c in range(chunks):
+                for h in range(halves):
+                    w = _load(builder, wrow, builder.add(wblk, ir.Constant(I64, 64 * c + 4 * lanes * h)), _vec(I8, 4 * lanes))
+                    parts = (w,) if bits == 8 else (builder.and_(w, ir.Constant(w.type, [15] * 4 * lanes)),
+                                                     builder.lshr(w, ir.Constant(w.type, [4] * 4 * lanes)))
+                    for p, wp in enumerate(parts):
+                        col = builder.add(builder.mul(k, ir.Constant(I64, 32)), ir.Constant(I64, 8 * c + 4 * p if bits == 4 else 4 * c))
+                        for i in range(nt):
+                            x4 = _load(builder, recs[i], col, I32)
+                            iacc[i][h] = _madd(builder, iacc[i][h], wp, x4, bits, path, lanes)
+            for i in range(nt):
+                dptr = builder.bitcast(builder.gep(recs[i], [builder.add(D, builder.sdiv(D, ir.Constant(I64, 8)))]),
+                                       F32.as_pointer())
+                dv = _splat(builder, builder.load(builder.gep(dptr, [k])), lanes)
+                for h in range(halves):
+                    s = builder.fmul(dv, sw[h])  # d_k * each row's scale, one rounding
+                    acc = facc[i][h]
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(iacc[i][h], vf), s)), acc)
+    N = builder.extract_value(context.make_array(sig.args[3])(context, builder, out_v).shape, 1)
+    n0 = builder.mul(n16, ir.Constant(I64, TILE))
+    whole = builder.icmp_signed("<=", builder.add(n0, ir.Constant(I64, TILE)), N)
     for i in range(nt):
-        v = builder.fadd(builder.load(evens[i]), odds[i])
-        total = builder.extract_element(v, ir.Constant(I32, 0))
-        for lane in range(1, 8):
-            total = builder.fadd(total, builder.extract_element(v, ir.Constant(I32, lane)))
-        builder.store(total, builder.gep(row_at(context, builder, sig.args[6], out_v, ts[i]), [n]))
+        orow = row_at(context, builder, sig.args[3], out_v, ts[i])
+        for h in range(halves):
+            first = builder.add(n0, ir.Constant(I64, lanes * h))
+            v = builder.load(facc[i][h])
+            with builder.if_else(whole) as (then, otherwise):
+                with then:
+                    builder.store(v, builder.bitcast(builder.gep(orow, [first]), vf.as_pointer()), align=4)
+                with otherwise:  # the last tile of a matrix padded to whole tiles (arranged): its rows only
+                    for lane in range(lanes):
+                        n = builder.add(first, ir.Constant(I64, lane))
+                        with builder.if_then(builder.icmp_signed("<", n, N)):
+                            builder.store(builder.extract_element(v, ir.Constant(I32, lane)), builder.gep(orow, [n]))
 
 
 @intrinsic
-def idot(typingctx, xq, xc, xd, q, scales, f16_lut, out, g, bits, path, t_lo, t_hi, n_lo, n_hi):
-    """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = token t's quantised activations (xq
-    [T, D] int8, xc [T, D/4] int32, xd [T, D/32] f32: quantize_rows) dotted with weight row n
-    (q: int4 [N, D/2] uint8 or int8 [N, D] int8, scales [N, D/g] f16 bits), as the module's doc
-    says. `bits` (4 or 8) and `path` compile-time constants; g a multiple of 32, D of g; every
-    2-D array C-contiguous; the caller checks shapes and ranges. Tokens NT at a time, the rows
-    the inner loop (a block of tokens' activations stay in L1 while the rows go past)."""
-    arrays = (xq, xc, xd, q, scales, out)
+def idot(typingctx, rec, w, scales, out, g, D, bits, path, t_lo, t_hi, n_lo, n_hi):
+    """out[t, 16 n : 16 n + 16] for t_lo <= t < t_hi, n_lo <= n < n_hi (tiles) = token t's
+    quantised activations (rec [T, record_len(D)] int8: quantize_rows) dotted with tile n's
+    sixteen rows (w [N/16, 16 D/2 or 16 D] uint8, scales [N/16, 16 D/g] f16 bits, in tiles:
+    retile). `bits` (4 or 8) and `path` compile-time constants; g a multiple of 32 dividing D;
+    every 2-D array C-contiguous; the caller checks shapes and ranges. Tokens NT[path] at a
+    time, the tiles the inner loop (a block of tokens' activations stay in L1 while the weights
+    go past)."""
     if not (isinstance(bits, types.IntegerLiteral) and bits.literal_value in (4, 8)
             and isinstance(path, types.IntegerLiteral) and path.literal_value in PATH_NAMES.values()
-            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
-            and all(isinstance(v, types.Integer) for v in (g, t_lo, t_hi, n_lo, n_hi))):
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (rec, w, scales, out))
+            and all(isinstance(v, types.Integer) for v in (g, D, t_lo, t_hi, n_lo, n_hi))):
         return None
     b, p = bits.literal_value, path.literal_value
-    sig = types.void(xq, xc, xd, q, scales, f16_lut, out, g, bits, path, t_lo, t_hi, n_lo, n_hi)
+    sig = types.void(rec, w, scales, out, g, D, bits, path, t_lo, t_hi, n_lo, n_hi)
 
     def codegen(context, builder, sig, args):
-        ints = [context.cast(builder, v, ty, types.int64) for v, ty in zip(args[10:14], sig.args[10:14])]
-        t_lo, t_hi, n_lo, n_hi = ints
-        args = list(args[:7]) + [context.cast(builder, args[7], sig.args[7], types.int64)]
-
+        ints = [context.cast(builder, v, ty, types.int64) for v, ty in zip(args, sig.args)]
+        t_lo, t_hi, n_lo, n_hi = ints[8:12]
+        targs = list(args[:4]) + ints[4:6]
         token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
-                     lambda t, n, nt: _rows_dot(context, builder, sig, args, t, n, nt, b, p), NT)
+                     lambda t, n, nt: _tile_dot(context, builder, sig, targs, t, n, nt, b, p), NT[p])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
+# ---- layout and the numpy reference ----
+
+@nb.njit(**JIT)
+def retile(q, scales, back):
+    # q [N, B/4] uint32 (a row's bytes four at a time: a chunk's unit) and scales [N, G] uint16,
+    # C-contiguous, in place: rows -> tiles (the module's doc: a tile is its sixteen rows' units
+    # transposed), or tiles -> rows when `back`. (Byte by byte it ran 0.7 GB/s: slower than the
+    # disk an expert comes from.)
+    N, U = q.shape
+    G = scales.shape[1]
+    qf, sf = q.reshape(-1), scales.reshape(-1)
+    tq, ts = np.empty(TILE * U, np.uint32), np.empty(TILE * G, np.uint16)
+    for t in range(N // TILE):
+        q0, s0 = t * TILE * U, t * TILE * G
+        if back:
+            for j in range(TILE):
+                for u in range(U):
+                    tq[j * U + u] = qf[q0 + u * TILE + j]
+                for gi in range(G):
+                    ts[j * G + gi] = sf[s0 + gi * TILE + j]
+        else:
+            for u in range(U):
+                for j in range(TILE):
+                    tq[u * TILE + j] = qf[q0 + j * U + u]
+            for gi in range(G):
+                for j in range(TILE):
+                    ts[gi * TILE + j] = sf[s0 + j * G + gi]
+        qf[q0 : q0 + TILE * U] = tq
+        sf[s0 : s0 + TILE * G] = ts
+
+
+def takes(w) -> bool:
+    """Whether this path computes on QuantWeight w: int8 or int4, whole tiles of rows, rows and
+    groups of whole blocks."""
+    N, D = w.shape
+    g = w.group_size
+    return w.kind in ("int8", "int4") and N % TILE == 0 and D % BLOCK == 0 and g % BLOCK == 0 and D % g == 0
+
+
+def arrange(w, on: bool) -> None:
+    """QuantWeight w's bytes (takes(w): whole tiles) in place: to tiles (`on`) or back to rows."""
+    retile(w.q.view(np.uint32), w.scales.view(np.uint16), not on)
+
+
+def arrange_expert(ew, on: bool) -> None:
+    """An expert's gate, up and down (int8 or int4 QuantWeights, takes() each) in place: to
+    tiles (`on`) or back to rows; what an expert source's arrange() is given."""
+    for w in ew[:3]:
+        arrange(w, on)
+
+
+def arranged(w, on: bool):
+    """A copy of QuantWeight w, its bytes in tiles and `integer` set (`on`), or back in rows. A
+    matrix whose rows are not whole tiles is padded with zero rows: its q and scales are views
+    of the first rows of the padded arrays (tiles() finds them)."""
+    N = w.shape[0]
+    n_pad = -(-N // TILE) * TILE
+    if on:
+        q, s = np.zeros((n_pad, w.q.shape[1]), w.q.dtype), np.zeros((n_pad, w.scales.shape[1]), w.scales.dtype)
+        q[:N], s[:N] = w.q, w.scales
+    else:
+        q, s = (a.copy() for a in tiles(w))
+        q, s = q.view(w.q.dtype).reshape(n_pad, -1), s.view(w.scales.dtype).reshape(n_pad, -1)
+    retile(q.view(np.uint32), s.view(np.uint16), not on)
+    if not on:
+        q, s = q[:N].copy(), s[:N].copy()
+    return dataclasses.replace(w, q=q[:N], scales=s[:N], integer=on)
+
+
+def tiles(w) -> tuple[np.ndarray, np.ndarray]:
+    """(q [N/16, 16 B] uint8, scales [N/16, 16 G] uint16): views of an arranged QuantWeight's
+    tiles, the padding included."""
+    n_tiles = -(-w.shape[0] // TILE)
+    q, s = w.q, w.scales
+    if q.shape[0] % TILE:  # a view of a padded array's first rows (arranged)
+        q, s = q.base, s.base
+    return q.view(np.uint8).reshape(n_tiles, -1), s.view(np.uint16).reshape(n_tiles, -1)
+
+
 def _make_linear(bits: int, path: int):
-    # out [T, N] = x [T, D] @ dequant(w).T on integer activations, for one weight width and path
-    # (closes over integers only: numba caches it on disk, see formats/int4.py _make_q4)
+    # out [T, N] = x [T, D] @ w.T on integer activations, w in tiles (q [ceil(N/16), 16 B], scales
+    # [ceil(N/16), 16 D/g]: tiles()), for one weight width and path (closes over integers only:
+    # numba caches it on disk, see formats/int4.py _make_q4)
     @nb.njit(**JIT)
-    def linear_i8(x, q, scales, g, f16_lut, out):
+    def linear_i8(x, q, scales, g, out):
         T, D = x.shape
-        N = q.shape[0]
-        if (D % 32 or g < 32 or g % 32 or D % g or q.shape[1] * (8 // bits) != D or scales.shape[0] != N
-                or scales.shape[1] * g != D or out.shape[0] != T or out.shape[1] != N or f16_lut.shape[0] != 65536):
+        N = out.shape[1]
+        n_tiles = q.shape[0]
+        if (D % 32 or g < 32 or g % 32 or D % g or q.shape[1] * (8 // bits) != TILE * D or n_tiles != (N + TILE - 1) // TILE
+                or scales.shape[0] != n_tiles or scales.shape[1] * g != TILE * D or out.shape[0] != T):
             raise ValueError("int8 activations: weight, activation and output shapes do not match")
-        xq, xc, xd = np.empty((T, D), np.int8), np.empty((T, D // 4), np.int32), np.empty((T, D // 32), np.float32)
-        quantize_rows(x, bits, xq, xc, xd)
-        for n0 in range(0, N, ROWS):  # a few rows at a time through every token: they stay in L2
-            idot(xq, xc, xd, q, scales, f16_lut, out, g, bits, path, 0, T, n0, min(N, n0 + ROWS))
+        rec = np.empty((T, record_len(D)), np.int8)
+        quantize_rows(x, bits, rec)
+        for n0 in range(0, n_tiles, TILE_ROWS // TILE):  # a few tiles at a time through every token
+            idot(rec, q, scales, out, g, D, bits, path, 0, T, n0, min(n_tiles, n0 + TILE_ROWS // TILE))
 
     return linear_i8
 
@@ -311,73 +410,87 @@ def kernel(bits: int, path: int = PATH):
     return _LINEAR[bits, path]
 
 
-def takes(w) -> bool:
-    """Whether this path computes on QuantWeight w: int8 or int4 rows of whole blocks."""
-    g = w.group_size
-    return w.kind in ("int8", "int4") and w.shape[1] % BLOCK == 0 and g % BLOCK == 0 and w.shape[1] % g == 0
-
-
 def linear(x: np.ndarray, w, out: np.ndarray, path: int = PATH) -> None:
-    # x [T, D] f32 C-contiguous, w an int8 or int4 QuantWeight [N, D] (takes(w)), out [T, N] f32
-    bits = 8 if w.kind == "int8" else 4
-    q = w.q.view(np.uint8) if bits == 8 else w.q
-    kernel(bits, path)(x, q, w.scales.view(np.uint16), w.group_size, f16_lut(), out)
+    # x [T, D] f32 C-contiguous, w an int8 or int4 QuantWeight [N, D] in tiles (arranged(w,
+    # True)), out [T, N] f32
+    q, s = tiles(w)
+    kernel(8 if w.kind == "int8" else 4, path)(x, q, s, w.group_size, out)
 
 
 # ---- the numpy reference (tests/engine/test_intdot.py) ----
 
-def quantize_reference(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """quantize_rows in numpy: (xq, xc, xd)."""
+@intrinsic
+def widen_f16(typingctx, src, dst, f16c):
+    """dst [n] f32 = src [n] uint16 f16 bits, eight at a time (n a multiple of 8), as the
+    kernels widen the scales (f16c False: by the bits, the path of CPUs without F16C)."""
+    if not isinstance(f16c, types.BooleanLiteral):
+        return None
+    on = f16c.literal_value
+    sig = types.void(src, dst, f16c)
+
+    def codegen(context, builder, sig, args):
+        a, b = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:2], args[:2]))
+        n = builder.extract_value(a.shape, 0)
+        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(I64, 8))) as loop:
+            at = builder.mul(loop.index, ir.Constant(I64, 8))
+            v = _widen(builder, _load(builder, a.data, at, _vec(I16, 8)), on)
+            builder.store(v, builder.bitcast(builder.gep(b.data, [at]), _vec(F32, 8).as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def record_reference(x: np.ndarray, bits: int) -> np.ndarray:
+    """quantize_rows in numpy: the records [T, record_len(D)] int8."""
     T, D = x.shape
-    xb = x.reshape(T, D // 32, 32).astype(np.float32)
+    K = D // 32
+    xb = x.reshape(T, K, 32).astype(np.float32)
     d = (np.abs(xb).max(-1) / np.float32(127.0)).astype(np.float32)  # [T, K]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d[..., None] > 0, np.rint(xb / d[..., None]), 0).clip(-127, 127).astype(np.int8)
-    if bits == 4:
-        q = np.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
-    xc = (-EXCESS[bits] * q.reshape(T, D // 32, 8, 4).astype(np.int32).sum(-1)).reshape(T, D // 4)
-    return q.reshape(T, D), xc.astype(np.int32), d
+    if bits == 4:  # per eight columns the even ones, then the odd ones
+        q8 = q.reshape(T, K, 4, 8)
+        q = np.concatenate([q8[..., 0::2], q8[..., 1::2]], axis=-1).reshape(T, K, 32)
+    sums = q.astype(np.int32).sum(-1).astype("<i4")
+    return np.concatenate([q.reshape(T, D), sums.view(np.int8).reshape(T, -1),
+                           d.astype("<f4").view(np.int8).reshape(T, -1)], axis=1)
 
 
-def dot_reference(xq: np.ndarray, xd: np.ndarray, w: np.ndarray, wscale: np.ndarray, g: int) -> np.ndarray:
-    """out [T, N] as idot computes it, from xq, xd (quantize_reference) and the weights' true
-    integers w [N, D] (int4: v in -8..7, column order) and scales wscale [N, D/g] f32."""
-    T, D = xq.shape
-    N, K = w.shape[0], D // 32
-    wb = w.reshape(N, K, 32)
-    out = np.empty((T, N), np.float32)
-    xl = xq.reshape(T, K, 8, 4).astype(np.int64)
-    for n in range(N):
-        wl = wb[n].reshape(K, 8, 4).astype(np.int64)
-        lanes = (xl * wl[None]).sum(-1).astype(np.float32)  # [T, K, 8] exact
-        sw = wscale[n, (np.arange(K) * 32) // g].astype(np.float32)  # [K]
-        s = (xd * sw[None]).astype(np.float32)  # [T, K]
-        prods = (lanes * s[..., None]).astype(np.float32)
-        ev = np.zeros((T, 8), np.float32)
-        od = np.zeros((T, 8), np.float32)
-        for k in range(0, K - K % 2, 2):
-            ev = (ev + prods[:, k]).astype(np.float32)
-            od = (od + prods[:, k + 1]).astype(np.float32)
-        if K % 2:
-            ev = (ev + prods[:, K - 1]).astype(np.float32)
-        v = (ev + od).astype(np.float32)
-        total = v[:, 0].copy()
-        for lane in range(1, 8):
-            total = (total + v[:, lane]).astype(np.float32)
-        out[:, n] = total
-    return out
+def tile(q: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w [N/16, .] uint8, s [N/16, .] uint16 f16 bits) from a row-major int8 [N, D] or int4 [N,
+    D/2] matrix and its scales [N, D/g] f16 (N a multiple of 16)."""
+    N, nbytes = q.shape
+    per_block = 32 if bits == 8 else 16
+    K = nbytes // per_block
+    qb = q.view(np.uint8).reshape(N // TILE, TILE, K, per_block // 4, 4)  # tile, row, block, chunk, byte
+    w = np.ascontiguousarray(qb.transpose(0, 2, 3, 1, 4)).reshape(N // TILE, -1)
+    s = np.ascontiguousarray(scales.view(np.uint16).reshape(N // TILE, TILE, -1).transpose(0, 2, 1)).reshape(N // TILE, -1)
+    return w, s
 
 
-def weights_reference(w) -> tuple[np.ndarray, np.ndarray]:
-    """(true integers in idot's column order [N, D], scales f32 [N, D/g]) of an int8 or int4
-    QuantWeight."""
+def values_reference(w) -> tuple[np.ndarray, np.ndarray]:
+    """(true integers [N, D] int64, scales [N, D/g] f32) of an int8 or int4 QuantWeight in rows."""
     if w.kind == "int8":
         return w.q.astype(np.int64), w.scales.astype(np.float32)
-    N = w.q.shape[0]
-    v = np.empty((N, w.q.shape[1] * 2), np.int64)
+    v = np.empty((w.q.shape[0], w.q.shape[1] * 2), np.int64)
     v[:, 0::2] = (w.q & 15).astype(np.int64) - 8
     v[:, 1::2] = (w.q >> 4).astype(np.int64) - 8
-    K = v.shape[1] // 32
-    vb = v.reshape(N, K, 32)
-    v = np.concatenate([vb[..., 0::2], vb[..., 1::2]], axis=-1).reshape(N, K * 32)
     return v, w.scales.astype(np.float32)
+
+
+def reference(x: np.ndarray, values: np.ndarray, wscale: np.ndarray, g: int) -> np.ndarray:
+    """out [T, N] as idot computes it from x [T, D] f32 and the weights' true integers values
+    [N, D] (natural column order) with their scales wscale [N, D/g] f32."""
+    T, D = x.shape
+    K = D // 32
+    xb = x.reshape(T, K, 32).astype(np.float32)
+    d = (np.abs(xb).max(-1) / np.float32(127.0)).astype(np.float32)  # [T, K]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(xb / d[..., None]), 0).clip(-127, 127).astype(np.int64)
+    dots = np.einsum("tkc,nkc->tnk", q, values.reshape(-1, K, 32).astype(np.int64)).astype(np.float32)  # exact
+    sw = wscale[:, (np.arange(K) * 32) // g].astype(np.float32)  # [N, K]
+    out = np.zeros((T, values.shape[0]), np.float32)
+    for k in range(K):
+        s = (d[:, k : k + 1] * sw[None, :, k]).astype(np.float32)
+        out = (out + (dots[:, :, k] * s).astype(np.float32)).astype(np.float32)
+    return out

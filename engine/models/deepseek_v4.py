@@ -350,6 +350,7 @@ class Model(MoEModel):
                                     "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                                     "hc_head_fn", "hc_head_base", "hc_head_scale", "router_bias"}
     INTEGER_KEYS = frozenset({"tid2eid"})
+    CREW_EXPERTS = False  # its clamped SwiGLU runs expert by expert (moe's ffn): not the integer job
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         a = args

@@ -37,9 +37,9 @@ def weight(kind, N, D, g, rng, scale=1.0):
 
 
 def reference(x, w):
-    xq, _, xd = intdot.quantize_reference(x, 8 if w.kind == "int8" else 4)
-    wi, ws = intdot.weights_reference(w)
-    return intdot.dot_reference(xq, xd, wi, ws, w.group_size)
+    # w in rows
+    values, scales = intdot.values_reference(w)
+    return intdot.reference(x, values, scales, w.group_size)
 
 
 def test_the_host_runs_the_paths_it_has():
@@ -59,54 +59,103 @@ def test_quantize_rows_matches_numpy(bits):
     x[2, 40] = 1e4  # one outlier takes its block's scale
     x[3] = -x[3]
     x[4, 64:] = np.float32(127.0) * np.float32(0.5)  # exact halves: rint rounds to even
-    xq, xc, xd = np.empty((5, 96), np.int8), np.empty((5, 24), np.int32), np.empty((5, 3), np.float32)
-    intdot.quantize_rows(x, bits, xq, xc, xd)
-    want = intdot.quantize_reference(x, bits)
-    for got, ref in zip((xq, xc, xd), want):
-        np.testing.assert_array_equal(got, ref)
-    assert np.abs(xq).max() <= 127 and (xq[1, :32] == 0).all() and xd[1, 0] == 0
+    rec = np.empty((5, intdot.record_len(96)), np.int8)
+    intdot.quantize_rows(x, bits, rec)
+    np.testing.assert_array_equal(rec, intdot.record_reference(x, bits))
+    assert rec.shape == (5, 120) and (rec[1, :32] == 0).all() and np.abs(rec[:, :96]).max() <= 127
+    assert rec[2, 108:120].copy().view(np.float32)[1] == np.float32(1e4) / np.float32(127)  # the outlier's block
+    sums = rec[:, 96:108].copy().view(np.int32)
+    np.testing.assert_array_equal(sums, rec[:, :96].astype(np.int32).reshape(5, 3, 32).sum(-1))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_tiles_and_back(kind):
+    """arrange(on) lays sixteen rows out as the module's doc says (against numpy's transpose),
+    arrange(off) gives the rows back; a matrix the kernels cannot take is not taken."""
+    rng = np.random.default_rng(4)
+    w = weight(kind, 48, 128, 64, rng)
+    t = intdot.arranged(w, True)
+    assert t.integer and t.shape == w.shape and not np.shares_memory(t.q, w.q)
+    want_q, want_s = intdot.tile(w.q, w.scales, 8 if kind == "int8" else 4)
+    np.testing.assert_array_equal(t.q.view(np.uint8).reshape(-1), want_q.reshape(-1))
+    np.testing.assert_array_equal(t.scales.view(np.uint16).reshape(-1), want_s.reshape(-1))
+    # chunk 1 of block 0 of tile 0: rows 0..15, four bytes each (int8 columns 4..7, int4 bytes 4..7)
+    np.testing.assert_array_equal(t.q.view(np.uint8).reshape(-1)[64:128].reshape(16, 4), w.q.view(np.uint8)[:16, 4:8])
+    back = intdot.arranged(t, False)
+    assert not back.integer
+    np.testing.assert_array_equal(back.q, w.q)
+    np.testing.assert_array_equal(back.scales, w.scales)
+    assert intdot.takes(w) and not intdot.takes(weight(kind, 40, 128, 64, rng))  # 40 rows: not whole tiles
+    assert not intdot.takes(weight(kind, 32, 80, 80, rng))  # 80 columns: not whole blocks
+
+
+def test_scales_widen_exactly_with_and_without_f16c():
+    """The scales' f16 -> f32 on both ways the kernels have: every one of the 65,536 bit
+    patterns as numpy widens it (a signalling NaN comes out quiet on both)."""
+    import numba as nb
+
+    @nb.njit
+    def bits_way(src, dst):
+        intdot.widen_f16(src, dst, False)
+
+    @nb.njit
+    def f16c_way(src, dst):
+        intdot.widen_f16(src, dst, True)
+
+    src = np.arange(65536, dtype=np.uint16)
+    a, b = np.empty(65536, np.float32), np.empty(65536, np.float32)
+    bits_way(src, a)
+    if intdot.F16C:
+        f16c_way(src, b)
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    want = src.view(np.float16).astype(np.float32)
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(a[ok].view(np.uint32), want[ok].view(np.uint32))
+    assert np.isnan(a[~ok]).all()
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind,g", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", 64),
                                     ("int8", 128), ("int8", 96)])
 def test_integer_kernel_equals_its_reference_bit_for_bit(path, kind, g):
-    """Every token count around NT (4), rows around linear's ROWS (72), and row lengths of
-    one block, an odd count of blocks (the VNNI512 path's single last block) and many."""
+    """Every token count around each path's token block (2, 3), tiles around linear's
+    TILE_ROWS (64 rows), rows that are not whole tiles (padded), row lengths of one block, one
+    group and many."""
     rng = np.random.default_rng(g + len(kind))
     for D in sorted({g, 3 * g if g in (32, 96) else g + 128, 256, 7 * g}):  # (int8's one scale a row: g = D)
         if D % g:
             continue
-        for T, N in ((1, 3), (2, 1), (3, 5), (4, 73), (5, 7), (9, 72), (7, 145)):
+        for T, N in ((1, 16), (2, 16), (3, 48), (4, 64), (5, 80), (7, 144), (9, 32), (3, 40), (2, 101)):
             w = weight(kind, N, D, g, rng)
             x = (rng.standard_normal((T, D)) * rng.uniform(0.01, 10, (T, 1))).astype(np.float32)
+            x[0, :32] = 0
             out = np.empty((T, N), np.float32)
-            intdot.linear(x, w, out, path)
+            intdot.linear(x, intdot.arranged(w, True), out, path)
             np.testing.assert_array_equal(out, reference(x, w), err_msg=f"{kind} g{g} D{D} T{T} N{N} path {path}")
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_row_is_the_same_alone_and_with_others(kind):
     rng = np.random.default_rng(7)
-    w = weight(kind, 40, 128, 32, rng)
+    w = intdot.arranged(weight(kind, 48, 128, 32, rng), True)
     x = rng.standard_normal((11, 128)).astype(np.float32)
-    whole = np.empty((11, 40), np.float32)
+    whole = np.empty((11, 48), np.float32)
     intdot.linear(x, w, whole)
     for t in range(11):
-        one = np.empty((1, 40), np.float32)
+        one = np.empty((1, 48), np.float32)
         intdot.linear(x[t : t + 1], w, one)
         np.testing.assert_array_equal(one[0], whole[t])
 
 
 def test_the_integer_dot_is_close_to_the_float_one():
     """Not a quantisation-free result, but within what 8-bit activations cost: a bug in the
-    layout (a permuted block, a lost excess) is off by the whole size of the result."""
+    layout (a permuted chunk, a lost excess) is off by the whole size of the result."""
     rng = np.random.default_rng(3)
     for kind in ("int4", "int8"):
         w = weight(kind, 64, 256, 64, rng)
         x = rng.standard_normal((6, 256)).astype(np.float32)
         out = np.empty((6, 64), np.float32)
-        intdot.linear(x, w, out)
+        intdot.linear(x, intdot.arranged(w, True), out)
         exact = x @ QUANT[kind].dequantize(w.q, w.scales, 64).T
         assert np.abs(out - exact).max() < 0.02 * np.abs(exact).max()
 
@@ -115,7 +164,8 @@ def experts_job(kind, g, D, I, rng):
     # the crew's integer job over three experts, and the same rows through the kernels one by one
     # (g None: one scale a row, int8's default: gate and up's group D, down's I)
     E, T, A = 3, 5, 2
-    ex = [tuple(weight(kind, *shape, g or shape[1], rng, 0.05) for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
+    ex = [tuple(intdot.arranged(weight(kind, *shape, g or shape[1], rng, 0.05), True)
+                for shape in ((I, D), (I, D), (D, I))) for _ in range(E)]
     x = rng.standard_normal((T, D)).astype(np.float32)
     flat = np.array([0, 1, 2, 0, 1, 2, 0, 2, 1, 0])
     wts = rng.random(T * A).astype(np.float32)
@@ -249,7 +299,7 @@ def test_int4_containers_default_to_it_and_gpt_oss_clamped_experts_take_it(tmp_p
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_the_crews_dense_job_equals_the_kernel(kind):
     rng = np.random.default_rng(11)
-    w = weight(kind, 600, 512, 32, rng)  # past crew.CREW_MIN_ELEMENTS: linear() hands it to the crew
+    w = intdot.arranged(weight(kind, 600, 512, 32, rng), True)  # past crew.CREW_MIN_ELEMENTS; 37.5 tiles
     x = rng.standard_normal((5, 512)).astype(np.float32)
     want = np.empty((5, 600), np.float32)
     intdot.linear(x, w, want)
