@@ -95,7 +95,7 @@ def llama_cpp():
     say(f"building llama-cpp-python {LLAMA_VERSION} from source for this CPU (GGML_NATIVE; ~9 min on 2 cores)")
     env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON", FORCE_CMAKE="1")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python",
-                    f"llama-cpp-python=={LLAMA_VERSION}"], env=env, check=True)
+                    f"llama-cpp-python=={LLAMA_VERSION}"], env=env, check=True, stdout=sys.stderr)
     import llama_cpp as mod
 
     return mod
@@ -126,7 +126,7 @@ def llama_source(workdir: str, sdist: str | None) -> str:
         return root
     if sdist is None:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_VERSION}", "-d", workdir], check=True)
+                        f"llama-cpp-python=={LLAMA_VERSION}", "-d", workdir], check=True, stdout=sys.stderr)  # (stdout: the JSON)
         sdist = os.path.join(workdir, f"llama_cpp_python-{LLAMA_VERSION}.tar.gz")
     prefix = f"llama_cpp_python-{LLAMA_VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist) as t:
