@@ -25,6 +25,7 @@ from .errors import (
 )
 from .formats import FORMATS
 from .fpformats import FP8_DTYPES, QuantConfig, check_fp4, check_fp8, quant_config, read_fp4, read_fp8
+from .gguf import GGUFCheckpoint, is_gguf
 from .quant import QuantWeight, quantized_shapes
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
@@ -124,7 +125,11 @@ class Checkpoint:
 
 
 def load_config(path: str) -> dict:
-    """Read config.json of a model directory. Raises ModelNotFound, ConfigMissing, ConfigInvalid."""
+    """Read config.json of a model directory (a GGUF file: its metadata as the family's
+    config, storage/gguf.py). Raises ModelNotFound, ConfigMissing, ConfigInvalid, and for a
+    GGUF file what GGUFCheckpoint raises."""
+    if is_gguf(path):
+        return GGUFCheckpoint(path).config
     if not os.path.exists(path):
         raise ModelNotFound(f"{path}: no such model directory")
     if not os.path.isdir(path):
@@ -135,13 +140,15 @@ def load_config(path: str) -> dict:
     return read_json(cfg_path)
 
 
-def open_checkpoint(path: str) -> Checkpoint:
+def open_checkpoint(path: str) -> "Checkpoint | GGUFCheckpoint":
     """Open a Hugging Face checkpoint directory and index all its tensors.
 
     Raises ModelNotFound, ConfigMissing, ConfigInvalid, QuantizationUnsupported,
     PickleCheckpointRefused, WeightsMissing, IndexInvalid, or any safetensors header error
-    of a shard.
+    of a shard. A GGUF file (or split set) opens as a GGUFCheckpoint (storage/gguf.py).
     """
+    if is_gguf(path):
+        return GGUFCheckpoint(path)
     config = load_config(path)
     quant = quant_config(config, os.path.join(path, "config.json"))
     names = sorted(os.listdir(path))

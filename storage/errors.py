@@ -100,6 +100,15 @@ class DenseChecksumMismatch(CheckpointError):
     """A container's dense file disagrees with the manifest's checksum (names the tensor)."""
 
 
+class GGUFInvalid(CheckpointError):
+    """A GGUF file that is malformed or truncated, or a split set with a part missing."""
+
+
+class ArchitectureUnsupported(CheckpointError):
+    """A GGUF file of an architecture colibri does not map to a family (or of options it
+    does not read yet)."""
+
+
 class BudgetInvalid(ColibriError):
     """An expert budget that cannot be parsed, or is too small to run the model."""
 

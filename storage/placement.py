@@ -31,6 +31,7 @@ from .errors import BudgetInvalid, ColibriError
 from .experts import ExpertSource, TracedSource
 from .faults import FaultPlan
 from .formats import QUANT_DTYPES
+from .gguf import is_gguf
 from .history import DEFAULT_HALF_LIFE, UsageHistory, history_path
 from .memory import MemoryRoom
 from .policy import Policy
@@ -169,7 +170,8 @@ def check_model(path: str, build: Build, report=None):
             store = model.source(open_checkpoint(path))
             model.check(store)
             size = sum(sf.file_bytes for sf in store.files.values())
-            report(name, f"{len(store.files)} safetensors file(s), {size / 2**30:.2f} GiB, every tensor present with "
+            kind = "GGUF" if is_gguf(path) else "safetensors"
+            report(name, f"{len(store.files)} {kind} file(s), {size / 2**30:.2f} GiB, every tensor present with "
                          "the shape its config implies (experts all resident: no budget)")
     except ColibriError as e:
         e.check = name

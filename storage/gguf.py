@@ -1,0 +1,238 @@
+"""GGUF files, llama.cpp's format, read as a checkpoint: one file or a split set
+(`NAME-00001-of-00003.gguf`), its metadata turned into the family's config.json, its
+tensors named as the family names them (llama.cpp's names mapped through the `gguf`
+package's own table, its stacked `ffn_*_exps` tensors as one slice per expert).
+
+Everything is checked before a byte of weight is read: the file's structure (through the
+`gguf` package, llama.cpp's Python reader), every tensor inside its file, every tensor's
+type, the architecture; then, as for a safetensors checkpoint, each tensor the family
+needs with the shape its config implies (`expect`). Each way of being wrong has its
+named error, and the message names the file and the tensor.
+
+Which GGUF types are computed: F32, F16 and BF16, as they are (the same kernels as a
+checkpoint's). The quantized types (Q8_0, Q4_K, ...) are refused, naming the type, until
+their kernels exist.
+"""
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (
+    ArchitectureUnsupported,
+    GGUFInvalid,
+    ModelNotFound,
+    TensorMissing,
+    TensorShapeMismatch,
+    UnsupportedDtype,
+)
+from .safetensors import TensorEntry
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # GGUF type -> storage dtype (bf16 as bits)
+EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def is_gguf(path: str) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def split_parts(path: str) -> list[str]:
+    """The files of the model `path` names: itself, or every part of its split set (any part
+    names the set). Raises ModelNotFound, GGUFInvalid (a part missing)."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ModelNotFound(f"{path}: no such GGUF file")
+    m = SPLIT.match(path)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    parts = [f"{m['stem']}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    missing = [p for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise GGUFInvalid(f"{path}: part of a split set of {n}, and {missing[0]} is missing"
+                          + (f" ({len(missing)} parts missing)" if len(missing) > 1 else ""))
+    return parts
+
+
+@dataclass
+class GGUFTensor:
+    name: str  # llama.cpp's
+    file: str
+    dtype: str  # the GGUF type's name: F32, F16, BF16, Q8_0, ...
+    shape: tuple[int, ...]  # numpy's order (GGUF lists the dimensions innermost first)
+    begin: int  # absolute offset in its file
+    n_bytes: int
+    data: np.ndarray  # the bytes, mapped
+
+
+@dataclass
+class GGUFPart:
+    path: str
+    file_bytes: int
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_parts(paths: list[str]) -> tuple[dict, dict[str, GGUFTensor]]:
+    """(metadata of the first part, every tensor by llama.cpp's name) of a GGUF file or split
+    set, each tensor checked to lie inside its file. Raises GGUFInvalid, UnsupportedDtype."""
+    from gguf import GGUFReader
+
+    meta, tensors = {}, {}
+    for i, path in enumerate(paths):
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+            raise GGUFInvalid(f"{path}: not a GGUF file colibri can read ({_why(e)})") from None
+        except OSError as e:
+            raise GGUFInvalid(f"{path}: {e.strerror or e}") from None
+        if i == 0:
+            meta = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
+        size = os.path.getsize(path)
+        for t in reader.tensors:
+            if t.name in tensors:
+                raise GGUFInvalid(f"{path}: tensor {t.name!r} is in two parts of the set")
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise GGUFInvalid(f"{path}: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}, past the "
+                                  f"file's end ({size} bytes): the file is truncated")
+            tensors[t.name] = GGUFTensor(t.name, path, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                         int(t.data_offset), int(t.n_bytes), t.data)
+    return meta, tensors
+
+
+def _why(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    m = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
+    if m:
+        return f"unknown tensor type {m.group(1)}"
+    return text.splitlines()[0][:200]
+
+
+# ---- architectures: llama.cpp's name -> the family's model_type and config.json ----
+
+def _qwen3_moe(meta: dict, arch: str, tensors: dict) -> dict:
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    n_head = key("attention.head_count")
+    cfg = {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": key("embedding_length"), "num_hidden_layers": key("block_count"),
+        "num_attention_heads": n_head, "num_key_value_heads": key("attention.head_count_kv", n_head),
+        "intermediate_size": key("feed_forward_length", 0) or key("expert_feed_forward_length"),
+        "moe_intermediate_size": key("expert_feed_forward_length"), "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        # llama.cpp's qwen3moe graph renormalises the top-k weights always (build_moe_ffn(..., true, ...))
+        "norm_topk_prob": True,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0), "max_position_embeddings": key("context_length", 32768),
+        "vocab_size": tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else None,
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if key("attention.key_length") is not None:
+        cfg["head_dim"] = key("attention.key_length")
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ArchitectureUnsupported(f"{arch} with rope scaling {scaling!r}: not read from GGUF files yet")
+    return cfg
+
+
+ARCHS = {"qwen3moe": _qwen3_moe}  # llama.cpp's general.architecture -> its family's config.json
+
+
+def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise ArchitectureUnsupported(f"{path}: architecture {arch!r} is not one colibri reads from GGUF "
+                                      f"(it reads {', '.join(sorted(ARCHS))})")
+    cfg = ARCHS[arch](meta, arch, tensors)
+    missing = sorted(k for k, v in cfg.items() if v is None)
+    if missing:
+        raise GGUFInvalid(f"{path}: the metadata has no {arch}.* value for {', '.join(missing)}")
+    return cfg | {"gguf_architecture": arch}
+
+
+# ---- the checkpoint ----
+
+class GGUFCheckpoint:
+    """A GGUF file (or split set) with the interface of storage/checkpoint.Checkpoint: the
+    family's tensor names, entries in numpy's shapes, reads in the storage dtype."""
+
+    quant = None
+    crc32 = None
+    int_dense = None
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        parts = split_parts(self.path)
+        self.meta, self.tensors = read_parts(parts)
+        self.config = gguf_config(self.meta, self.tensors, self.path)
+        self.files = {os.path.basename(p): GGUFPart(p, os.path.getsize(p)) for p in parts}
+        import gguf
+
+        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.config["gguf_architecture"])
+        self._names = gguf.get_tensor_name_map(arch, int(self.config["num_hidden_layers"]))
+        self.where = {}  # the family's name -> (llama.cpp's, expert index or None), filled as names are asked
+
+    def _locate(self, name: str) -> tuple[GGUFTensor, int | None]:
+        if name not in self.where:
+            m = EXPERT.match(name)
+            base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (name.rsplit(".", 1)[0], None)
+            suffix = name.rsplit(".", 1)[1] if "." in name else ""
+            gname = self._names.get_name(base)
+            self.where[name] = (f"{gname}.{suffix}" if gname else None, e)
+        gname, e = self.where[name]
+        t = self.tensors.get(gname) if gname else None
+        if t is None or (e is not None and (len(t.shape) != 3 or e >= t.shape[0])):
+            raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
+                                + (f" (llama.cpp's {gname!r})" if gname else ""))
+        return t, e
+
+    def has(self, name: str) -> bool:
+        try:
+            self._locate(name)
+        except TensorMissing:
+            return False
+        return True
+
+    def entry(self, name: str) -> TensorEntry:
+        t, e = self._locate(name)
+        if e is None:
+            return TensorEntry(name, t.dtype, t.shape, t.begin, t.begin + t.n_bytes)
+        per = t.n_bytes // t.shape[0]
+        return TensorEntry(name, t.dtype, t.shape[1:], t.begin + e * per, t.begin + (e + 1) * per)
+
+    def expect(self, name: str, shape: tuple[int, ...], integer: bool = False) -> TensorEntry:
+        """As Checkpoint.expect. Raises TensorMissing, TensorShapeMismatch, UnsupportedDtype."""
+        e = self.entry(name)
+        t, _ = self._locate(name)
+        if e.dtype not in FLOAT_TYPES:
+            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {e.dtype}; colibri computes GGUF's "
+                                   f"{', '.join(FLOAT_TYPES)} tensors (quantized types: not yet)")
+        if tuple(e.shape) != tuple(shape):
+            raise TensorShapeMismatch(f"{t.file}: tensor {t.name!r} ({name!r}) has shape {list(e.shape)}, "
+                                      f"the metadata implies {list(shape)}")
+        return e
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor in its storage dtype (bf16 as uint16), from the mapped file."""
+        t, e = self._locate(name)
+        dtype = FLOAT_TYPES.get(t.dtype)
+        if dtype is None:
+            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF yet")
+        a = np.asarray(t.data).reshape(-1).view(np.uint8).view(dtype).reshape(t.shape)
+        return np.array(a if e is None else a[e])
+
+    read_weight = read
+
+    def file_of(self, name: str) -> str:
+        return self._locate(name)[0].file

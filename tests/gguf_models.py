@@ -1,0 +1,68 @@
+"""Tiny GGUF files written by the tests from tiny transformers checkpoints (hf_models.build),
+with the `gguf` package's writer, in llama.cpp's layout: its tensor names, the experts of a
+layer stacked in one tensor, the dimensions innermost first, the metadata its converter
+writes. No llama.cpp build needed."""
+
+import json
+import os
+
+import numpy as np
+
+from colibri.storage.checkpoint import open_checkpoint
+
+TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0):
+    """The checkpoint at hf_dir (qwen3_moe, every layer MoE, norm_topk_prob true: what
+    llama.cpp's qwen3moe computes) as a GGUF file at `out` (split into parts of at most
+    split_max_tensors tensors when given). Returns the path of the (first) file."""
+    import gguf
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert cfg["model_type"] == "qwen3_moe" and cfg.get("norm_topk_prob") and not cfg.get("mlp_only_layers")
+    ck = open_checkpoint(str(hf_dir))
+    L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, L)
+    w = gguf.GGUFWriter(str(out), "qwen3moe", split_max_tensors=split_max_tensors)
+    w.add_block_count(L)
+    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(E)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    as_type = TYPES[dtype]
+
+    def add(gname, a):
+        a = np.ascontiguousarray(a.astype(np.float32) if a.ndim == 1 else a.astype(as_type))  # norms stay F32
+        w.add_tensor(gname, a)
+
+    def f32(name):
+        a = ck.read(name)
+        return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+
+    stacked = {}
+    for name in sorted(ck.where):
+        m = __import__("re").match(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
+            continue
+        base, suffix = name.rsplit(".", 1)
+        add(f"{names.get_name(base)}.{suffix}", f32(name))
+    for base, experts in sorted(stacked.items()):
+        add(f"{names.get_name(base)}.weight", np.stack([experts[e] for e in range(E)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if split_max_tensors:
+        stem = str(out)[: -len(".gguf")]
+        return next(p for p in (f"{stem}-00001-of-{n:05d}.gguf" for n in range(1, 100)) if os.path.exists(p))
+    return str(out)

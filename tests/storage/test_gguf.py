@@ -1,0 +1,184 @@
+"""GGUF files (storage/gguf.py): tiny ones written by the tests from tiny transformers
+checkpoints (tests/gguf_models.py, the `gguf` package's writer in llama.cpp's layout) run
+with transformers' logits and greedy tokens, alone or as a split set; each way a file can be
+wrong gives its named error before a weight is read."""
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from gguf_models import write_gguf
+
+from colibri.storage.checkpoint import open_checkpoint
+from colibri.storage.errors import (
+    ArchitectureUnsupported,
+    GGUFInvalid,
+    TensorShapeMismatch,
+    UnsupportedDtype,
+)
+
+from hf_models import build, load_model
+
+SHAPE = dict(seed=3, norm_topk_prob=True, hidden_size=64)  # (rows of 64: a multiple of Q8_0's block of 32)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    ref = build("qwen3_moe", "basic", tmp / "hf", **SHAPE)
+    return tmp, ref, write_gguf(tmp / "hf", tmp / "m.gguf")
+
+
+def greedy(model, ids, n):
+    from colibri.engine.generate import SamplingParams, generate
+
+    return [e.token_id for e in generate(model, ids, SamplingParams(max_tokens=n)) if e.kind == "token"]
+
+
+def logits_of(model, ids):
+    return model.forward(ids, model.new_cache(32), all_logits=True)
+
+
+def test_a_gguf_file_runs_with_transformers_tokens(qwen):
+    tmp, ref, path = qwen
+    model = load_model(path)
+    assert model.MODEL_TYPE == "qwen3_moe" and model.args.norm_topk_prob and model.n_expert == 8
+    ids = np.random.default_rng(5).integers(0, 101, 11)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(logits_of(model, ids) - want).max() <= 1e-4
+    with torch.no_grad():
+        out = ref.generate(torch.tensor(ids)[None], max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert greedy(model, ids, 32) == out[0, len(ids):].tolist()
+
+
+def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
+    """An F16 GGUF: its matrices stay f16 and are widened exactly in the kernels: transformers
+    given the same f16-rounded weights gives the same logits."""
+    tmp, ref, _ = qwen
+    path = write_gguf(tmp / "hf", tmp_path / "h.gguf", dtype="F16")
+    ck = open_checkpoint(path)
+    assert ck.entry("model.layers.0.self_attn.q_proj.weight").dtype == "F16"
+    assert ck.read("model.layers.1.mlp.experts.5.down_proj.weight").dtype == np.float16
+    model = load_model(path)
+    rounded = build("qwen3_moe", "basic", tmp_path / "hf16", **SHAPE)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.ndim >= 2:  # the matrices (the experts stacked); norms stay F32 in the file
+                p.copy_(p.half().float())
+    ids = np.arange(3, 14)
+    with torch.no_grad():
+        want = rounded(torch.tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(logits_of(model, ids) - want).max() <= 1e-4
+
+
+def test_a_split_set_reads_as_one_file(qwen, tmp_path):
+    tmp, _, whole = qwen
+    first = write_gguf(tmp / "hf", tmp_path / "s.gguf", split_max_tensors=7)
+    parts = sorted(p for p in os.listdir(tmp_path) if p.startswith("s-"))
+    assert len(parts) >= 3 and first.endswith(f"-00001-of-{len(parts):05d}.gguf")
+    ids = np.arange(20, 31)
+    np.testing.assert_array_equal(logits_of(load_model(first), ids), logits_of(load_model(whole), ids))
+    os.remove(tmp_path / parts[-1])
+    with pytest.raises(GGUFInvalid, match="is missing"):
+        open_checkpoint(first)
+
+
+def test_a_truncated_file_is_refused_naming_the_tensor(qwen, tmp_path):
+    _, _, path = qwen
+    data = open(path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(GGUFInvalid, match="truncated"):
+        open_checkpoint(str(cut))
+    (tmp_path / "head.gguf").write_bytes(data[:40])
+    with pytest.raises(GGUFInvalid):
+        open_checkpoint(str(tmp_path / "head.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"GGML" + data[4:])
+    with pytest.raises(GGUFInvalid, match="not a GGUF file"):
+        open_checkpoint(str(tmp_path / "junk.gguf"))
+
+
+def test_an_unknown_tensor_type_is_refused(qwen, tmp_path):
+    """A tensor type id no GGML type has (patched into the first tensor's header entry)."""
+    _, _, path = qwen
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    t = r.tensors[0]
+    type_at = int(t.field.offset) + sum(p.nbytes for p in t.field.parts[:4])  # name len, name, n_dims, dims
+    data = bytearray(open(path, "rb").read())
+    assert struct.unpack_from("<I", data, type_at)[0] == int(t.tensor_type)
+    struct.pack_into("<I", data, type_at, 250)
+    bad = tmp_path / "t.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFInvalid, match="unknown tensor type 250"):
+        open_checkpoint(str(bad))
+
+
+def test_a_quantized_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
+    import gguf
+
+    tmp, _, _ = qwen
+    path = write_gguf(tmp / "hf", tmp_path / "q.gguf")
+    r = gguf.GGUFReader(path)
+    # the same file with one expert stack in Q8_0: named, not computed (yet)
+    w = gguf.GGUFWriter(str(tmp_path / "q8.gguf"), "qwen3moe")
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            _copy_field(w, k, f)
+    for t in r.tensors:
+        a = np.array(t.data).reshape(tuple(reversed(t.shape.tolist())))
+        if t.name == "blk.0.ffn_up_exps.weight":
+            w.add_tensor(t.name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, a)
+    _finish(w)
+    with pytest.raises(UnsupportedDtype, match="blk.0.ffn_up_exps.weight.*Q8_0"):
+        load_model(str(tmp_path / "q8.gguf"))
+    # metadata that says other shapes than the tensors have
+    w = gguf.GGUFWriter(str(tmp_path / "shape.gguf"), "qwen3moe")
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            if k == "qwen3moe.expert_feed_forward_length":
+                w.add_expert_feed_forward_length(32)
+            else:
+                _copy_field(w, k, f)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+    _finish(w)
+    with pytest.raises(TensorShapeMismatch, match="ffn_.*_exps"):
+        load_model(str(tmp_path / "shape.gguf"))
+
+
+def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    _finish(w)
+    with pytest.raises(ArchitectureUnsupported, match="'llama'.*qwen3moe"):
+        open_checkpoint(str(tmp_path / "l.gguf"))
+
+
+def _copy_field(w, key, field):
+    import gguf
+
+    vtype = field.types[0]
+    value = field.contents()
+    if vtype == gguf.GGUFValueType.ARRAY:
+        w.add_array(key, value)
+    else:
+        w.add_key_value(key, value, vtype)
+
+
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
