@@ -41,6 +41,7 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
     from ..storage import placement
     from ..storage.container import Container
     from ..storage.errors import ColibriError
+    from ..storage.gguf import tokenizer_spec
 
     facts: dict = {}
     try:
@@ -49,7 +50,7 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
         r.add(FAIL, getattr(e, "check", "model"), str(e))
         return facts
     try:
-        tok = Tokenizer(path)
+        tok = Tokenizer(path, tokenizer_spec(path))
         r.add(OK, "tokenizer", "tokenizer.json loads" + ("" if tok.chat_template else
                                                          "; no chat template (--chat and colictl chat will not work)"))
     except ColibriError as e:

@@ -145,6 +145,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     from ..engine.generate import SamplingParams, check_prompt, generate
     from ..engine.registry import build_model
     from ..engine.tokenizer import Tokenizer, eos_ids
+    from ..storage.gguf import tokenizer_spec
     from ..storage.placement import Placement, faults_from_env, open_model
     from ..storage.policy import Policy
     from ..storage.sizes import parse_size
@@ -163,7 +164,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     tokenizers = []  # loaded once the files' checks pass, before a weight is read
 
     def checked(model):
-        tok = Tokenizer(path)
+        tok = Tokenizer(path, tokenizer_spec(path))
         limit = tok.most_bytes(model.n_ctx)  # a prompt that cannot fit is refused before it is tokenised
         if len(text_in.encode("utf-8", "surrogatepass")) > limit:
             raise InvalidRequest(f"the prompt is {len(text_in.encode('utf-8', 'surrogatepass'))} bytes: far more "

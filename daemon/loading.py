@@ -20,6 +20,7 @@ from ..engine.tokenizer import Tokenizer, eos_ids
 from ..storage.checkpoint import load_config
 from ..storage.demo import default_demo_path, ensure_demo_container
 from ..storage.errors import BudgetInvalid, ColibriError
+from ..storage.gguf import tokenizer_spec
 from ..storage.memory import MemoryRoom
 from ..storage.placement import Placement, faults_from_env, open_model
 from ..storage.sessions import fingerprints
@@ -72,7 +73,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
         raise BudgetInvalid(f"{origin('expert_cache', config_path, overrides)}: expert_cache = "
                             f"{cfg.expert_cache} (kv_cache = {cfg.kv_cache}): {e}") from None
     model = placed.model
-    tokenizer = Tokenizer(path)
+    tokenizer = Tokenizer(path, tokenizer_spec(path))
     eos = eos_ids(path, load_config(path), tokenizer)
     layers.init(n, phase)
     boot["compute_threads"] = {"asked": cfg.compute_threads or "all", "got": n}

@@ -386,8 +386,9 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
                                                                      for a in L.values())
     try:
         from ..engine.tokenizer import Tokenizer
+        from ..storage.gguf import tokenizer_spec
 
-        tokenizer = Tokenizer(path)
+        tokenizer = Tokenizer(path, tokenizer_spec(path))
     except ColibriError:  # (a plan needs no text; a step then times without its detokenising)
         tokenizer = None
     say("measuring the drives")

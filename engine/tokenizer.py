@@ -16,11 +16,18 @@ def _token_str(v) -> str | None:
 
 
 class Tokenizer:
-    """Raises TokenizerMissing if the directory has no loadable tokenizer.json."""
+    """Raises TokenizerMissing if the directory has no loadable tokenizer.json. `spec`: a
+    GGUF file's tokenizer instead (storage/gguf.tokenizer_spec: a tokenizer.json's text, the
+    chat template, the BOS and EOS tokens)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, spec: dict | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
+        if spec is not None:
+            self.tok = HFTokenizer.from_str(spec["json"])
+            self.config = {}
+            self.chat_template, self.bos_token, self.eos_token = spec["chat_template"], spec["bos_token"], spec["eos_token"]
+            return
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise TokenizerMissing(f"{path}: no tokenizer.json (colibri uses the checkpoint's own tokenizer)")

@@ -109,6 +109,10 @@ class ArchitectureUnsupported(CheckpointError):
     does not read yet)."""
 
 
+class TokenizerUnsupported(CheckpointError):
+    """A GGUF file without a tokenizer, or with one colibri does not build."""
+
+
 class BudgetInvalid(ColibriError):
     """An expert budget that cannot be parsed, or is too small to run the model."""
 

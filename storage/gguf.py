@@ -26,6 +26,7 @@ from .errors import (
     ModelNotFound,
     TensorMissing,
     TensorShapeMismatch,
+    TokenizerUnsupported,
     UnsupportedDtype,
 )
 from .safetensors import TensorEntry
@@ -149,6 +150,18 @@ def _qwen3_moe(meta: dict, arch: str, tensors: dict) -> dict:
 ARCHS = {"qwen3moe": _qwen3_moe}  # llama.cpp's general.architecture -> its family's config.json
 
 
+def _token_ids(meta: dict) -> dict:
+    # config.json's bos and eos ids from the tokenizer's metadata (what eos_ids reads): EOS, and
+    # the end-of-turn and end-of-message tokens llama.cpp also stops on
+    out = {}
+    if (v := meta.get("tokenizer.ggml.bos_token_id")) is not None:
+        out["bos_token_id"] = int(v)
+    eos = [int(v) for k in ("eos", "eot", "eom") if (v := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None]
+    if eos:
+        out["eos_token_id"] = list(dict.fromkeys(eos))
+    return out
+
+
 def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
@@ -158,7 +171,7 @@ def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
     missing = sorted(k for k, v in cfg.items() if v is None)
     if missing:
         raise GGUFInvalid(f"{path}: the metadata has no {arch}.* value for {', '.join(missing)}")
-    return cfg | {"gguf_architecture": arch}
+    return cfg | _token_ids(meta) | {"gguf_architecture": arch}
 
 
 # ---- the checkpoint ----
@@ -236,3 +249,59 @@ class GGUFCheckpoint:
 
     def file_of(self, name: str) -> str:
         return self._locate(name)[0].file
+
+
+# ---- the tokenizer, from the metadata ----
+
+# tokenizer.ggml.pre -> the regex that splits text into words before the byte-level BPE (what
+# llama.cpp's llama-vocab.cpp applies for each; "default" and "gpt-2": GPT-2's own, which the
+# ByteLevel pre-tokenizer carries)
+PRE_REGEX = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "default": None,
+    "gpt-2": None,
+}
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type: llama.cpp's token attributes
+
+
+def tokenizer_spec(path: str) -> dict | None:
+    """For a GGUF file, what engine/tokenizer.Tokenizer builds its tokenizer from: {"json": a
+    tokenizer.json's text, "chat_template", "bos_token", "eos_token"} made from the file's
+    tokenizer.ggml.* and tokenizer.chat_template metadata; None for a model directory.
+    Raises what GGUFCheckpoint raises, TokenizerUnsupported (no tokenizer in the file, a
+    tokenizer model or pre-tokenizer colibri does not build)."""
+    import json
+
+    if not is_gguf(path):
+        return None
+    meta, _ = read_parts(split_parts(path)[:1])
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if model is None or tokens is None:
+        raise TokenizerUnsupported(f"{path}: no tokenizer in the file's metadata")
+    if model != "gpt2" or pre not in PRE_REGEX:
+        raise TokenizerUnsupported(f"{path}: tokenizer {model!r} with pre-tokenizer {pre!r}: colibri builds "
+                                   f"'gpt2' (byte-level BPE) with {', '.join(sorted(PRE_REGEX))}")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": types[i] == CONTROL} for i, t in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": PRE_REGEX[pre] is None}
+    pre_tokenizer = byte_level if PRE_REGEX[pre] is None else {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": PRE_REGEX[pre]}, "behavior": "Isolated", "invert": False}, byte_level]}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": pre_tokenizer, "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},  # (the added ones too: else `tokenizers` renumbers them)
+                  "merges": list(meta.get("tokenizer.ggml.merges") or [])},
+    }
+
+    def token(key):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    return {"json": json.dumps(spec), "chat_template": meta.get("tokenizer.chat_template"),
+            "bos_token": token("bos"), "eos_token": token("eos")}

@@ -13,10 +13,12 @@ from colibri.storage.checkpoint import open_checkpoint
 TYPES = {"F32": np.float32, "F16": np.float16}
 
 
-def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0):
+def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default"):
     """The checkpoint at hf_dir (qwen3_moe, every layer MoE, norm_topk_prob true: what
     llama.cpp's qwen3moe computes) as a GGUF file at `out` (split into parts of at most
-    split_max_tensors tensors when given). Returns the path of the (first) file."""
+    split_max_tensors tensors when given), with the tokenizer of the directory `tokenizer`
+    (tokenizer.json, tokenizer_config.json) in its metadata as llama.cpp's converter writes a
+    byte-level BPE (`pre`: its pre-tokenizer's name). Returns the path of the (first) file."""
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
@@ -38,6 +40,8 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0):
     w.add_expert_count(E)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if tokenizer is not None:
+        add_tokenizer(w, tokenizer, pre)
     as_type = TYPES[dtype]
 
     def add(gname, a):
@@ -66,3 +70,24 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0):
         stem = str(out)[: -len(".gguf")]
         return next(p for p in (f"{stem}-00001-of-{n:05d}.gguf" for n in range(1, 100)) if os.path.exists(p))
     return str(out)
+
+
+def add_tokenizer(w, directory, pre):
+    tok = json.load(open(os.path.join(directory, "tokenizer.json")))
+    cfg = json.load(open(os.path.join(directory, "tokenizer_config.json")))
+    ids = dict(tok["model"]["vocab"]) | {a["content"]: a["id"] for a in tok["added_tokens"]}
+    tokens = sorted(ids, key=ids.get)
+    assert [ids[t] for t in tokens] == list(range(len(tokens)))
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for name, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id)):
+        t = cfg.get(name)
+        t = t.get("content") if isinstance(t, dict) else t
+        if t in ids:
+            add(ids[t])
+    if cfg.get("chat_template"):
+        w.add_chat_template(cfg["chat_template"])

@@ -182,3 +182,64 @@ def _finish(w):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "storage", "demo_model")
+CORPUS = ["Once upon a time, in a land far away, there lived 1234 cats.", "It's 3:15 -- don't panic!\n\n  Indented\tline",
+          "Ünïcödé: naïve café, 日本語, emoji 🙂 and <|im_start|>user\nhi<|im_end|>", "   ", "", "a" * 300,
+          "You will be hungry again in one hour.  Q: What's the difference?"]
+
+
+def test_the_tokenizer_is_read_from_the_file(qwen, tmp_path):
+    """The demo model's byte-level BPE written into a GGUF file as llama.cpp's converter
+    writes one: the same ids and text as its tokenizer.json on a corpus (special tokens,
+    whitespace runs, numbers, non-Latin text), the same chat rendering and EOS."""
+    from colibri.engine.tokenizer import Tokenizer, eos_ids
+    from colibri.storage.checkpoint import load_config
+    from colibri.storage.gguf import tokenizer_spec
+
+    tmp, _, _ = qwen
+    path = write_gguf(tmp / "hf", tmp_path / "t.gguf", tokenizer=DEMO)
+    ours, want = Tokenizer(path, tokenizer_spec(path)), Tokenizer(DEMO)
+    for text in CORPUS:
+        assert ours.encode(text) == want.encode(text), text
+        assert ours.decode(ours.encode(text)) == want.decode(want.encode(text))
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert ours.apply_chat_template(msgs) == want.apply_chat_template(msgs)
+    assert eos_ids(path, load_config(path), ours) == [want.token_id(want.eos_token)]  # (a GGUF has no generation_config)
+    assert tokenizer_spec(str(DEMO)) is None
+    bare = write_gguf(tmp / "hf", tmp_path / "bare.gguf")
+    from colibri.storage.errors import TokenizerUnsupported
+
+    with pytest.raises(TokenizerUnsupported, match="no tokenizer"):
+        tokenizer_spec(bare)
+    odd = write_gguf(tmp / "hf", tmp_path / "odd.gguf", tokenizer=DEMO, pre="deepseek-coder")
+    with pytest.raises(TokenizerUnsupported, match="deepseek-coder"):
+        tokenizer_spec(odd)
+
+
+def test_colictl_runs_a_gguf_file_alone(tmp_path):
+    """`colictl run --model FILE.gguf`: no other file, the tokens transformers gives."""
+    import json
+    import subprocess
+    import sys
+
+    ref = build("qwen3_moe", "basic", tmp_path / "hf", **(SHAPE | {"vocab_size": 2048}))
+    (tmp_path / "alone").mkdir()
+    path = write_gguf(tmp_path / "hf", tmp_path / "alone" / "m.gguf", tokenizer=DEMO)
+    assert os.listdir(tmp_path / "alone") == ["m.gguf"]
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "run", "--model", path, "--max-tokens", "12", "--json",
+                        "Once upon a time"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    ids = out["prompt_token_ids"]
+    with torch.no_grad():
+        g = ref.generate(torch.tensor(ids)[None], max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         eos_token_id=load_eos(path))
+    assert out["token_ids"] == g[0, len(ids):].tolist()
+
+
+def load_eos(path):
+    from colibri.storage.checkpoint import load_config
+
+    return load_config(path).get("eos_token_id")
