@@ -51,7 +51,8 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
         return facts
     try:
         tok = Tokenizer(path, tokenizer_spec(path))
-        r.add(OK, "tokenizer", "tokenizer.json loads" + ("" if tok.chat_template else
+        where = "the file's tokenizer builds" if path.endswith(".gguf") else "tokenizer.json loads"
+        r.add(OK, "tokenizer", where + ("" if tok.chat_template else
                                                          "; no chat template (--chat and colictl chat will not work)"))
     except ColibriError as e:
         r.add(FAIL, "tokenizer", str(e))
@@ -247,7 +248,7 @@ def doctor(ctx, model_path, config_path, deep, as_json):
     cfg = load(config_path)
     path = model_path or cfg.model or default_demo_path(state_dir(cfg))
     r = Report()
-    if not os.path.isdir(path):
+    if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):  # (a GGUF file is a model)
         r.add(FAIL, "model", f"{path}: no such directory" + ("" if model_path or cfg.model else
                                                              " (the demo model is written at colibrid's first start)"))
         facts = {}

@@ -174,6 +174,9 @@ class MoEModel:
         """The checkpoint as this family reads it: itself, or a view (gpt-oss presents its
         fused expert tensors as one (gate, up, down, biases) per expert)."""
         self.spell(checkpoint)
+        if hasattr(checkpoint, "name_all"):  # a GGUF file: its tensors under the names this family reads
+            checkpoint.name_all(self.dense_names() + [n for il in self.moe_layers for ie in range(self.n_expert)
+                                                      for n in self.expert_names(il, ie)])
         return checkpoint
 
     def spell(self, store) -> None:

@@ -64,8 +64,9 @@ def fingerprint(ckpt: Checkpoint) -> str:
     """sha256 over config.json and every shard's name, size and header: cheap (no weight
     bytes are hashed) and changes whenever the checkpoint's contents are re-laid out."""
     h = hashlib.sha256()
-    with open(os.path.join(ckpt.path, "config.json"), "rb") as f:
-        h.update(f.read())
+    if os.path.isdir(ckpt.path):  # (a GGUF file: its metadata is in the headers hashed below)
+        with open(os.path.join(ckpt.path, "config.json"), "rb") as f:
+            h.update(f.read())
     for name in sorted(ckpt.files):
         sf = ckpt.files[name]
         h.update(f"{name}:{sf.file_bytes}".encode())
@@ -230,6 +231,9 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     for name in COPIED:
         if os.path.isfile(os.path.join(src.path, name)):
             shutil.copyfile(os.path.join(src.path, name), os.path.join(tmp, name))
+    for name, text in (src.files_for_container() if hasattr(src, "files_for_container") else {}).items():
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:  # a GGUF file's config and tokenizer
+            f.write(text)
 
     expert_names = {n for il in plan.moe_layers for ie in range(plan.n_expert) for n in plan.names(il, ie)}
     wanted = set(plan.dense) if plan.dense is not None else set(src.where)

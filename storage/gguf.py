@@ -73,6 +73,7 @@ class GGUFTensor:
 class GGUFPart:
     path: str
     file_bytes: int
+    data_begin: int  # where its tensors' data starts: the header before it (convert's fingerprint hashes it)
 
 
 def _field(reader, key: str, default=None):
@@ -83,9 +84,10 @@ def _field(reader, key: str, default=None):
     return v
 
 
-def read_parts(paths: list[str]) -> tuple[dict, dict[str, GGUFTensor]]:
+def read_parts(paths: list[str], begins: dict | None = None) -> tuple[dict, dict[str, GGUFTensor]]:
     """(metadata of the first part, every tensor by llama.cpp's name) of a GGUF file or split
-    set, each tensor checked to lie inside its file. Raises GGUFInvalid, UnsupportedDtype."""
+    set, each tensor checked to lie inside its file (`begins`, when given, hears where each
+    file's tensor data starts). Raises GGUFInvalid, UnsupportedDtype."""
     from gguf import GGUFReader
 
     meta, tensors = {}, {}
@@ -99,6 +101,8 @@ def read_parts(paths: list[str]) -> tuple[dict, dict[str, GGUFTensor]]:
         if i == 0:
             meta = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
         size = os.path.getsize(path)
+        if begins is not None:
+            begins[path] = int(reader.data_offset)
         for t in reader.tensors:
             if t.name in tensors:
                 raise GGUFInvalid(f"{path}: tensor {t.name!r} is in two parts of the set")
@@ -186,10 +190,10 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str):
         self.path = str(path)
-        parts = split_parts(self.path)
-        self.meta, self.tensors = read_parts(parts)
+        parts, begins = split_parts(self.path), {}
+        self.meta, self.tensors = read_parts(parts, begins)
         self.config = gguf_config(self.meta, self.tensors, self.path)
-        self.files = {os.path.basename(p): GGUFPart(p, os.path.getsize(p)) for p in parts}
+        self.files = {os.path.basename(p): GGUFPart(p, os.path.getsize(p), begins[p]) for p in parts}
         import gguf
 
         arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.config["gguf_architecture"])
@@ -197,18 +201,40 @@ class GGUFCheckpoint:
         self.where = {}  # the family's name -> (llama.cpp's, expert index or None), filled as names are asked
 
     def _locate(self, name: str) -> tuple[GGUFTensor, int | None]:
-        if name not in self.where:
-            m = EXPERT.match(name)
-            base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (name.rsplit(".", 1)[0], None)
-            suffix = name.rsplit(".", 1)[1] if "." in name else ""
-            gname = self._names.get_name(base)
-            self.where[name] = (f"{gname}.{suffix}" if gname else None, e)
-        gname, e = self.where[name]
+        if name in self.where:
+            gname, e = self.where[name]
+            return self.tensors[gname], e
+        m = EXPERT.match(name)
+        base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (name.rsplit(".", 1)[0], None)
+        gname = self._names.get_name(base)
+        gname = f"{gname}.{name.rsplit('.', 1)[1]}" if gname and "." in name else None
         t = self.tensors.get(gname) if gname else None
         if t is None or (e is not None and (len(t.shape) != 3 or e >= t.shape[0])):
             raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
                                 + (f" (llama.cpp's {gname!r})" if gname else ""))
+        self.where[name] = (gname, e)
         return t, e
+
+    def name_all(self, names) -> None:
+        """Take the family's tensor names (MoEModel.source): `where` then lists each one the file
+        has, as a safetensors checkpoint's does (what convert walks)."""
+        for name in names:
+            self.has(name)  # (found: into `where`)
+
+    def files_for_container(self) -> dict[str, str]:
+        """What a container converted from this file keeps beside its weights, by file name:
+        config.json, and the tokenizer (tokenizer.json, tokenizer_config.json) when the file
+        has one colibri builds."""
+        import json
+
+        out = {"config.json": json.dumps(self.config, indent=2)}
+        try:
+            spec = tokenizer_spec(self.path)
+        except TokenizerUnsupported:
+            return out
+        out["tokenizer.json"] = spec["json"]
+        out["tokenizer_config.json"] = json.dumps({k: spec[k] for k in ("chat_template", "bos_token", "eos_token")})
+        return out
 
     def has(self, name: str) -> bool:
         try:

@@ -218,8 +218,10 @@ def test_the_tokenizer_is_read_from_the_file(qwen, tmp_path):
         tokenizer_spec(odd)
 
 
-def test_colictl_runs_a_gguf_file_alone(tmp_path):
-    """`colictl run --model FILE.gguf`: no other file, the tokens transformers gives."""
+def test_colictl_runs_a_gguf_file_alone_and_converts_it(tmp_path):
+    """`colictl run --model FILE.gguf`: no other file, the tokens transformers gives; `colictl
+    doctor` checks it; `colictl convert FILE.gguf DIR`: a container (config and tokenizer from
+    the file) whose experts stream at the minimum budget with the same logits and tokens."""
     import json
     import subprocess
     import sys
@@ -228,15 +230,29 @@ def test_colictl_runs_a_gguf_file_alone(tmp_path):
     (tmp_path / "alone").mkdir()
     path = write_gguf(tmp_path / "hf", tmp_path / "alone" / "m.gguf", tokenizer=DEMO)
     assert os.listdir(tmp_path / "alone") == ["m.gguf"]
-    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "run", "--model", path, "--max-tokens", "12", "--json",
-                        "Once upon a time"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+
+    def colictl(*args):
+        r = subprocess.run([sys.executable, "-m", "colibri.ctl", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = json.loads(colictl("run", "--model", path, "--max-tokens", "12", "--json", "Once upon a time"))
     ids = out["prompt_token_ids"]
     with torch.no_grad():
         g = ref.generate(torch.tensor(ids)[None], max_new_tokens=12, do_sample=False, pad_token_id=0,
                          eos_token_id=load_eos(path))
     assert out["token_ids"] == g[0, len(ids):].tolist()
+    doctor = subprocess.run([sys.executable, "-m", "colibri.ctl", "doctor", "--model", path], capture_output=True,
+                            text=True, timeout=300).stdout  # (its box checks may fail on a test box: not asserted)
+    assert "1 GGUF file(s)" in doctor and "the file's tokenizer builds" in doctor, doctor
+    colictl("convert", path, str(tmp_path / "c"))
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "c"))
+    probe = np.arange(40, 60)
+    np.testing.assert_array_equal(logits_of(load_model(str(tmp_path / "c"), budget="min"), probe),
+                                  logits_of(load_model(path), probe))
+    again = json.loads(colictl("run", "--model", str(tmp_path / "c"), "--expert-cache", "min", "--max-tokens", "12",
+                               "--json", "Once upon a time"))
+    assert again["prompt_token_ids"] == ids and again["token_ids"] == out["token_ids"]
 
 
 def load_eos(path):
