@@ -11,6 +11,7 @@ import numpy as np
 from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}  # model_type -> llama.cpp's architecture
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default"):
@@ -22,19 +23,24 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    assert cfg["model_type"] == "qwen3_moe" and cfg.get("norm_topk_prob") and not cfg.get("mlp_only_layers")
+    arch = ARCH[cfg["model_type"]]
+    # what llama.cpp computes: qwen3moe renormalises the top-k weights, qwen2moe does not; every layer MoE
+    assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe") and not cfg.get("mlp_only_layers")
     ck = open_checkpoint(str(hf_dir))
     L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts"))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, L)
-    w = gguf.GGUFWriter(str(out), "qwen3moe", split_max_tensors=split_max_tensors)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), L)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(L)
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(E)

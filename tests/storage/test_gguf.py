@@ -41,11 +41,8 @@ def logits_of(model, ids):
     return model.forward(ids, model.new_cache(32), all_logits=True)
 
 
-def test_a_gguf_file_runs_with_transformers_tokens(qwen):
-    tmp, ref, path = qwen
-    model = load_model(path)
-    assert model.MODEL_TYPE == "qwen3_moe" and model.args.norm_topk_prob and model.n_expert == 8
-    ids = np.random.default_rng(5).integers(0, 101, 11)
+def matches_transformers(model, ref, ids):
+    # prompt logits within 1e-4, then 32 greedy tokens the same
     with torch.no_grad():
         want = ref(torch.tensor(ids)[None]).logits[0].numpy()
     assert np.abs(logits_of(model, ids) - want).max() <= 1e-4
@@ -53,6 +50,25 @@ def test_a_gguf_file_runs_with_transformers_tokens(qwen):
         out = ref.generate(torch.tensor(ids)[None], max_new_tokens=32, min_new_tokens=32, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     assert greedy(model, ids, 32) == out[0, len(ids):].tolist()
+
+
+def test_a_gguf_file_runs_with_transformers_tokens(qwen):
+    tmp, ref, path = qwen
+    model = load_model(path)
+    assert model.MODEL_TYPE == "qwen3_moe" and model.args.norm_topk_prob and model.n_expert == 8
+    ids = np.random.default_rng(5).integers(0, 101, 11)
+    matches_transformers(model, ref, ids)
+
+
+def test_qwen2moe_with_its_shared_expert(tmp_path):
+    """qwen2moe: the shared expert and its sigmoid gate, q/k/v biases, the top-k weights not
+    renormalised (llama.cpp's graph)."""
+    ref = build("qwen2_moe", "basic", tmp_path / "hf", seed=8, hidden_size=64)
+    path = write_gguf(tmp_path / "hf", tmp_path / "q2.gguf")
+    model = load_model(path)
+    assert model.MODEL_TYPE == "qwen2_moe" and not model.args.norm_topk_prob and model.args.qkv_bias
+    ids = np.random.default_rng(2).integers(0, 101, 9)
+    matches_transformers(model, ref, ids)
 
 
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
@@ -162,7 +178,7 @@ def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     _finish(w)
-    with pytest.raises(ArchitectureUnsupported, match="'llama'.*qwen3moe"):
+    with pytest.raises(ArchitectureUnsupported, match="'llama'.*qwen2moe, qwen3moe"):
         open_checkpoint(str(tmp_path / "l.gguf"))
 
 
