@@ -78,10 +78,7 @@ class GGUFPart:
 
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
 def read_parts(paths: list[str], begins: dict | None = None) -> tuple[dict, dict[str, GGUFTensor]]:

@@ -365,7 +365,7 @@ def arranged(w, on: bool):
         q, s = (a.copy() for a in tiles(w))
         q, s = q.view(w.q.dtype).reshape(n_pad, -1), s.view(w.scales.dtype).reshape(n_pad, -1)
     retile(q.view(np.uint32), s.view(np.uint16), not on)
-    if not on:
+    if not on:  # rows again: just the matrix's own, without the padding
         q, s = q[:N].copy(), s[:N].copy()
     return dataclasses.replace(w, q=q[:N], scales=s[:N], integer=on)
 
@@ -440,14 +440,22 @@ def widen_f16(typingctx, src, dst, f16c):
     return sig, codegen
 
 
+def _blocks_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # x [T, D] f32 -> (q [T, D/32, 32] int64 in natural column order, d [T, D/32] f32): quantize_row's values
+    T, D = x.shape
+    xb = x.reshape(T, D // 32, 32).astype(np.float32)
+    d = (np.abs(xb).max(-1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] > 0, np.rint(xb / d[..., None]), 0).clip(-127, 127).astype(np.int64)
+    return q, d
+
+
 def record_reference(x: np.ndarray, bits: int) -> np.ndarray:
     """quantize_rows in numpy: the records [T, record_len(D)] int8."""
     T, D = x.shape
     K = D // 32
-    xb = x.reshape(T, K, 32).astype(np.float32)
-    d = (np.abs(xb).max(-1) / np.float32(127.0)).astype(np.float32)  # [T, K]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d[..., None] > 0, np.rint(xb / d[..., None]), 0).clip(-127, 127).astype(np.int8)
+    q, d = _blocks_reference(x)
+    q = q.astype(np.int8)
     if bits == 4:  # per eight columns the even ones, then the odd ones
         q8 = q.reshape(T, K, 4, 8)
         q = np.concatenate([q8[..., 0::2], q8[..., 1::2]], axis=-1).reshape(T, K, 32)
@@ -483,10 +491,7 @@ def reference(x: np.ndarray, values: np.ndarray, wscale: np.ndarray, g: int) -> 
     [N, D] (natural column order) with their scales wscale [N, D/g] f32."""
     T, D = x.shape
     K = D // 32
-    xb = x.reshape(T, K, 32).astype(np.float32)
-    d = (np.abs(xb).max(-1) / np.float32(127.0)).astype(np.float32)  # [T, K]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d[..., None] > 0, np.rint(xb / d[..., None]), 0).clip(-127, 127).astype(np.int64)
+    q, d = _blocks_reference(x)
     dots = np.einsum("tkc,nkc->tnk", q, values.reshape(-1, K, 32).astype(np.int64)).astype(np.float32)  # exact
     sw = wscale[:, (np.arange(K) * 32) // g].astype(np.float32)  # [N, K]
     out = np.zeros((T, values.shape[0]), np.float32)
