@@ -18,7 +18,8 @@ JIT = dict(cache=True, nogil=True)
 # sequential sum only in rounding (~1e-7 relative), as any BLAS does
 JIT_FAST = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 KERNEL_FILES = ("jit.py", "ir.py", "ir_rows.py", "atomics.py", "kernels.py", "jobs.py", "crew.py", "formats/__init__.py",
-                "formats/int8.py", "formats/int4.py", "formats/fp8.py", "formats/mxfp4.py", "formats/intdot.py")
+                "formats/int8.py", "formats/int4.py", "formats/fp8.py", "formats/mxfp4.py", "formats/intdot.py",
+                "formats/ggml.py")
 
 
 def _cache_dir() -> str:

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of
+from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of, take_rows
 from . import crew, kernels
 from .formats import KERNELS, int4, intdot
 from .kernels import NO_SINKS, f16_lut
@@ -106,6 +106,14 @@ def to_f32(a) -> np.ndarray:
     if isinstance(a, QuantWeight):
         return dequantize(a)
     return bf16_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def embed_rows(table, ids: np.ndarray) -> np.ndarray:
+    """ids [T] -> rows of an embedding table [V, D] in float32: a storage-precision array's
+    widened, a quantized table's (a GGUF file's Q4_K ...) dequantized, only those rows."""
+    if isinstance(table, QuantWeight):
+        return take_rows(table, ids)
+    return to_f32(table[ids])
 
 
 def qlinear(x: np.ndarray, w: QuantWeight, prompt: bool = False) -> np.ndarray:

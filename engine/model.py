@@ -20,7 +20,7 @@ from .crew import crew_session
 from .errors import ActivationsUnsupported
 from .formats import intdot
 from .formats.intdot import TILE
-from .layers import linear, rmsnorm, to_f32
+from .layers import embed_rows, linear, rmsnorm, to_f32
 from .rope import Rope, rope_inv_freq, rope_parameters
 from .sequence import KVCache, KVPool, Segment, Step
 
@@ -427,7 +427,8 @@ class MoEModel:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         # ids [T] -> the residual stream at the first layer: [T, D], the embeddings in float32
-        return to_f32(self.glob["embed"][ids])
+        # (a table in a GGUF block format: just the step's rows decoded)
+        return embed_rows(self.glob["embed"], ids)
 
     def head_input(self, h: np.ndarray) -> np.ndarray:
         # the residual stream's rows after the last layer -> [R, D], what the final norm takes
@@ -465,7 +466,8 @@ class MoEModel:
         if self.source_precision is not None:
             p = dict(self.source_precision)
         else:
-            dt = DTYPE_NAMES[self.glob["embed"].dtype.str]
+            embed = self.glob["embed"]
+            dt = embed.kind if isinstance(embed, QuantWeight) else DTYPE_NAMES[embed.dtype.str]
             fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
             experts = self.experts.describe().get("experts_kind") or dt  # a checkpoint's: all resident
             p = {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}

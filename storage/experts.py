@@ -14,14 +14,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from .formats import FORMATS, PLAIN_CODES, fp8, mxfp4
+from .formats import FORMATS, PLAIN_CODES, fp8, ggml, mxfp4
 from .fpformats import BLOCKS, SCALES, mxfp4_pair
-from .quant import Expert, QuantWeight, dequantize, int4_of
+from .quant import Expert, QuantWeight, dequantize, int4_of, take_rows
 from .safetensors import bf16_to_f32
 
 # the engine's one door into storage: the weights' types and their formats come through it too
 __all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "LocalSource", "QuantWeight", "ResidentExperts",
-           "TracedSource", "bf16_to_f32", "int4_of", "dequantize", "FORMATS", "PLAIN_CODES", "fp8", "mxfp4",
+           "TracedSource", "bf16_to_f32", "int4_of", "dequantize", "take_rows", "FORMATS", "PLAIN_CODES", "fp8", "ggml",
+           "mxfp4",
            "BLOCKS", "SCALES", "mxfp4_pair"]
 
 # (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see

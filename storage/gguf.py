@@ -9,9 +9,10 @@ type, the architecture; then, as for a safetensors checkpoint, each tensor the f
 needs with the shape its config implies (`expect`). Each way of being wrong has its
 named error, and the message names the file and the tensor.
 
-Which GGUF types are computed: F32, F16 and BF16, as they are (the same kernels as a
-checkpoint's). The quantized types (Q8_0, Q4_K, ...) are refused, naming the type, until
-their kernels exist.
+Which GGUF types are computed, as they are stored: F32, F16 and BF16 (the same kernels as
+a checkpoint's), and the block formats of storage/formats/ggml.py (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4) as QuantWeights of their blocks; any other type
+is refused, naming it.
 """
 
 import os
@@ -29,6 +30,8 @@ from .errors import (
     TokenizerUnsupported,
     UnsupportedDtype,
 )
+from .formats import FORMATS, ggml
+from .quant import QuantWeight
 from .safetensors import TensorEntry
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -257,24 +260,40 @@ class GGUFCheckpoint:
         """As Checkpoint.expect. Raises TensorMissing, TensorShapeMismatch, UnsupportedDtype."""
         e = self.entry(name)
         t, _ = self._locate(name)
-        if e.dtype not in FLOAT_TYPES:
+        if e.dtype not in FLOAT_TYPES and e.dtype not in ggml.BY_TYPE_NAME:
             raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {e.dtype}; colibri computes GGUF's "
-                                   f"{', '.join(FLOAT_TYPES)} tensors (quantized types: not yet)")
+                                   f"{', '.join([*FLOAT_TYPES, *ggml.BY_TYPE_NAME])} tensors")
         if tuple(e.shape) != tuple(shape):
             raise TensorShapeMismatch(f"{t.file}: tensor {t.name!r} ({name!r}) has shape {list(e.shape)}, "
                                       f"the metadata implies {list(shape)}")
+        if e.dtype in ggml.BY_TYPE_NAME and len(shape) != 2:
+            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {e.dtype} with shape {list(shape)}; colibri "
+                                   "computes block formats in matrices only (vectors as F32, F16 or BF16)")
         return e
 
     def read(self, name: str) -> np.ndarray:
-        """A tensor in its storage dtype (bf16 as uint16), from the mapped file."""
+        """A tensor in its storage dtype (bf16 as uint16), from the mapped file; a block
+        format's: its blocks, uint8 [.., rows, row bytes]."""
         t, e = self._locate(name)
-        dtype = FLOAT_TYPES.get(t.dtype)
-        if dtype is None:
-            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF yet")
-        a = np.asarray(t.data).reshape(-1).view(np.uint8).view(dtype).reshape(t.shape)
+        if t.dtype in ggml.BY_TYPE_NAME:
+            _, qk, nbytes = ggml.TYPES[ggml.BY_TYPE_NAME[t.dtype]]
+            shape = (*t.shape[:-1], t.shape[-1] // qk * nbytes)
+            a = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(shape)
+        elif t.dtype in FLOAT_TYPES:
+            a = np.asarray(t.data).reshape(-1).view(np.uint8).view(FLOAT_TYPES[t.dtype]).reshape(t.shape)
+        else:
+            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF")
         return np.array(a if e is None else a[e])
 
-    read_weight = read
+    def read_weight(self, name: str) -> "np.ndarray | QuantWeight":
+        """A weight as colibri computes on it: an array in its storage dtype, or a block
+        format's QuantWeight over its blocks as stored (storage/formats/ggml.py)."""
+        t, _ = self._locate(name)
+        q = self.read(name)
+        if t.dtype not in ggml.BY_TYPE_NAME:
+            return q
+        kind = ggml.BY_TYPE_NAME[t.dtype]
+        return QuantWeight(kind, q, np.zeros((q.shape[0], 0), np.uint8), FORMATS[kind].block[0])
 
     def file_of(self, name: str) -> str:
         return self._locate(name)[0].file

@@ -16,9 +16,11 @@ from .formats import FORMATS
 
 @dataclass(frozen=True)
 class QuantWeight:
-    kind: str  # "int8", "int4", "fp8_e4m3", "fp8_e5m2" or "mxfp4"
-    q: np.ndarray  # int8 [N, D], uint8 [N, D/2] (int4, mxfp4) or uint8 FP8 codes [N, D]
-    scales: np.ndarray  # float16 [N, D/g] (int8, int4), float32 [ceil(N/row_block), ceil(D/g)] (fp8), uint8 e8m0 [N, D/32] (mxfp4)
+    kind: str  # "int8", "int4", "fp8_e4m3", "fp8_e5m2", "mxfp4", or a GGUF block format ("q4_k", ...)
+    q: np.ndarray  # int8 [N, D], uint8 [N, D/2] (int4, mxfp4), uint8 FP8 codes [N, D], GGUF blocks uint8 [N, row bytes]
+    # float16 [N, D/g] (int8, int4), float32 [ceil(N/row_block), ceil(D/g)] (fp8), uint8 e8m0
+    # [N, D/32] (mxfp4), uint8 [N, 0] (GGUF blocks: their scales are inside them)
+    scales: np.ndarray
     group_size: int  # g: the columns one scale covers
     row_block: int = 1  # the rows one scale covers (fp8's block height)
     integer: bool = False  # a dense int8 / int4 matrix on int8 activations (engine: MoEModel.set_activations)
@@ -26,7 +28,7 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, int]:
         n, d = self.q.shape
-        return n, d * FORMATS[self.kind].per_byte
+        return n, FORMATS[self.kind].columns(d)
 
     @property
     def nbytes(self) -> int:
@@ -111,13 +113,20 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     return FORMATS[w.kind].dequantize(w.q, w.scales, w.group_size, w.row_block)
 
 
+def take_rows(w: QuantWeight, ids: np.ndarray) -> np.ndarray:
+    """float32 [len(ids), D]: rows `ids` of a quantized matrix, exactly as dequantize gives
+    them (an embedding table in a GGUF block format: a step's rows, never the whole table)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return dequantize(QuantWeight(w.kind, w.q[ids], w.scales[ids // w.row_block], w.group_size, 1))
+
+
 def from_record(kind: str, q: np.ndarray, scales: np.ndarray, block: tuple | None = None) -> QuantWeight:
     """The QuantWeight over a record's codes and scales. Own formats: the group size follows
     from the shapes; published ones: `block` (rows, columns) a scale covers, None for one
     scale per matrix."""
     fmt = FORMATS[kind]
     if fmt.published:
-        rows, cols = block or (q.shape[0], q.shape[1] * fmt.per_byte)
+        rows, cols = block or (q.shape[0], fmt.block[0] if fmt.block else fmt.columns(q.shape[1]))
         return QuantWeight(kind, q, scales, cols, rows)
     return QuantWeight(kind, q, scales, q.shape[1] * fmt.per_byte // scales.shape[1])
 

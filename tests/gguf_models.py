@@ -14,12 +14,14 @@ TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}  # model_type -> llama.cpp's architecture
 
 
-def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default"):
+def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
     """The checkpoint at hf_dir (qwen3_moe, every layer MoE, norm_topk_prob true: what
     llama.cpp's qwen3moe computes) as a GGUF file at `out` (split into parts of at most
     split_max_tensors tensors when given), with the tokenizer of the directory `tokenizer`
     (tokenizer.json, tokenizer_config.json) in its metadata as llama.cpp's converter writes a
-    byte-level BPE (`pre`: its pre-tokenizer's name). Returns the path of the (first) file."""
+    byte-level BPE (`pre`: its pre-tokenizer's name). quant(llama.cpp's name, array): the GGUF
+    block type (Q4_K, ...) a matrix is written in, None for `dtype` (blocks: blocks()).
+    Returns the path of the (first) file."""
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
@@ -51,6 +53,10 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     as_type = TYPES[dtype]
 
     def add(gname, a):
+        qtype = quant(gname, a) if quant is not None and a.ndim >= 2 else None
+        if qtype is not None:
+            w.add_tensor(gname, blocks(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+            return
         a = np.ascontiguousarray(a.astype(np.float32) if a.ndim == 1 else a.astype(as_type))  # norms stay F32
         w.add_tensor(gname, a)
 
@@ -97,3 +103,61 @@ def add_tokenizer(w, directory, pre):
             add(ids[t])
     if cfg.get("chat_template"):
         w.add_chat_template(cfg["chat_template"])
+
+
+# where each block type keeps its float16 scales (byte offsets in a block): what blocks() sets
+F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+RANGE = {"Q2_K": 3 * 15, "Q3_K": 4 * 32, "Q4_K": 15 * 63, "Q5_K": 31 * 63, "Q6_K": 32 * 127, "IQ4_XS": 127 * 32}  # |code x scale| max
+
+
+def blocks(a, qtype, seed=0):
+    """a [..., N, D] float32 -> the blocks [..., N, D / block x block bytes] of GGUF type
+    `qtype`: the `gguf` package's quantiser where it has one (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    MXFP4, IQ4_NL has none); for the others (the K-quants, IQ4_*) random valid blocks whose
+    weights spread as a's do (the package cannot write them: tests compare with the weights
+    dequantised from the file, whatever they are)."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType[qtype]
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), t)
+    except NotImplementedError:
+        pass
+    qk, nbytes = gguf.GGML_QUANT_SIZES[t]
+    rng = np.random.default_rng(seed)
+    *lead, n, d = a.shape
+    out = rng.integers(0, 256, (*lead, n, d // qk, nbytes), dtype=np.uint8)
+    spread = float(np.abs(a).max()) or 1.0
+    for o in F16_AT.get(qtype, (0,)):  # d (and dmin) so that a code times its scale stays within a's range
+        s = (rng.uniform(0.3, 1.0, out.shape[:-1]) * spread / RANGE.get(qtype, 127 * 8)).astype(np.float16)
+        out[..., o : o + 2] = s[..., None].view(np.uint8)
+    return out.reshape(*lead, n, d // qk * nbytes)
+
+
+def dequantized_reference(gguf_path, hf_dir, out_dir):
+    """transformers' model of the checkpoint at hf_dir with every weight what the GGUF file at
+    gguf_path holds, dequantised by the `gguf` package (a copy at out_dir): it computes on
+    exactly the weights the file stands for."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    from colibri.storage.quant import QuantWeight, dequantize
+
+    from hf_models import CLASSES, REFERENCE
+
+    shutil.copytree(hf_dir, out_dir)
+    src, ck = open_checkpoint(str(gguf_path)), open_checkpoint(str(hf_dir))
+    tensors = {}
+    for name in ck.where:
+        w = src.read_weight(name)
+        tensors[name] = dequantize(w) if isinstance(w, QuantWeight) else w.astype(np.float32)
+    for f in os.listdir(out_dir):
+        if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(out_dir, f))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    family = json.load(open(os.path.join(hf_dir, "config.json")))["model_type"]
+    model_cls = getattr(transformers, CLASSES[family][1])
+    return model_cls.from_pretrained(str(out_dir), torch_dtype=torch.float32, **REFERENCE).eval()

@@ -1,4 +1,4 @@
-"""The kernels of each number format, one module per format (int8, int4, fp8, mxfp4), the
+"""The kernels of each number format, one module per format (int8, int4, fp8, mxfp4, and GGUF's block formats in ggml), the
 format's layout and reference in the storage module of the same name (storage/formats/).
 Each module says which formats it computes on (KINDS) and has
 
@@ -13,9 +13,9 @@ KERNELS registers each module once, by format name.
 """
 
 from ...storage.experts import FORMATS
-from . import fp8, int4, int8, mxfp4
+from . import fp8, ggml, int4, int8, mxfp4
 
-KERNELS = {kind: module for module in (int8, int4, fp8, mxfp4) for kind in module.KINDS}
+KERNELS = {kind: module for module in (int8, int4, fp8, mxfp4, ggml) for kind in module.KINDS}
 assert set(KERNELS) == set(FORMATS), "every number format has its kernels, registered once"
 
-__all__ = ["KERNELS", "fp8", "int4", "int8", "mxfp4"]
+__all__ = ["KERNELS", "fp8", "ggml", "int4", "int8", "mxfp4"]

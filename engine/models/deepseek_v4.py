@@ -51,7 +51,7 @@ import numpy as np
 from ...storage.errors import ConfigInvalid
 from ...storage.experts import QuantWeight, dequantize
 from ..attention import AttnSpec
-from ..layers import linear, rmsnorm, to_f32
+from ..layers import embed_rows, linear, rmsnorm
 from ..model import MoEModel, check_moe_args, require
 from ..moe import moe, softmax
 from ..recurrent import sigmoid, softplus
@@ -463,7 +463,7 @@ class Model(MoEModel):
     # ---- the residual streams ----
     def embed(self, ids):
         self.step_ids = np.asarray(ids, np.int64)  # (the hash layers route by them)
-        h = to_f32(self.glob["embed"][ids])  # [T, D]
+        h = embed_rows(self.glob["embed"], ids)  # [T, D]
         return np.ascontiguousarray(np.repeat(h[:, None, :], self.args.hc_mult, axis=1))  # [T, n, D]
 
     def head_input(self, h):

@@ -1,6 +1,6 @@
 """What a number format declares, and the pieces colibri's own formats share.
 
-A format is one module beside this one (int8.py, int4.py, fp8.py, mxfp4.py) that describes
+A format is one module beside this one (int8.py, int4.py, fp8.py, mxfp4.py, ggml.py) that describes
 itself as a `Format` and is registered once, in formats/__init__.py. Its `code` is the one
 number by which the engine's kernels and the thread crew's job board know the weights they
 read (engine/formats/, engine/crew.py); the plain float storage types have codes of their
@@ -30,11 +30,22 @@ class Format:
     default_group: int | None = None  # own formats: convert's group size when none is asked (None: a row)
     values: np.ndarray | None = None  # the float32 value of each code, where a table gives it
     scale_values: np.ndarray | None = None  # the float32 value of each scale code (MXFP4's e8m0)
+    # GGUF's block formats (ggml.py): (weights, bytes) of a block that holds its own scales;
+    # the codes are whole blocks (per_byte 0) and there are no separate scales
+    block: tuple[int, int] | None = None
 
     def shapes(self, shape: tuple[int, int], group_size: int) -> tuple[tuple, tuple]:
-        """(codes, scales) shapes of an [N, D] matrix in one of colibri's own formats."""
+        """(codes, scales) shapes of an [N, D] matrix in this format."""
         n, d = shape
+        if self.block:
+            return (n, d // self.block[0] * self.block[1]), (n, 0)
         return (n, d // self.per_byte), (n, d // group_size)
+
+    def columns(self, code_columns: int) -> int:
+        """The columns D of a matrix whose rows hold `code_columns` bytes (or codes) of this format."""
+        if self.block:
+            return code_columns // self.block[1] * self.block[0]
+        return code_columns * self.per_byte
 
 
 def symmetric(w: np.ndarray, group_size: int, qmax: int, lo: int) -> tuple[np.ndarray, np.ndarray]:

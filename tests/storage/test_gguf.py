@@ -135,13 +135,54 @@ def test_an_unknown_tensor_type_is_refused(qwen, tmp_path):
         open_checkpoint(str(bad))
 
 
-def test_a_quantized_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
+def k_quants(name, a):
+    # llama.cpp's Q4_K_M, roughly (Q4_K, Q6_K for the down and output matrices, Q8_0 for V),
+    # with layer 1's experts in the smaller K-quants and IQ4_XS; rows not of whole 256-weight
+    # blocks in Q8_0, as llama.cpp's quantizer falls back
+    layer1 = name.startswith("blk.1.")
+    if a.shape[-1] % 256:
+        return "Q8_0"
+    if "_exps" in name:
+        return {"gate": "Q2_K", "up": "Q3_K", "down": "IQ4_XS"}[name.split("_")[1]] if layer1 else \
+            "Q6_K" if "down" in name else "Q4_K"
+    return "Q8_0" if "attn_v" in name else "Q6_K" if name.startswith("output") else "Q5_K" if layer1 else "Q4_K"
+
+
+def blocks_of_32(name, a):
+    # the 32-weight blocks, the `gguf` package's quantisers where it has them
+    kinds = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"]
+    return kinds[sum(map(ord, name)) % len(kinds)]
+
+
+@pytest.mark.parametrize("mix,hidden,parts", [(k_quants, 256, 3), (blocks_of_32, 64, 1)])
+def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden, parts):
+    """Every GGUF block type colibri reads, in the matrices (experts, attention, embeddings,
+    output) of a file of `parts` parts: the logits and 32 greedy tokens of transformers run on
+    the weights the `gguf` package dequantises from the file."""
+    from gguf_models import dequantized_reference
+
+    build("qwen3_moe", "basic", tmp_path / "hf", **(SHAPE | dict(hidden_size=hidden, intermediate_size=hidden,
+                                                                  moe_intermediate_size=hidden)))
+    path = write_gguf(tmp_path / "hf", tmp_path / "m-Q4_K_M.gguf", quant=mix, split_max_tensors=0 if parts == 1 else 12)
+    if parts > 1:
+        assert path.endswith(f"-00001-of-{parts:05d}.gguf")
+    ck = open_checkpoint(path)
+    model = load_model(path)
+    kinds = {t.dtype for t in ck.tensors.values()}
+    assert kinds - {"F32"} == ({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"} if mix is k_quants
+                               else {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"})
+    assert model.precision()["lossy"] is False
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(hidden).integers(0, 101, 13))
+
+
+def test_an_unknown_block_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
     import gguf
 
     tmp, _, _ = qwen
     path = write_gguf(tmp / "hf", tmp_path / "q.gguf")
     r = gguf.GGUFReader(path)
-    # the same file with one expert stack in Q8_0: named, not computed (yet)
+    # the same file with one expert stack in Q8_1 (llama.cpp's activations' type): named, refused
     w = gguf.GGUFWriter(str(tmp_path / "q8.gguf"), "qwen3moe")
     for k, f in r.fields.items():
         if not k.startswith("GGUF.") and k != "general.architecture":
@@ -149,12 +190,12 @@ def test_a_quantized_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
     for t in r.tensors:
         a = np.array(t.data).reshape(tuple(reversed(t.shape.tolist())))
         if t.name == "blk.0.ffn_up_exps.weight":
-            w.add_tensor(t.name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            q8_1 = np.zeros((*a.shape[:-1], a.shape[-1] // 32 * 40), np.uint8)
+            w.add_tensor(t.name, q8_1, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         else:
             w.add_tensor(t.name, a)
     _finish(w)
-    with pytest.raises(UnsupportedDtype, match="blk.0.ffn_up_exps.weight.*Q8_0"):
+    with pytest.raises(UnsupportedDtype, match="blk.0.ffn_up_exps.weight.*Q8_1"):
         load_model(str(tmp_path / "q8.gguf"))
     # metadata that says other shapes than the tensors have
     w = gguf.GGUFWriter(str(tmp_path / "shape.gguf"), "qwen3moe")
