@@ -368,7 +368,7 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
         c, fingerprint, precision = None, None, None
         dense_src = model.source(open_checkpoint(path))
         model.check(dense_src)
-        files = sorted(os.path.join(path, f) for f in dense_src.files)
+        files = sorted(f.path for f in dense_src.files.values())  # (a directory's files, or a GGUF set's parts)
         own = own_precision(dense_src, model)
         wanted = precisions or ((own, "int8", "int4") if own in ("bf16", "f16", "f32") else (own,))
         if "int4" in wanted and quant_group(dense_src, model.expert_names(model.moe_layers[0], 0)[:3]) is None:

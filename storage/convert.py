@@ -32,7 +32,7 @@ from .container import (
     write_manifest,
 )
 from .errors import ColibriError
-from .formats import FORMATS, PUBLISHED_DTYPES, QUANT_DTYPES
+from .formats import FORMATS, PUBLISHED_DTYPES, QUANT_DTYPES, ggml
 from .fpformats import FP8_DTYPES, scale_name
 from .quant import QuantWeight, check_group, dequantize, quantize, quantized_shapes
 from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
@@ -144,6 +144,11 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     if expert_dtype in PUBLISHED_DTYPES:
         raise ConvertError(f"--dtype {expert_dtype}: colibri keeps a checkpoint's {expert_dtype} as it is "
                            "(the default) but does not quantize to it")
+    blocks = sorted({src.entry(n).dtype for n in src.where if src.entry(n).dtype in ggml.BY_TYPE_NAME}) \
+        if getattr(src, "tensors", None) is not None else []  # (a GGUF file's block types)
+    if blocks:
+        raise ConvertError(f"{src.path}: its {', '.join(blocks)} tensors are not kept in a container yet; run the "
+                           f"GGUF file as it is (--model {os.path.basename(src.path)}), its experts all resident")
     published = published_kind(src, plan)
     if expert_dtype is None and published is not None:
         expert_dtype = published.kind  # kept as published

@@ -174,6 +174,14 @@ def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden
     assert model.precision()["lossy"] is False
     ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
     matches_transformers(model, ref, np.random.default_rng(hidden).integers(0, 101, 13))
+    if parts > 1:  # a container keeping the blocks is still to come: refused in one line, nothing written
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", path, str(tmp_path / "c")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "not kept in a container yet" in r.stderr and "Traceback" not in r.stderr
+        assert not os.path.exists(tmp_path / "c")
 
 
 def test_an_unknown_block_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
