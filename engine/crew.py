@@ -584,7 +584,9 @@ def tok_kind(gate, up, down) -> int | None:
     kinds = set()
     for w in (gate, up, down):
         if isinstance(w, QuantWeight) and w.q.flags.c_contiguous and w.scales.flags.c_contiguous:
-            kinds.add(FORMATS[w.kind].code if w.kind in FORMATS else -1)
+            # (GGUF's block formats are not: their 13 decoders in this kernel made every process
+            # ~15 MB larger, GGUF or not; their experts go one by one, by engine/formats/ggml.py)
+            kinds.add(FORMATS[w.kind].code if w.kind in FORMATS and not FORMATS[w.kind].block else -1)
         elif isinstance(w, np.ndarray) and w.ndim == 2 and w.flags.c_contiguous:
             kinds.add(DTYPE_CODES.get(w.dtype, -1))
         else:

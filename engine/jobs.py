@@ -10,10 +10,9 @@ the weighting. Laid out here and nowhere else.
 import numba as nb
 import numpy as np
 
-from ..storage.experts import FORMATS, PLAIN_CODES, ggml
+from ..storage.experts import FORMATS, PLAIN_CODES
 from .atomics import f32_at, i8_at, i64_at, u8_at, u16_at
 from .formats.fp8 import f8_rows
-from .formats.ggml import ggml_rows
 from .formats.int4 import q4_rows_32, q4_rows_64, q4_rows_128
 from .formats.int8 import q8_rows
 from .formats.intdot import record_len
@@ -39,12 +38,6 @@ ACT_SILU, ACT_CLAMPED = 0, 1  # an expert job's activation: SwiGLU; gpt-oss's cl
 W_BF16, W_F16, W_F32 = PLAIN_CODES["bf16"], PLAIN_CODES["f16"], PLAIN_CODES["f32"]
 W_INT8, W_INT4, W_MXFP4 = FORMATS["int8"].code, FORMATS["int4"].code, FORMATS["mxfp4"].code
 W_E4M3, W_E5M2 = FORMATS["fp8_e4m3"].code, FORMATS["fp8_e5m2"].code
-# GGUF's block formats, codes ggml.CODE_BASE + their type id: a block's bytes by code (0: not one)
-W_GGML = ggml.CODE_BASE
-GGML_BLOCK_BYTES = np.zeros(max(f.code for f in FORMATS.values()) + 1, np.int64)
-for _f in FORMATS.values():
-    if _f.block:
-        GGML_BLOCK_BYTES[_f.code] = _f.block[1]
 DTYPE_CODES = {np.dtype(np.uint16): W_BF16, np.dtype(np.float16): W_F16, np.dtype(np.float32): W_F32}
 N_TABLE = 16 + 256  # a JOB_MOE_TOK job's value table: FP8's 256 values, or MXFP4's 16 (e2m1) then 256 (e8m0)
 
@@ -128,8 +121,6 @@ def widen_rows(wkind, qa, sa, N, K, bn, bk, table, f16_lut, n0, nr, wb):
             q4_rows_128(q, scales, f16_lut, n0, nr, wb)
     elif wkind == W_INT8:
         q8_rows(nb.carray(i8_at(qa), (N, K)), nb.carray(u16_at(sa), (N, K // bk)), bk, f16_lut, n0, nr, wb)
-    elif wkind >= W_GGML:  # the blocks as stored; bk: a block's weights
-        ggml_rows(wkind, nb.carray(u8_at(qa), (N, K // bk * GGML_BLOCK_BYTES[wkind])), f16_lut, n0, nr, wb)
     elif wkind == W_E4M3 or wkind == W_E5M2:
         f8_rows(nb.carray(u8_at(qa), (N, K)), nb.carray(f32_at(sa), ((N + bn - 1) // bn, (K + bk - 1) // bk)),
                 bn, bk, table[:256], n0, nr, wb)

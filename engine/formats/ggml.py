@@ -3,7 +3,7 @@ that carry their own scales), computed on as the file stores them. Each format h
 decoder: the float32 value of each of a block's weights, bit for bit what the `gguf`
 package's numpy dequantisation gives (the same float32 operations in the same order, none
 fused: these functions are compiled without fast-math). Around it, for every format, one
-path for decode and prompt rows alike (`tok_rows`; `ggml_rows` for the crew's expert job):
+path for decode and prompt rows alike (`ggml_matmul`; `ggml_rows` for the crew's expert job):
 ROW_BLOCK rows decoded, then tiled with every token (kernels.tiles), so a row's result is
 the same alone or batched, decode or prompt. Large matrices (a dense projection, the output
 head) take their rows in parallel.
@@ -234,31 +234,15 @@ def _make(block, qk: int, nbytes: int):
             for bi in range(nblk):
                 block(row, bi * nbytes, lut, out, bi * qk, n32)
 
-    @nb.njit(**JIT)
-    def tok_rows(x, q, lut, out, n_lo, n_hi):
-        # the prompt path: ROW_BLOCK rows decoded, then tiled with every token
-        wb = rows_aligned(ROW_BLOCK, x.shape[1])
-        for n0 in range(n_lo, n_hi, ROW_BLOCK):
-            nr = min(ROW_BLOCK, n_hi - n0)
-            rows(q, lut, n0, nr, wb)
-            tiles(x, wb, 0, nr, out, n0)
-
-    @nb.njit(parallel=True, **JIT)
-    def tok_par(x, q, lut, out):
-        N = q.shape[0]
-        step = 3 * ROW_BLOCK
-        for k in nb.prange((N + step - 1) // step):
-            tok_rows(x, q, lut, out, step * k, min(N, step * k + step))
-
-    return rows, tok_rows, tok_par
+    return rows
 
 
 _BLOCKS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0, "q2_k": _q2_k, "q3_k": _q3_k,
            "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_nl": _iq4_nl, "iq4_xs": _iq4_xs, "gguf_mxfp4": _gguf_mxfp4}
 assert set(_BLOCKS) == set(KINDS), "every GGUF block format has its decoder"
-KERNELS = {kind: _make(_BLOCKS[kind], *ggml.TYPES[kind][1:]) for kind in KINDS}
+ROWS = {kind: _make(_BLOCKS[kind], *ggml.TYPES[kind][1:]) for kind in KINDS}
 (_R_Q4_0, _R_Q4_1, _R_Q5_0, _R_Q5_1, _R_Q8_0, _R_Q2_K, _R_Q3_K, _R_Q4_K, _R_Q5_K, _R_Q6_K, _R_IQ4_NL, _R_IQ4_XS,
- _R_MXFP4) = (KERNELS[k][0] for k in KINDS)
+ _R_MXFP4) = (ROWS[k] for k in KINDS)
 (C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q8_0, C_Q2_K, C_Q3_K, C_Q4_K, C_Q5_K, C_Q6_K, C_IQ4_NL, C_IQ4_XS,
  C_MXFP4) = (CODE[k] for k in KINDS)
 
@@ -295,6 +279,27 @@ def ggml_rows(code, q, lut, n0, nr, wb):
         _R_MXFP4(q, lut, n0, nr, wb)
 
 
+# One matmul for every format, which widens by code: every kernel that calls tiles carries
+# its own copy of them (numba links a callee's code into each caller), and a matmul per format
+# made a process that compiled them in 140 MB larger (colictl run's peak RSS)
+@nb.njit(**JIT)
+def ggml_matmul(code, x, q, lut, out, n_lo, n_hi):
+    # out[:, n] = x @ row n for n_lo <= n < n_hi: ROW_BLOCK rows decoded, then tiled with every token
+    wb = rows_aligned(ROW_BLOCK, x.shape[1])
+    for n0 in range(n_lo, n_hi, ROW_BLOCK):
+        nr = min(ROW_BLOCK, n_hi - n0)
+        ggml_rows(code, q, lut, n0, nr, wb)
+        tiles(x, wb, 0, nr, out, n0)
+
+
+@nb.njit(parallel=True, **JIT)
+def ggml_matmul_par(code, x, q, lut, out):
+    N = q.shape[0]
+    step = 3 * ROW_BLOCK
+    for k in nb.prange((N + step - 1) // step):
+        ggml_matmul(code, x, q, lut, out, step * k, min(N, step * k + step))
+
+
 def row_bytes(kind: str, K: int) -> int:
     _, qk, nbytes = ggml.TYPES[kind]
     return K // qk * nbytes
@@ -308,18 +313,22 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
     if (K % qk or w.q.dtype != np.uint8 or w.q.shape[1] != row_bytes(w.kind, K) or out.shape != (T, N)
             or not (w.q.flags.c_contiguous and out.flags.c_contiguous and x.flags.c_contiguous)):
         raise ValueError("gguf kernel: weight, activation and output shapes do not match")
-    _, tok_rows, tok_par = KERNELS[w.kind]
     if N * K >= PARALLEL_MIN_ELEMENTS:
-        tok_par(x, w.q, f16_lut(), out)
+        ggml_matmul_par(CODE[w.kind], x, w.q, f16_lut(), out)
     else:
-        tok_rows(x, w.q, f16_lut(), out, 0, N)
+        ggml_matmul(CODE[w.kind], x, w.q, f16_lut(), out, 0, N)
 
 
 def warm() -> None:
-    # one call of each format's paths on tiny arrays: the compile happens at start
-    for kind in KINDS:
-        _, qk, nbytes = ggml.TYPES[kind]
-        w = QuantWeight(kind, np.zeros((2, nbytes), np.uint8), np.zeros((2, 0), np.uint8), qk)
-        linear(np.ones((1, qk), np.float32), w, np.empty((1, 2), np.float32))
+    # nothing at start: these kernels are loaded (compiled once, then from numba's cache) by
+    # the first GGUF matrix a process computes; loaded with the others, they made every
+    # process ~15 MB larger (colictl run's peak RSS, tests/ctl/test_memory.py), GGUF or not
+    return
+
+
+def warm_now() -> None:
+    # one call of each kernel on tiny arrays (every format's decoder is in them): the tests' compile
+    w = QuantWeight("q8_0", np.zeros((2, 34), np.uint8), np.zeros((2, 0), np.uint8), 32)
+    linear(np.ones((1, 32), np.float32), w, np.empty((1, 2), np.float32))
     w = QuantWeight("q8_0", np.zeros((PARALLEL_MIN_ELEMENTS // 32, 34), np.uint8), np.zeros((0, 0), np.uint8), 32)
     linear(np.ones((1, 32), np.float32), w, np.empty((1, w.q.shape[0]), np.float32))  # (the parallel kernel)

@@ -1,14 +1,13 @@
 """The kernels of GGUF's block formats (engine/formats/ggml.py) against the `gguf` package's
 own numpy dequantisation: every format's decoder bit for bit on random blocks (every code,
 scales of every size), matrices of one, two and three blocks a row and of rows around
-ROW_BLOCK, through the crew's widening (engine/jobs.py) and the parallel kernel; each token's
+ROW_BLOCK, and the parallel kernel; each token's
 result the same alone as in a batch."""
 
 import numpy as np
 import pytest
 from gguf_models import blocks
 
-from colibri.engine import jobs
 from colibri.engine.formats import ggml as kernels
 from colibri.engine.kernels import PARALLEL_MIN_ELEMENTS, ROW_BLOCK, f16_lut
 from colibri.storage.formats import FORMATS, ggml
@@ -58,10 +57,6 @@ def test_the_decoders_are_the_packages_dequantisation_bit_for_bit(kind):
         for n0, nr in ((0, 7), (2, 3)):
             wb = np.full((nr, K), np.nan, np.float32)
             kernels.ggml_rows(FORMATS[kind].code, q, f16_lut(), n0, nr, wb)
-            assert np.array_equal(wb.view(np.uint32), want[n0 : n0 + nr].view(np.uint32)), (n_blocks, n0)
-            wb[:] = np.nan  # the crew's widening, from the blocks' address
-            jobs.widen_rows(FORMATS[kind].code, q.ctypes.data, 0, 7, K, 1, ggml.TYPES[kind][1], np.zeros(1, np.float32),
-                            f16_lut(), n0, nr, wb)
             assert np.array_equal(wb.view(np.uint32), want[n0 : n0 + nr].view(np.uint32)), (n_blocks, n0)
 
 
