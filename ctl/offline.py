@@ -175,7 +175,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     model, tok = placed.model, tokenizers[0]
     if activations != "auto":
         model.set_activations(activations)
-    layers.init(threads or None)  # compiles the kernels on a machine's first run
+    layers.init(threads or None, kinds=model.kernel_kinds())  # compiles its kernels on a machine's first run
     load_s = time.perf_counter() - t0
     prior, keys, messages = None, None, [{"role": "user", "content": text_in}]
     saved = None

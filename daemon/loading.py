@@ -75,7 +75,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     model = placed.model
     tokenizer = Tokenizer(path, tokenizer_spec(path))
     eos = eos_ids(path, load_config(path), tokenizer)
-    layers.init(n, phase)
+    layers.init(n, phase, model.kernel_kinds())
     boot["compute_threads"] = {"asked": cfg.compute_threads or "all", "got": n}
     experts = model.experts.describe()
     if "mlock" in experts:

@@ -39,15 +39,20 @@ def reuse_freed_memory() -> None:
         pass
 
 
-def init(n_threads: int | None = None, progress=None) -> None:
+def init(n_threads: int | None = None, progress=None, kinds=None) -> None:
     """Start-up work for the kernels: the f16 table, the compute threads (default: the CPUs
     this process may run on), and one call of each kernel on tiny arrays so that compiling
     (or loading the compiled cache) happens here, not in the first request's timings.
-    `progress(phase, done, total)` hears each kernel group. Call once before forward."""
+    kinds: the number formats to compile for, {(kind, int4 group size or None)} (a model's
+    own: MoEModel.kernel_kinds()); None: every format (the compile-ahead of `colibrid
+    --compile`, a benchmark trying several). Each format's kernels are tens of MB of a
+    process's memory once loaded (an int4 group's 14 MB, the others' 9 MB on Zen 5), so a
+    process loads only those it computes with. `progress(phase, done, total)` hears each
+    kernel group. Call before forward; again with other kinds compiles what is missing."""
     if n_threads is not None or not crew.threads_set():
         crew.set_threads(n_threads or len(os.sched_getaffinity(0)))
-    if init.done:
-        return
+    if kinds is None:
+        kinds = {*((k, None) for k in KERNELS if k != "int4"), *(("int4", g) for g in int4.GROUPS)}
     reuse_freed_memory()
     x = np.ones((1, 4), np.float32)
     x64 = np.ones((1, 128), np.float32)
@@ -60,14 +65,17 @@ def init(n_threads: int | None = None, progress=None) -> None:
         for w in (np.ones((2, 4), np.float32), np.ones((2, 4), np.uint16), np.ones((2, 4), np.float16)):
             linear(x, w)
 
-    def experts(g):
-        q4 = QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g)
-        swiglu(x64, q4, q4, q4)  # the crew's kernel (one function for every kind of job)
-        swiglu(x64, q4, q4, q4, prompt=True)
+    def experts(w):  # the crew's kernel (one function for every kind of job) and its job for w's format
+        swiglu(x64, w, w, w)
+        swiglu(x64, w, w, w, prompt=True)
 
-    def formats():  # every number format's decode and prompt path (int4's: the crew's above)
-        for module in dict.fromkeys(KERNELS.values()):
-            module.warm()
+    def int4_group(g):  # an int4 group size's crew job and its dense prompt path
+        experts(QuantWeight("int4", np.ones((128, 64), np.uint8), np.ones((128, 128 // g), np.float16), g))
+        int4.warm(g)
+
+    def formats(names):  # the decode and prompt paths of the other number formats
+        for module in dict.fromkeys(KERNELS[k] for k in names):
+            module.warm(tuple(k for k in names if k in module.KINDS))
 
     def attention():
         for norm in (kernels.rmsnorm, kernels.rmsnorm_par):
@@ -85,19 +93,23 @@ def init(n_threads: int | None = None, progress=None) -> None:
                        np.empty((1, 1, hv), np.float32))
         kernels.silu_mul(x, x, np.empty_like(x))
 
-    steps = [dense, *(functools.partial(experts, g) for g in int4.GROUPS), formats, attention]
-    assert len(steps) == len(COMPILE_SHARES)
-    for i, step in enumerate(steps):
-        if progress:
-            progress("compiling kernels", i, len(steps))
+    others = tuple(sorted(k for k, _ in kinds if k in KERNELS and k != "int4"))
+    steps = [("dense", dense), ("experts", functools.partial(experts, np.ones((128, 128), np.uint16))),
+             *((("int4", g), functools.partial(int4_group, g)) for g in sorted({g for k, g in kinds if k == "int4"})),
+             *((("formats", others), functools.partial(formats, others)) for _ in others[:1]), ("attention", attention)]
+    steps = [(key, step) for key, step in steps if key not in init.done]
+    shares = [COMPILE_SHARES[key if isinstance(key, str) else key[0]] for key, _ in steps]
+    for i, (key, step) in enumerate(steps):
+        if progress:  # per cent of the expected time
+            progress("compiling kernels", round(100 * sum(shares[:i]) / sum(shares)), 100)
         step()
-    init.done = True
+        init.done.add(key)
 
 
-init.done = False
+init.done = set()  # the kernel groups compiled (or loaded) in this process
 # each kernel group's part of a first compile (seconds measured on the 2-core box: dense 12,
-# int4 experts 9, 5, 5, the formats 4, attention 64), for an estimate while it runs
-COMPILE_SHARES = (0.12, 0.09, 0.05, 0.05, 0.04, 0.65)
+# the crew's experts 9, an int4 group 5, the other formats 4, attention 64), for an estimate
+COMPILE_SHARES = {"dense": 0.12, "experts": 0.09, "int4": 0.05, "formats": 0.04, "attention": 0.65}
 
 
 def to_f32(a) -> np.ndarray:

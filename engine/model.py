@@ -299,6 +299,14 @@ class MoEModel:
             return self.source_precision.get("experts") or "?"
         return self.precision()["experts"]
 
+    def kernel_kinds(self) -> set:
+        """The number formats this model computes in, {(kind, int4 group size or None)}: the
+        kernels engine/layers.init compiles (loads) for it, no others."""
+        dense = {(w.kind, w.group_size if w.kind == "int4" else None)
+                 for L in [self.glob, *self.layers] for w in L.values() if isinstance(w, QuantWeight)}
+        g = self.experts.int4_group
+        return dense | {("int4", g) if g else (self.expert_kind(), None)}
+
     # ---- what a family defines ----
     attn_spec = None  # AttnSpec
     n_expert = 0

@@ -5,7 +5,8 @@ Each module says which formats it computes on (KINDS) and has
 - `linear(x, w, out, prompt)`: out [T, N] = x [T, D] @ w.T for a QuantWeight w, by the
   decode-path kernel, or with prompt the prompt-path one (each row's result the same alone
   or batched on either path; the two differ in rounding only);
-- `warm()`: one call of each kernel on tiny arrays, so that compiling happens at start;
+- `warm(kinds)`: one call of each kernel those of its formats need on tiny arrays, so that
+  compiling happens at start (int4's: `warm(group_size)`, the prompt path of that group);
 - the row widening the thread crew's prompt-path expert job calls for that format
   (engine/jobs.py widen_rows, by the format's code).
 

@@ -256,9 +256,9 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
         LINEAR_F8[fmt.code](x, w.q, w.scales, w.row_block, w.group_size, out)
 
 
-def warm() -> None:
+def warm(kinds=KINDS) -> None:
     # one call of each format's two paths on tiny arrays: the compile happens at start
-    for kind in KINDS:
+    for kind in kinds:
         w = QuantWeight(kind, np.ones((2, 64), np.uint8), np.ones((1, 1), np.float32), 64, 2)
         for prompt in (False, True):
             linear(np.ones((1, 64), np.float32), w, np.empty((1, 2), np.float32), prompt)

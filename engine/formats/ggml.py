@@ -319,15 +319,9 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
         ggml_matmul(CODE[w.kind], x, w.q, f16_lut(), out, 0, N)
 
 
-def warm() -> None:
-    # nothing at start: these kernels are loaded (compiled once, then from numba's cache) by
-    # the first GGUF matrix a process computes; loaded with the others, they made every
-    # process ~15 MB larger (colictl run's peak RSS, tests/ctl/test_memory.py), GGUF or not
-    return
-
-
-def warm_now() -> None:
-    # one call of each kernel on tiny arrays (every format's decoder is in them): the tests' compile
+def warm(kinds=KINDS) -> None:
+    # one call of each kernel on tiny arrays: every format's decoder is in them, whichever of
+    # kinds is asked (engine/layers.init asks only for a GGUF model's)
     w = QuantWeight("q8_0", np.zeros((2, 34), np.uint8), np.zeros((2, 0), np.uint8), 32)
     linear(np.ones((1, 32), np.float32), w, np.empty((1, 2), np.float32))
     w = QuantWeight("q8_0", np.zeros((PARALLEL_MIN_ELEMENTS // 32, 34), np.uint8), np.zeros((0, 0), np.uint8), 32)

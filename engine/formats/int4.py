@@ -251,9 +251,8 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
     kernel(x, w.q, w.scales.view(np.uint16), f16_lut(), out)
 
 
-def warm() -> None:
-    # the prompt path of each group size (the decode path's experts go through the crew,
-    # which engine/layers.init compiles with them)
-    for g in LINEAR_Q4_TOK:
-        w = QuantWeight("int4", np.ones((2, 64), np.uint8), np.ones((2, 128 // g), np.float16), g)
-        linear(np.ones((1, 128), np.float32), w, np.empty((1, 2), np.float32), True)
+def warm(g: int) -> None:
+    # the prompt path of a group size (the decode path's experts go through the crew, which
+    # engine/layers.init compiles with them)
+    w = QuantWeight("int4", np.ones((2, 64), np.uint8), np.ones((2, 128 // g), np.float16), g)
+    linear(np.ones((1, 128), np.float32), w, np.empty((1, 2), np.float32), True)

@@ -76,7 +76,7 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
     kernel(x, w.q, w.scales.view(np.uint16), w.group_size, f16_lut(), out)
 
 
-def warm() -> None:
+def warm(kinds=KINDS) -> None:
     # one call of each path on tiny arrays: the compile happens at start (engine/layers.init)
     w = QuantWeight("int8", np.ones((2, 4), np.int8), np.ones((2, 2), np.float16), 2)
     for prompt in (False, True):

@@ -295,7 +295,7 @@ def linear(x: np.ndarray, w, out: np.ndarray, prompt: bool = False) -> None:
         linear_mx4(x, w.q, w.scales, mxfp4.E8M0_VALUES, out)
 
 
-def warm() -> None:
+def warm(kinds=KINDS) -> None:
     # one call of each path on tiny arrays: the compile happens at start
     w = QuantWeight("mxfp4", np.ones((2, 32), np.uint8), np.full((2, 2), 127, np.uint8), 32)
     for prompt in (False, True):
