@@ -98,7 +98,9 @@ def status(client, as_json):
         click.echo(f"experts   {pl.get('placement')}" + (
             f", {slots} slot{'s' if slots != 1 else ''} per layer, "
             f"{'O_DIRECT' if pl['o_direct'] else 'buffered'} reads by {pl.get('reader', 'preadv')}"
-            + (f" ({pl['reader_note']})" if pl.get("reader_note") else "") if "slots" in pl else ""))
+            + (f" ({pl['reader_note']})" if pl.get("reader_note") else "")
+            + ("" if pl.get("checksums", True) else ", no checksums (a GGUF file; colictl convert adds them)")
+            if "slots" in pl else ""))
         for bad in pl.get("bad_experts") or []:
             click.echo(f"BAD       expert {bad}")
     for step, got in r["boot"].items():

@@ -280,7 +280,8 @@ def describe_placement(e: dict) -> str:
     h = e["history"]
     learned = f", usage history of {h['steps']} steps" if h["steps"] else ""
     return (f"expert cache {fmt_bytes(e['arena_bytes'])} ({e['policy']['name']}{learned}, "
-            f"{'O_DIRECT' if e['o_direct'] else 'buffered'} reads, {e['io_threads']} I/O threads)")
+            f"{'O_DIRECT' if e['o_direct'] else 'buffered'} reads, {e['io_threads']} I/O threads"
+            f"{'' if e.get('checksums', True) else ', no checksums'})")
 
 
 def fmt_bytes(n: float) -> str:
@@ -550,6 +551,7 @@ def write_checked_fragment(out: str, text: str, config_path: str | None, model: 
     placing the model checks them. Written beside `out` and renamed over it, so a daemon
     never reads half a file. Raises ConfigError, BudgetInvalid (nothing written)."""
     from ..daemon.config import load
+    from ..engine.registry import build_model
     from ..storage.placement import check_budgets
     from ..storage.sizes import parse_size
 
@@ -561,7 +563,7 @@ def write_checked_fragment(out: str, text: str, config_path: str | None, model: 
     try:
         # the configuration as the daemon will read it, with this fragment in its place
         cfg = load(config_path, fragment=(out, tmp)) if config_path else load(tmp)
-        check_budgets(model, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache))
+        check_budgets(model, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache), build_model)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

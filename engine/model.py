@@ -305,7 +305,7 @@ class MoEModel:
         dense = {(w.kind, w.group_size if w.kind == "int4" else None)
                  for L in [self.glob, *self.layers] for w in L.values() if isinstance(w, QuantWeight)}
         g = self.experts.int4_group
-        return dense | {("int4", g) if g else (self.expert_kind(), None)}
+        return dense | ({("int4", g)} if g else {(k, None) for k in self.expert_kind().split("+")})  # (GGUF: q4_k+q6_k)
 
     # ---- what a family defines ----
     attn_spec = None  # AttnSpec

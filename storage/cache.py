@@ -124,7 +124,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
                 else:
                     self.main_free.append(slot)
                 continue
-            self.stats.bytes_read += self.record_bytes
+            self.stats.bytes_read += self.c.records[key].length
             self._arrive(slot)
             if not pin:
                 self._admit(key, slot)
@@ -158,11 +158,15 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
         if self.arranged is not None:
             self.arranged(self.views(slot), True)
 
-    def views(self, slot: int) -> tuple:
+    def views(self, slot: int, key: tuple[int, int] | None = None) -> tuple:
+        # a slot's expert's weights, kept while the slot holds it (a container's records share
+        # one layout: the same views whichever expert a slot holds; a GGUF file's experts each
+        # have their own)
+        key = key if self.c.views_per_record else None
         v = self._views.get(slot)
-        if v is None:
-            v = self._views[slot] = self.c.expert_views(self.arena[slot])
-        return v
+        if v is None or v[0] != key:
+            v = self._views[slot] = (key, self.c.expert_views(self.arena[slot], key))
+        return v[1]
 
     def _int4_table(self, arena: np.ndarray) -> tuple | None:
         """(group size, the layouts of gate, up and down, [slots, 6] int64: where each slot's
@@ -230,8 +234,8 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
         for ie in [ie for ie in ahead if ie not in ids]:  # predicted but not chosen: kept once landed, not waited for
             slot, fut = ahead.pop(ie)
             self.unchosen.setdefault(il, []).append((ie, slot, fut))
-            st.bytes_read += self.record_bytes
-            self.by_layer[il][2] += self.record_bytes
+            st.bytes_read += (n := self.c.records[(il, ie)].length)  # (a GGUF expert's: less than its slot)
+            self.by_layer[il][2] += n
             st.prefetch_wasted += 1
         hits, pinned, pending = [], [], deque()  # in the layer's LRU; pinned or main (slots that stay put); to read
         for ie in ids:
@@ -274,11 +278,11 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
                 raise
             finally:
                 st.io_wait_s += time.perf_counter() - t0
-            st.bytes_read += self.record_bytes
-            self.by_layer[il][2] += self.record_bytes
+            st.bytes_read += (n := self.c.records[(il, ie)].length)  # (a GGUF expert's: less than its slot)
+            self.by_layer[il][2] += n
             self._arrive(slot)
             self._keep(il, ie, slot)
-            return ie, self.views(slot)
+            return ie, self.views(slot, (il, ie))
 
         try:
             submit()
@@ -286,7 +290,7 @@ class ExpertCache(SlotBook, CacheReport, LocalSource):
                 for ie in hits:
                     lru.move_to_end(ie)
                 views = self.views
-                yield [(ie, views(lru[ie])) for ie in hits] + [(ie, views(slot)) for ie, slot in pinned]
+                yield [(ie, views(lru[ie], (il, ie))) for ie in hits] + [(ie, views(slot, (il, ie))) for ie, slot in pinned]
                 busy.difference_update(hits)
                 busy.difference_update(ie for ie, _ in pinned)
                 submit()

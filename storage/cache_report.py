@@ -38,7 +38,7 @@ class CacheReport:
         return self.reader.drives.describe()
 
     def describe(self) -> dict:
-        return {"placement": "expert cache", "policy": self.policy.as_dict(), "main_slots": self.main_slots,
+        return {"placement": "expert cache", "experts_kind": self.c.expert_dtype, "policy": self.policy.as_dict(), "main_slots": self.main_slots,
                 "window_slots_per_layer": self.slots_per_layer if self.main_slots else None, "pinned_bytes": self.pinned_bytes,
                 "pinned": sorted(f"{il}:{ie}" for il, ie in self.hand_pins), "learned_pins": len(self.pinned) - len(
                     self.hand_pins), "pinned_size_by": "operator" if self.pinned_set_by_hand else "policy",

@@ -80,17 +80,40 @@ def record_layout(parts: list[tuple[str, str, str, tuple]]) -> tuple[list[Record
 
 
 @dataclass(frozen=True)
+class Extent:
+    """A byte range of a record read from a file: `length` bytes at `offset` (both multiples
+    of ALIGN) into the record's buffer at `at` (a multiple of ALIGN); the read may end at the
+    file's end after `need` of them (the last tensor of a GGUF file)."""
+
+    file: str  # absolute path
+    offset: int
+    length: int
+    at: int
+    need: int
+
+
+@dataclass(frozen=True)
 class ExpertRecord:
     layer: int
     expert: int
-    file: str  # absolute path
-    offset: int  # absolute file offset, a multiple of ALIGN
-    length: int  # record_bytes
-    crc32: int
+    file: str  # absolute path (the first extent's)
+    offset: int  # absolute file offset, a multiple of ALIGN (the first extent's)
+    length: int  # the bytes read: record_bytes for a container's record
+    crc32: int | None  # None: nothing to check it against (a GGUF file's expert)
+    extents: tuple[Extent, ...] = ()  # () for a container's one contiguous record; a GGUF expert's parts
+
+    @property
+    def spans(self) -> tuple[Extent, ...]:
+        """The reads that fill the record's buffer."""
+        return self.extents or (Extent(self.file, self.offset, self.length, 0, self.length),)
 
 
 class Container:
     """An opened container. Raises ContainerInvalid, or the safetensors errors of its files."""
+
+    views_per_record = False  # every record has the one layout (expert_views)
+    extents = False  # every record is one contiguous read
+    checksums = True  # every record has its crc32 in the manifest
 
     def __init__(self, path: str):
         self.path = path
@@ -175,10 +198,11 @@ class Container:
                                    f"{len(extra)} not in the model, {n_index - len(self.records)} indexed twice, "
                                    f"{overlaps} overlapping records")
 
-    def expert_views(self, record: np.ndarray) -> tuple:
+    def expert_views(self, record: np.ndarray, key: tuple[int, int] | None = None) -> tuple:
         """(gate, up, down), then the biases when the family has them, over one record's
         bytes, zero-copy: arrays in their storage dtype, or QuantWeight for quantized
-        matrices (biases stay float), as an Expert."""
+        matrices (biases stay float), as an Expert. Every record has the one layout (`key`,
+        the expert's (layer, expert), matters where each has its own: storage/gguf_experts.py)."""
         parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
         biases = tuple(parts[(n, "weight")] for n in BIAS_PARTS if (n, "weight") in parts)
         if self.expert_dtype in FORMATS:  # block None: one scale per matrix (published formats)

@@ -105,10 +105,11 @@ class DriveSet:
         self.c = container
         self.stripe = max(1, STRIPE_BYTES // container.record_bytes) * container.record_bytes
         self.lock = threading.Lock()
-        files = sorted({r.file for r in container.records.values()})
         first = {}  # file -> offset of its first record: the bytes up to it and a page more must match
         for r in container.records.values():
-            first[r.file] = min(first.get(r.file, r.offset), r.offset)
+            for x in r.spans:
+                first[x.file] = min(first.get(x.file, x.offset), x.offset)
+        files = sorted(first)
         self.drives: list[Drive] = []
         for i, root in enumerate([container.path, *copies]):
             pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"colibri-io{i}")

@@ -1,10 +1,11 @@
 """Placement: where a model's weights live while it runs, put together in one place.
 
-`open_model(path, placement, build)` opens a Hugging Face checkpoint or a colibri
-container, checks it fully (the same checks `colictl doctor` reports, in the same
+`open_model(path, placement, build)` opens a Hugging Face checkpoint, a GGUF file or a
+colibri container, checks it fully (the same checks `colictl doctor` reports, in the same
 order), and places it: the dense weights resident, the routed experts either all
-resident (a checkpoint) or behind the expert cache (a container) with its policy, usage
-history, reader, drives and fault drills. `colictl run` and the daemon both call it.
+resident (a safetensors checkpoint) or behind the expert cache (a container, a GGUF file:
+gguf_experts.py) with its policy, usage history, reader, drives and fault drills.
+`colictl run` and the daemon both call it.
 
 Storage knows no model family: `build(path, config)` is the engine's registry, and the
 model it returns offers what placement needs (ModelShape). The engine then sees only the
@@ -32,6 +33,7 @@ from .experts import ExpertSource, TracedSource
 from .faults import FaultPlan
 from .formats import QUANT_DTYPES
 from .gguf import is_gguf
+from .gguf_experts import GGUFExperts
 from .history import DEFAULT_HALF_LIFE, UsageHistory, history_path
 from .memory import MemoryRoom
 from .policy import Policy
@@ -180,19 +182,27 @@ def check_model(path: str, build: Build, report=None):
 
 
 def room_for(container) -> MemoryRoom:
-    """The RAM a container's budgets may take: the box's, less its dense weights and the process."""
+    """The RAM a container's (or a GGUF file's) budgets may take: the box's, less its dense
+    weights and the process."""
+    if isinstance(container, GGUFExperts):
+        return MemoryRoom(container.dense_bytes)
     return MemoryRoom(sum(sf.file_bytes for sf in container.dense.files.values()))
 
 
-def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0) -> None:
+def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, build: Build | None = None) -> None:
     """Whether a model would be placed with an expert `budget` beside `beside_bytes` of
-    other budgets (the prefix cache), as open_model checks it, without reading a weight.
+    other budgets (the prefix cache), as open_model checks it, without reading a weight
+    (a GGUF file's experts are found through the family `build` gives).
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
-    if not is_container(path):
+    if is_gguf(path) and build is not None:
+        model, store = check_model(path, build)
+        c = GGUFExperts(store, model)
+    elif not is_container(path):
         check_resident(path, open_checkpoint(path), budget, beside_bytes)
         return
-    c = open_container(path)
+    else:
+        c = open_container(path)
     budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert, c.record_bytes,
                  room_for(c), beside_bytes)
 
@@ -232,13 +242,16 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     model, store = check_model(path, build)
     if checked:
         checked(model)
-    if not is_container(path):
+    if is_container(path):
+        c, dense, precision = store, store.dense, store.precision()
+    elif is_gguf(path):  # its experts streamed from the file itself
+        c, dense, precision = GGUFExperts(store, model), store, None
+    else:
         check_resident(path, store, pl.budget, pl.beside_bytes)
         model.load(store, progress=progress)
         if pl.trace:
             model.experts = TracedSource(model.experts, pl.trace)
         return Placed(model, None, None)
-    c = store
     policy = pl.policy or Policy()
     if pl.prefetch is not None:
         policy = replace(policy, prefetch_reads=pl.prefetch)
@@ -252,7 +265,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
                         queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room_for(c), beside=pl.beside_bytes)
-    model.load(c.dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, c.precision())
+    model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision)
     cache.warm_start(progress)
     return Placed(model, cache, history)
 

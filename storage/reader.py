@@ -74,7 +74,9 @@ class ExpertReader:
             raise ValueError(f"reader must be one of {READERS}")
         if len(self.drives.drives) > 1:
             self.drives.set_weights([self.measure(0, d, START_S)[0] for d in self.drives.drives])
-        if reader != "preadv":
+        if reader != "preadv" and container.extents:
+            self.kind_why = "a GGUF file's experts are three reads each, read by the preadv pool"
+        elif reader != "preadv":
             self._start_uring(reader, queue_depth, sqpoll_cpu)
 
     def _open(self, file: str) -> int:
@@ -164,23 +166,23 @@ class ExpertReader:
         """Start reading expert `key` into `buf` on the I/O threads. `io_wall_s` counts the
         time during which at least one submitted read has not finished, prefetches included.
         The future raises ExpertReadError."""
-        if self.uring is not None:
+        rec = self.c.records[key]
+        if self.uring is not None and not rec.extents:  # (a record of several extents: the pool's reads)
             return self.submit_run([(key, buf)])[0]
         self._busy(+1)
-        rec = self.c.records[key]
         drive = self.drives.pick(rec, rec.length)
         return drive.pool.submit(self._read_counted, rec, buf, drive)
 
     def adjacent(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
         """Whether expert b's record follows expert a's in the same file, on the same drive."""
         ra, rb = self.c.records[a], self.c.records[b]
-        return (ra.file == rb.file and rb.offset == ra.offset + ra.length
+        return (not ra.extents and not rb.extents and ra.file == rb.file and rb.offset == ra.offset + ra.length
                 and self.drives.first(ra) is self.drives.first(rb))
 
     def submit_run(self, reads: list[tuple[tuple[int, int], np.ndarray]]) -> list[Future]:
         """Start reading records that follow each other in one file (adjacent(), in order),
         each into its buffer, as one request; a future per record, as submit() gives."""
-        if len(reads) == 1 and self.uring is None:
+        if len(reads) == 1 and (self.uring is None or self.c.records[reads[0][0]].extents):
             return [self.submit(*reads[0])]
         recs, bufs = [self.c.records[k] for k, _ in reads], [b for _, b in reads]
         futures = [Future() for _ in reads]
@@ -306,26 +308,26 @@ class ExpertReader:
         return "primary" if d.index == 0 else f"drive {d.index}"
 
     def _read_once(self, rec: ExpertRecord, row: np.ndarray, d: Drive) -> str | None:
-        """One attempt on drive d; why it failed, or None."""
-        buf = memoryview(row)
+        """One attempt on drive d (each of the record's extents in turn); why it failed, or None."""
         fault = self.faults.take(d.index, rec.layer, rec.expert) if self.faults else None
-        done = 0
-        while done < rec.length:
-            t0 = self._begin(d)
-            try:
-                n = os.preadv(d.fds[rec.file], [buf[done:]], rec.offset + done)
-                if fault:  # a drill (faults.py): this read fails as told
-                    forced, fault = inject(fault, row, done), None
-                    n = n if forced is None else forced
-            except OSError as e:
-                self.drives.end(d, t0, 0, e.strerror or str(e))
-                return e.strerror or str(e)
-            if n <= 0:
-                why = f"short read, {done} of {rec.length} bytes"
-                self.drives.end(d, t0, 0, why)
-                return why
-            self.drives.end(d, t0, n, None)
-            done += n
+        for x in rec.spans:
+            buf, done = memoryview(row)[x.at:x.at + x.length], 0
+            while done < x.need:
+                t0 = self._begin(d)
+                try:
+                    n = os.preadv(d.fds[x.file], [buf[done:]], x.offset + done)
+                    if fault:  # a drill (faults.py): this read fails as told
+                        forced, fault = inject(fault, row[x.at:], done), None
+                        n = n if forced is None else forced
+                except OSError as e:
+                    self.drives.end(d, t0, 0, e.strerror or str(e))
+                    return e.strerror or str(e)
+                if n <= 0:
+                    why = f"short read, {done} of {x.need} bytes" + (f" at {x.file}:{x.offset}" if rec.extents else "")
+                    self.drives.end(d, t0, 0, why)
+                    return why
+                self.drives.end(d, t0, n, None)
+                done += n
         why = self._check(rec, row, d)
         if why is not None:
             self.drives.bad_copy(d)
@@ -335,6 +337,8 @@ class ExpertReader:
         """The record's bytes (read from drive d) against the manifest's crc32, as `verify`
         says; why not, or None."""
         key = (d.index, rec.layer, rec.expert)
+        if rec.crc32 is None:  # no checksum to check against (a GGUF file's expert)
+            return None
         if self.verify == "always" or (self.verify == "first" and key not in self.verified):
             t = time.perf_counter()
             crc = crc32(row)
@@ -346,7 +350,7 @@ class ExpertReader:
         return None
 
     def describe(self) -> dict:
-        return {"verify": self.verify, "drives": [d.root for d in self.drives.drives[1:]],
+        return {"verify": self.verify if self.c.checksums else "off", "checksums": self.c.checksums, "drives": [d.root for d in self.drives.drives[1:]],
                 "bad_experts": [f"{il}:{ie}: {why}" for (il, ie), why in sorted(self.bad.items())],
                 "io_threads": self.io_threads, "o_direct": self.direct, "fallback_reason": self.fallback_reason,
                 "records_per_read": self.max_run, "reader": self.kind, "reader_note": self.kind_why,

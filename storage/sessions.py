@@ -34,11 +34,13 @@ class SessionMismatch(ColibriError):
 
 
 def fingerprints(model_dir: str) -> tuple[str, str]:
-    """(model, tokenizer) fingerprints of a container or checkpoint directory: short hashes
-    of what a session's KV and tokens depend on. A container's manifest names its source
-    and every expert's checksum; for a checkpoint, its config and the safetensors headers
-    (names, shapes, offsets: not the weights, which would take a full read)."""
+    """(model, tokenizer) fingerprints of a container, a checkpoint directory or a GGUF file:
+    short hashes of what a session's KV and tokens depend on. A container's manifest names
+    its source and every expert's checksum; for a checkpoint, its config and the safetensors
+    headers (names, shapes, offsets: not the weights, which would take a full read); for a
+    GGUF file, its parts' headers (the tokenizer is in them)."""
     from .container import MANIFEST, is_container
+    from .gguf import is_gguf
 
     def digest(parts) -> str:
         h = hashlib.sha256()
@@ -58,6 +60,12 @@ def fingerprints(model_dir: str) -> tuple[str, str]:
             n = int.from_bytes(f.read(8), "little")
             return name.encode() + f.read(min(n, 1 << 26))
 
+    if is_gguf(model_dir):  # every part's header: the metadata, tokenizer too, and each tensor's place
+        from .convert import fingerprint
+        from .gguf import GGUFCheckpoint
+
+        model = digest([fingerprint(GGUFCheckpoint(model_dir)).encode()])
+        return model, model
     if is_container(model_dir):
         model = digest([whole(MANIFEST)])
     else:

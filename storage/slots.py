@@ -224,7 +224,7 @@ class SlotBook:
             except ExpertReadError:
                 self.pin_free.appendleft(slot)
                 raise
-            self.stats.bytes_read += self.record_bytes
+            self.stats.bytes_read += rec.length
         self.pinned[key] = slot
         self.hand_pins.add(key)
 

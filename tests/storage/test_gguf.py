@@ -18,6 +18,7 @@ from colibri.storage.errors import (
     TensorShapeMismatch,
     UnsupportedDtype,
 )
+from colibri.storage.formats import ggml
 
 from hf_models import build, load_model
 
@@ -91,6 +92,22 @@ def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
     assert np.abs(logits_of(model, ids) - want).max() <= 1e-4
 
 
+def test_a_gguf_experts_failed_read_is_retried_then_named(qwen):
+    """A GGUF file's expert reads fail as a container's do: once, read again (the same
+    logits); always, an ExpertReadError naming the file and the offset, never wrong numbers."""
+    from colibri.storage.errors import ExpertReadError
+
+    _, _, path = qwen
+    ids = np.arange(5, 18)
+    want = logits_of(load_model(path), ids)
+    once = load_model(path, budget="min", faults=",".join(f"eio@0:{e}x1" for e in range(8)))
+    np.testing.assert_array_equal(logits_of(once, ids), want)
+    assert once.experts.stats.read_errors >= 1
+    broken = load_model(path, budget="min", faults=",".join(f"short@1:{e}" for e in range(8)))
+    with pytest.raises(ExpertReadError, match=r"cannot read layer 1 expert \d from .*m\.gguf at offset \d+: .*short read"):
+        logits_of(broken, ids)
+
+
 def test_a_split_set_reads_as_one_file(qwen, tmp_path):
     tmp, _, whole = qwen
     first = write_gguf(tmp / "hf", tmp_path / "s.gguf", split_max_tensors=7)
@@ -158,7 +175,8 @@ def blocks_of_32(name, a):
 def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden, parts):
     """Every GGUF block type colibri reads, in the matrices (experts, attention, embeddings,
     output) of a file of `parts` parts: the logits and 32 greedy tokens of transformers run on
-    the weights the `gguf` package dequantises from the file."""
+    the weights the `gguf` package dequantises from the file, its experts streamed from the
+    file under every budget from one slot per layer to all of them."""
     from gguf_models import dequantized_reference
 
     build("qwen3_moe", "basic", tmp_path / "hf", **(SHAPE | dict(hidden_size=hidden, intermediate_size=hidden,
@@ -173,7 +191,23 @@ def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden
                                else {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"})
     assert model.precision()["lossy"] is False
     ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
-    matches_transformers(model, ref, np.random.default_rng(hidden).integers(0, 101, 13))
+    ids = np.random.default_rng(hidden).integers(0, 101, 13)
+    matches_transformers(model, ref, ids)
+    c = model.experts.c  # the experts are the file's, each its three slices' pages
+    assert model.precision()["experts"] == c.expert_dtype == "+".join(sorted(
+        {ggml.BY_TYPE_NAME[t.dtype] for t in ck.tensors.values() if "_exps" in t.name}))
+    if mix is k_quants:
+        assert c.expert_dtype == "iq4_xs+q2_k+q3_k+q4_k+q6_k"
+    assert {x.file for r in c.records.values() for x in r.extents} <= {p.path for p in ck.files.values()}
+    assert any(at % 4096 for parts in c.parts.values() for at, _, _ in parts)  # views inside their pages
+    assert any(x.need < x.length for r in c.records.values() for x in r.extents)  # a page past its file's end
+    for budget in ("min", c.record_bytes * len(model.moe_layers) * 3):
+        streamed = load_model(path, budget=budget)
+        assert streamed.experts.describe()["o_direct"] and streamed.experts.describe()["checksums"] is False
+        np.testing.assert_array_equal(logits_of(streamed, ids), logits_of(model, ids))
+        assert greedy(streamed, ids, 32) == greedy(model, ids, 32)
+        st = streamed.experts.stats
+        assert st.evictions > 0 and st.bytes_read >= st.misses * min(r.length for r in c.records.values())
     if parts > 1:  # a container keeping the blocks is still to come: refused in one line, nothing written
         import subprocess
         import sys
@@ -284,8 +318,8 @@ def test_the_tokenizer_is_read_from_the_file(qwen, tmp_path):
 
 
 def test_colictl_runs_a_gguf_file_alone_and_converts_it(tmp_path):
-    """`colictl run --model FILE.gguf`: no other file, the tokens transformers gives; `colictl
-    doctor` checks it; `colictl convert FILE.gguf DIR`: a container (config and tokenizer from
+    """`colictl run --model FILE.gguf`: no other file, the tokens transformers gives; colibrid
+    serves it streaming its experts from the file; `colictl doctor` checks it; `colictl convert FILE.gguf DIR`: a container (config and tokenizer from
     the file) whose experts stream at the minimum budget with the same logits and tokens."""
     import json
     import subprocess
@@ -307,6 +341,14 @@ def test_colictl_runs_a_gguf_file_alone_and_converts_it(tmp_path):
         g = ref.generate(torch.tensor(ids)[None], max_new_tokens=12, do_sample=False, pad_token_id=0,
                          eos_token_id=load_eos(path))
     assert out["token_ids"] == g[0, len(ids):].tolist()
+    from daemons import colibrid
+
+    # the daemon streams the file's experts at one slot per layer: the same tokens
+    with colibrid(tmp_path, path, "expert_cache: min\n") as sock:
+        served = json.loads(colictl("--socket", sock, "generate", "--json", "--max-tokens", "12", "Once upon a time"))
+        status = colictl("--socket", sock, "status")
+    assert served["token_ids"] == out["token_ids"] and served["stats"]["experts"]["bytes_read"] > 0
+    assert "1 slot per layer" in status and "no checksums" in status, status
     doctor = subprocess.run([sys.executable, "-m", "colibri.ctl", "doctor", "--model", path], capture_output=True,
                             text=True, timeout=300).stdout  # (its box checks may fail on a test box: not asserted)
     assert "1 GGUF file(s)" in doctor and "the file's tokenizer builds" in doctor, doctor
