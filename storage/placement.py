@@ -172,9 +172,10 @@ def check_model(path: str, build: Build, report=None):
             store = model.source(open_checkpoint(path))
             model.check(store)
             size = sum(sf.file_bytes for sf in store.files.values())
-            kind = "GGUF" if is_gguf(path) else "safetensors"
-            report(name, f"{len(store.files)} {kind} file(s), {size / 2**30:.2f} GiB, every tensor present with "
-                         "the shape its config implies (experts all resident: no budget)")
+            how = ("experts streamed from the file under the expert budget, no checksums" if is_gguf(path)
+                   else "experts all resident: no budget")
+            report(name, f"{len(store.files)} {'GGUF' if is_gguf(path) else 'safetensors'} file(s), "
+                         f"{size / 2**30:.2f} GiB, every tensor present with the shape its config implies ({how})")
     except ColibriError as e:
         e.check = name
         raise
