@@ -621,12 +621,20 @@ def _biases(experts: list, I: int, D: int, addrs: np.ndarray) -> list:
     return biases
 
 
-_SESSION = threading.local()  # .crew: the crew of the forward step this thread is in
+_SESSION = threading.local()  # .crew: the crew of the forward step this thread is in; .prompt_rows: its rows'
 
 
 def session() -> "Crew | None":
     """The crew of the forward step this thread is in, if any."""
     return getattr(_SESSION, "crew", None)
+
+
+def prompt_rows(n: int) -> "np.ndarray | None":
+    """Which of the n rows of the forward step this thread is in are a prompt's (a sequence
+    with several tokens in the step), as bools; None outside a step, or for n other than
+    its rows (a family's matrices over other rows than the step's tokens)."""
+    rows = getattr(_SESSION, "prompt_rows", None)
+    return rows if rows is not None and len(rows) == n else None
 
 
 def threads_set() -> bool:
@@ -635,16 +643,16 @@ def threads_set() -> bool:
 
 
 @contextmanager
-def crew_session(g: int | None):
+def crew_session(g: int | None, rows: "np.ndarray | None" = None):
     """A forward step's crew (for int4 experts of group g, or None): the experts and the big
-    matrices of the step run on it."""
+    matrices of the step run on it. rows: which of the step's rows are a prompt's (prompt_rows)."""
     crew = Crew(g or 64, share=True)
-    before = getattr(_SESSION, "crew", None)
-    _SESSION.crew = crew
+    before = getattr(_SESSION, "crew", None), getattr(_SESSION, "prompt_rows", None)
+    _SESSION.crew, _SESSION.prompt_rows = crew, rows
     try:
         yield crew
     finally:
-        _SESSION.crew = before
+        _SESSION.crew, _SESSION.prompt_rows = before
         crew.close()
 
 

@@ -19,7 +19,7 @@ JIT = dict(cache=True, nogil=True)
 JIT_FAST = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 KERNEL_FILES = ("jit.py", "ir.py", "ir_rows.py", "atomics.py", "kernels.py", "jobs.py", "crew.py", "formats/__init__.py",
                 "formats/int8.py", "formats/int4.py", "formats/fp8.py", "formats/mxfp4.py", "formats/intdot.py",
-                "formats/ggml.py")
+                "formats/ggml.py", "formats/ggml_ir.py")
 
 
 def _cache_dir() -> str:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of, take_rows
 from . import crew, kernels
-from .formats import KERNELS, int4, intdot
+from .formats import KERNELS, ggml, int4, intdot
 from .kernels import NO_SINKS, f16_lut
 from .sequence import KV_BLOCK, KVPool
 
@@ -146,6 +146,8 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
             crew.session().matmul_i8(x, w, y)
         else:
             intdot.linear(x, w, y)
+    elif isinstance(w, QuantWeight) and w.kind in ggml.KINDS:  # each row by its sequence (ggml.linear)
+        y = qlinear(x, w, crew.prompt_rows(x.shape[0]))
     elif isinstance(w, QuantWeight):
         y = qlinear(x, w)
     elif w.size >= crew.CREW_MIN_ELEMENTS and w.flags.c_contiguous and crew.session() is not None:
@@ -186,6 +188,8 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
         one.experts(x, np.arange(x.shape[0]), np.array([0, x.shape[0]]), 1, np.ones(x.shape[0], np.float32),
                     [(gate, up, down)], out)
         return out
+    if isinstance(gate, QuantWeight) and gate.kind in ggml.KINDS:  # a GGUF file's experts: the path asked
+        return ggml.swiglu(np.ascontiguousarray(x, dtype=np.float32), gate, up, down, prompt)
     if prompt and isinstance(gate, QuantWeight):  # the prompt-token kernels (int4, fp8, mxfp4)
         x = np.ascontiguousarray(x, dtype=np.float32)
         h, u = qlinear(x, gate, True), qlinear(x, up, True)

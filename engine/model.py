@@ -400,7 +400,8 @@ class MoEModel:
 
     def forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool = False) -> list[np.ndarray]:
         # one step (see _forward_batch), its parallel work on one crew of threads (crew.Crew)
-        with crew_session(self.experts.int4_group):
+        sizes = [np.size(i) for i, _ in seqs]
+        with crew_session(self.experts.int4_group, np.repeat(np.asarray(sizes) > 1, sizes)):
             return self._forward_batch(seqs, all_logits)
 
     def _forward_batch(self, seqs: list[tuple[np.ndarray, KVCache]], all_logits: bool) -> list[np.ndarray]:

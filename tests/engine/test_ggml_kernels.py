@@ -1,8 +1,9 @@
 """The kernels of GGUF's block formats (engine/formats/ggml.py) against the `gguf` package's
 own numpy dequantisation: every format's decoder bit for bit on random blocks (every code,
 scales of every size), matrices of one, two and three blocks a row and of rows around
-ROW_BLOCK, and the parallel kernel; each token's
-result the same alone as in a batch."""
+ROW_BLOCK, and the parallel kernel; the decode path's IR row dots (Q4_K, Q6_K, Q8_0: ggml_ir.py)
+in vectors of 16 lanes and of 8; each token's result the same alone as in a batch, and each
+row of a step by its own sequence's path."""
 
 import numpy as np
 import pytest
@@ -60,24 +61,42 @@ def test_the_decoders_are_the_packages_dequantisation_bit_for_bit(kind):
             assert np.array_equal(wb.view(np.uint32), want[n0 : n0 + nr].view(np.uint32)), (n_blocks, n0)
 
 
+def dot(kind, lanes):
+    # the decode path's IR row dot of `kind` in vectors of `lanes`, as linear's signature
+    def run(x, w, out, prompt=False):
+        kernels.ggml_dot(FORMATS[kind].code, lanes, x, w.q, f16_lut(), out, 0, w.q.shape[0])
+    return run
+
+
 def check_linear(kind, q, rng, tokens=(1, 2, 3, 5)):
     w = weight(kind, q)
     W = dequantize(w).astype(np.float64)
     N, K = W.shape
+    paths = {"decode": (kernels.linear, False), "prompt": (kernels.linear, True)}
+    if kind in kernels.DOT_KINDS:  # both widths of the IR row dot, whichever this CPU runs
+        paths |= {f"dot{lanes}": (dot(kind, lanes), False) for lanes in (16, 8)}
     for T in tokens:
         x = rng.standard_normal((T, K)).astype(np.float32)
         ref = x.astype(np.float64) @ W.T
         outs = {}
-        for prompt in (False, True):
+        for name, (fn, prompt) in paths.items():
             out = np.empty((T, N), np.float32)
-            kernels.linear(x, w, out, prompt)
-            assert np.abs(out - ref).max() <= RTOL * max(1.0, np.abs(ref).max()), (T, prompt)
+            fn(x, w, out, prompt)
+            assert np.abs(out - ref).max() <= RTOL * max(1.0, np.abs(ref).max()), (T, name)
             for t in range(T):  # alone = batched
                 one = np.empty((1, N), np.float32)
-                kernels.linear(np.ascontiguousarray(x[t : t + 1]), w, one, prompt)
-                assert np.array_equal(one[0], out[t]), (T, t, prompt)
-            outs[prompt] = out
-        assert np.array_equal(outs[False], outs[True])  # one path for decode and prompt rows
+                fn(np.ascontiguousarray(x[t : t + 1]), w, one, prompt)
+                assert np.array_equal(one[0], out[t]), (T, t, name)
+            outs[name] = out
+        if kind not in kernels.DOT_KINDS:  # one path for decode and prompt rows
+            assert np.array_equal(outs["decode"], outs["prompt"])
+        else:  # the decode path is the row dot this CPU runs best
+            assert np.array_equal(outs["decode"], outs[f"dot{kernels.LANES}"])
+        if T > 1:  # a step's rows, each by its sequence's path (a dense matrix's: layers.linear)
+            mask = np.arange(T) % 2 == 0
+            out = np.empty((T, N), np.float32)
+            kernels.linear(x, w, out, mask)
+            assert np.array_equal(out[mask], outs["prompt"][mask]) and np.array_equal(out[~mask], outs["decode"][~mask])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -95,14 +114,15 @@ def test_a_large_matrix_takes_the_parallel_kernel_with_the_same_rows():
     q = blocks(rng.standard_normal((N, K)).astype(np.float32), "Q6_K")
     w = weight("q6_k", q)
     x = rng.standard_normal((2, K)).astype(np.float32)
-    out = np.empty((2, N), np.float32)
-    kernels.linear(x, w, out)
-    some = weight("q6_k", np.ascontiguousarray(q[: ROW_BLOCK + 2]))
-    part = np.empty((2, ROW_BLOCK + 2), np.float32)
-    kernels.linear(x, some, part)
-    assert np.array_equal(out[:, : ROW_BLOCK + 2], part)
     ref = x.astype(np.float64) @ dequantize(w).astype(np.float64).T
-    assert np.abs(out - ref).max() <= RTOL * np.abs(ref).max()
+    for prompt in (False, True):  # the row dots', the tiles'
+        out = np.empty((2, N), np.float32)
+        kernels.linear(x, w, out, prompt)
+        some = weight("q6_k", np.ascontiguousarray(q[: ROW_BLOCK + 2]))
+        part = np.empty((2, ROW_BLOCK + 2), np.float32)
+        kernels.linear(x, some, part, prompt)
+        assert np.array_equal(out[:, : ROW_BLOCK + 2], part)
+        assert np.abs(out - ref).max() <= RTOL * np.abs(ref).max()
 
 
 def test_shapes_that_do_not_match_are_refused():

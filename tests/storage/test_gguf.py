@@ -208,6 +208,18 @@ def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden
         assert greedy(streamed, ids, 32) == greedy(model, ids, 32)
         st = streamed.experts.stats
         assert st.evictions > 0 and st.bytes_read >= st.misses * min(r.length for r in c.records.values())
+    # a step of a prompt beside a decode row: each row by its own sequence's path (a prompt's
+    # rows through the tiles, a decode row through the row dots), the same bits as alone
+    a, b = ids[:6], ids[6:]
+    alone_a = model.forward(a, model.new_cache(32), all_logits=True)
+    cache_b = model.new_cache(32)
+    model.forward(b[:-1], cache_b)
+    alone_b = model.forward(b[-1:], cache_b, all_logits=True)
+    cache_b2 = model.new_cache(32)
+    model.forward(b[:-1], cache_b2)
+    got_a, got_b = model.forward_batch([(a, model.new_cache(32)), (b[-1:], cache_b2)], all_logits=True)
+    np.testing.assert_array_equal(got_a, alone_a)
+    np.testing.assert_array_equal(got_b, alone_b)
     if parts > 1:  # a container keeping the blocks is still to come: refused in one line, nothing written
         import subprocess
         import sys

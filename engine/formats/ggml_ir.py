@@ -1,0 +1,199 @@
+"""The decode path of the GGUF block formats most files are made of (Q4_K and Q6_K in a
+Q4_K_M or Q5_K_M file, Q8_0), in LLVM IR: each block decoded in registers, once for the
+few tokens of a token block, into vectors of its weights' float32 values (the same values,
+bit for bit, as engine/formats/ggml.py's decoders: the same float32 operations, none fused)
+multiplied into each token's sums straight away. The rows-then-tiles path writes each
+weight out as 4 bytes and reads it back; on one Zen 5 thread that bounded a one-token
+Q4_K product at 4.5 GB/s of blocks.
+
+Per token, four vector sums taken in turn (one sum's chain of fused multiply-adds would wait
+on each add), added in a fixed order at the end: a token's result never depends on the
+tokens beside it. Each kernel is built for vectors of 16 lanes (what CPUs with AVX-512 take
+in one register) and of 8 (AVX2's); the caller picks by the CPU (LANES), and a test runs
+both on any CPU: LLVM splits a vector wider than the CPU's registers, the results the same.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..ir import (
+    CODE_TOKENS,
+    F32,
+    host_features,
+    hsum,
+    prefetch,
+    row_at,
+    splat_lanes,
+    to8,
+    token_blocks,
+    vload,
+)
+
+I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+N_SUMS = 4  # vector sums a token keeps
+LANES = 16 if "+avx512f" in host_features() else 8  # the kernels this CPU runs best
+
+
+def _const(ty, v):
+    return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
+
+
+class _Block:
+    """What a block decoder emits with: the row, the lookup of float16 bits, the lanes."""
+
+    def __init__(self, context, builder, qrow, lut, lanes):
+        self.b, self.qrow, self.lut, self.L = builder, qrow, lut, lanes
+        self.vi8 = ir.VectorType(I8, lanes)
+        self.vi32 = ir.VectorType(I32, lanes)
+        self.vf = ir.VectorType(F32, lanes)
+
+    def byte(self, off):  # the byte at off, as i32
+        return self.b.zext(self.b.load(self.b.gep(self.qrow, [off])), I32)
+
+    def sbyte(self, off):  # the byte at off read as int8, as float32
+        return self.b.sitofp(self.b.load(self.b.gep(self.qrow, [off])), F32)
+
+    def f16(self, off):  # the little-endian float16 at off, as float32 (exact, by the table)
+        b = self.b
+        bits = b.or_(b.zext(b.load(b.gep(self.qrow, [off])), I64),
+                     b.shl(b.zext(b.load(b.gep(self.qrow, [b.add(off, _const(I64, 1))])), I64), _const(I64, 8)))
+        return b.load(b.gep(self.lut, [bits]))
+
+    def bytes(self, off):  # <L x i8> from off
+        return vload(self.b, self.qrow, off, self.vi8, 1)
+
+    def at(self, base, k):
+        return self.b.add(base, _const(I64, k))
+
+    def u_to_f(self, v):  # <L x i8> of small unsigned codes -> <L x float>
+        return self.b.uitofp(self.b.zext(v, self.vi32), self.vf)
+
+    def s_to_f(self, v):  # <L x i8> read as int8 -> <L x float>
+        return self.b.sitofp(self.b.sext(v, self.vi32), self.vf)
+
+    def splat(self, v):
+        return splat_lanes(self.b, v, self.L)
+
+
+def _q8_0(k: _Block, o, emit):
+    # d (f16), qs int8 [32]: value d * q, as _q8_0 computes it (q * d)
+    d = k.splat(k.f16(o))
+    for p in range(32 // k.L):
+        emit(p * k.L, k.b.fmul(k.s_to_f(k.bytes(k.at(o, 2 + p * k.L))), d))
+
+
+def _scale_min(k: _Block, s, j: int):
+    # Q4_K's sub-block j: its 6-bit scale and minimum from the 12 bytes s (i32 each), as float32
+    b = k.b
+    if j < 4:
+        sc, m = b.and_(s[j], _const(I32, 63)), b.and_(s[j + 4], _const(I32, 63))
+    else:
+        sc = b.or_(b.and_(s[j + 4], _const(I32, 15)), b.shl(b.lshr(s[j - 4], _const(I32, 6)), _const(I32, 4)))
+        m = b.or_(b.lshr(s[j + 4], _const(I32, 4)), b.shl(b.lshr(s[j], _const(I32, 6)), _const(I32, 4)))
+    return b.sitofp(sc, F32), b.sitofp(m, F32)
+
+
+def _q4_k(k: _Block, o, emit):
+    # d, dmin (f16), scales [12], qs [128]: weight 64 p + i is the low nibble of byte 32 p + i
+    # of qs, 64 p + 32 + i its high one; value (d * sc) * q - dmin * m, as _k4 computes it
+    b = k.b
+    d, dmin = k.f16(o), k.f16(k.at(o, 2))
+    s = [k.byte(k.at(o, 4 + i)) for i in range(12)]
+    for p in range(4):
+        (sc0, m0), (sc1, m1) = _scale_min(k, s, 2 * p), _scale_min(k, s, 2 * p + 1)
+        scales = ((k.splat(b.fmul(d, sc0)), k.splat(b.fmul(dmin, m0))),
+                  (k.splat(b.fmul(d, sc1)), k.splat(b.fmul(dmin, m1))))
+        for c in range(32 // k.L):
+            v = k.bytes(k.at(o, 16 + 32 * p + c * k.L))
+            for h, nib in enumerate((b.and_(v, _const(k.vi8, 15)), b.lshr(v, _const(k.vi8, 4)))):
+                d1, m1 = scales[h]
+                emit(64 * p + 32 * h + c * k.L, b.fsub(b.fmul(d1, k.u_to_f(nib)), m1))
+
+
+def _q6_k(k: _Block, o, emit):
+    # ql [128], qh [64], scales int8 [16] (a 16-weight run each), d (f16): weight 128 h + 32 s +
+    # i: low nibble (s < 2) or high (s >= 2) of ql[64 h + 32 (s % 2) + i], two high bits at 2 s
+    # of qh[32 h + i], minus 32; value (d * sc) * q, as _q6_k computes it
+    b = k.b
+    d = k.f16(k.at(o, 208))
+    for h in range(2):
+        for c in range(32 // k.L):
+            qh = k.bytes(k.at(o, 128 + 32 * h + c * k.L))
+            for s in range(4):
+                ql = k.bytes(k.at(o, 64 * h + 32 * (s % 2) + c * k.L))
+                lo = b.and_(b.lshr(ql, _const(k.vi8, 4 * (s // 2))), _const(k.vi8, 15))
+                hi = b.and_(b.lshr(qh, _const(k.vi8, 2 * s)), _const(k.vi8, 3))
+                q = b.sub(b.or_(lo, b.shl(hi, _const(k.vi8, 4))), _const(k.vi8, 32))
+                first = 128 * h + 32 * s + c * k.L  # (L weights within one 16-weight run: one scale)
+                ds = k.splat(b.fmul(d, k.sbyte(k.at(o, 192 + first // 16))))
+                emit(first, b.fmul(ds, k.s_to_f(q)))
+
+
+# kind -> (block emitter, weights a block, bytes a block)
+BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q6_k": (_q6_k, 256, 210)}
+
+
+def _rows_dot(kind, lanes, context, builder, sig, args, t0, n, nt: int):
+    # out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, in vectors of `lanes`
+    emitter, qk, nbytes = BLOCKS[kind]
+    x_v, q_v, lut_v, out_v = args[:4]
+    vf = ir.VectorType(F32, lanes)
+    ts = [builder.add(t0, _const(I64, i)) for i in range(nt)]
+    xrows = [row_at(context, builder, sig.args[0], x_v, t) for t in ts]
+    qrow = row_at(context, builder, sig.args[1], q_v, n)
+    lut = context.make_array(sig.args[2])(context, builder, lut_v).data
+    q_shape = cgutils.unpack_tuple(builder, context.make_array(sig.args[1])(context, builder, q_v).shape)
+    n_blocks = builder.sdiv(q_shape[1], _const(I64, nbytes))
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
+    sums = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(N_SUMS)]
+            for _ in range(nt)]
+    k = _Block(context, builder, qrow, lut, lanes)
+    with cgutils.for_range(builder, n_blocks) as blk:
+        o = builder.mul(blk.index, _const(I64, nbytes))
+        col = builder.mul(blk.index, _const(I64, qk))
+        prefetch(builder, qrow, o)
+        count = [0]
+
+        def emit(at: int, w):  # the weights of columns col + at .. + L: into each token's next sum
+            which = count[0] % N_SUMS
+            count[0] += 1
+            for i in range(nt):
+                xv = vload(builder, xrows[i], builder.add(col, _const(I64, at)), vf, 4)
+                builder.store(builder.call(fma, [xv, w, builder.load(sums[i][which])]), sums[i][which])
+
+        emitter(k, o, emit)
+    for i in range(nt):
+        total = builder.load(sums[i][0])
+        for j in range(1, N_SUMS):
+            total = builder.fadd(total, builder.load(sums[i][j]))
+        orow = row_at(context, builder, sig.args[3], out_v, ts[i])
+        builder.store(hsum(builder, to8(builder, total)), builder.gep(orow, [n]))
+
+
+def _make_dot(kind: str, lanes: int):
+    @intrinsic
+    def dot(typingctx, x, q, lut, out, t_lo, t_hi, n_lo, n_hi):
+        """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) in `kind`:
+        x [T, K] f32, q [N, K / block weights * block bytes] uint8, lut [65536] f32 (float16
+        bits -> value), out [T, N] f32; every 2-D array C-contiguous; the caller checks."""
+        arrays = (x, q, out)
+        if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+                and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
+            return None
+        sig = types.void(x, q, lut, out, t_lo, t_hi, n_lo, n_hi)
+
+        def codegen(context, builder, sig, args):
+            t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[4:8], sig.args[4:8]))
+            token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
+                         lambda t, n, nt: _rows_dot(kind, lanes, context, builder, sig, args, t, n, nt), CODE_TOKENS)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+dot_q8_0, dot_q4_k, dot_q6_k = (_make_dot(kind, 16) for kind in BLOCKS)
+dot_q8_0_8, dot_q4_k_8, dot_q6_k_8 = (_make_dot(kind, 8) for kind in BLOCKS)
