@@ -311,25 +311,40 @@ DOT_KINDS = ("q4_k", "q6_k", "q8_0")
 
 
 @nb.njit(**JIT)
+def run_sums(x):
+    # [T, K / 32] the sums of x's runs of 32 columns, in column order
+    T, K = x.shape
+    xs = np.zeros((T, K // 32), np.float32)
+    for t in range(T):
+        for j in range(K // 32):
+            acc = np.float32(0.0)
+            for c in range(32 * j, 32 * j + 32):
+                acc += x[t, c]
+            xs[t, j] = acc
+    return xs
+
+
+@nb.njit(**JIT)
 def ggml_dot(code, lanes, x, q, lut, out, n_lo, n_hi):
     # out[:, n] = x @ row n for n_lo <= n < n_hi, each block decoded in registers for a few
     # tokens, in vectors of `lanes` (16 or 8: ggml_ir.LANES)
     T = x.shape[0]
+    xs = run_sums(x) if code == C_Q4_K else np.empty((T, 0), np.float32)
     if code == C_Q4_K:
         if lanes == 16:
-            dot_q4_k(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q4_k(x, xs, q, lut, out, 0, T, n_lo, n_hi)
         else:
-            dot_q4_k_8(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q4_k_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
     elif code == C_Q6_K:
         if lanes == 16:
-            dot_q6_k(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q6_k(x, xs, q, lut, out, 0, T, n_lo, n_hi)
         else:
-            dot_q6_k_8(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q6_k_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
     elif code == C_Q8_0:
         if lanes == 16:
-            dot_q8_0(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q8_0(x, xs, q, lut, out, 0, T, n_lo, n_hi)
         else:
-            dot_q8_0_8(x, q, lut, out, 0, T, n_lo, n_hi)
+            dot_q8_0_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
 
 
 @nb.njit(parallel=True, **JIT)

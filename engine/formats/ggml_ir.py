@@ -77,11 +77,11 @@ class _Block:
         return splat_lanes(self.b, v, self.L)
 
 
-def _q8_0(k: _Block, o, emit):
+def _q8_0(k: _Block, o, ops):
     # d (f16), qs int8 [32]: value d * q, as _q8_0 computes it (q * d)
     d = k.splat(k.f16(o))
     for p in range(32 // k.L):
-        emit(p * k.L, k.b.fmul(k.s_to_f(k.bytes(k.at(o, 2 + p * k.L))), d))
+        ops.emit(p * k.L, k.b.fmul(k.s_to_f(k.bytes(k.at(o, 2 + p * k.L))), d))
 
 
 def _scale_min(k: _Block, s, j: int):
@@ -95,24 +95,24 @@ def _scale_min(k: _Block, s, j: int):
     return b.sitofp(sc, F32), b.sitofp(m, F32)
 
 
-def _q4_k(k: _Block, o, emit):
+def _q4_k(k: _Block, o, ops):
     # d, dmin (f16), scales [12], qs [128]: weight 64 p + i is the low nibble of byte 32 p + i
-    # of qs, 64 p + 32 + i its high one; value (d * sc) * q - dmin * m, as _k4 computes it
+    # of qs, 64 p + 32 + i its high one; value (d * sc) * q - dmin * m (_k4). Summed as
+    # (d * sc) * (q . x) - (dmin * m) * sum(x) over each 32-weight sub-block: the same weights,
+    # associated otherwise (two float operations a weight fewer: 10.4 -> 12.5+ GB/s, one thread)
     b = k.b
     d, dmin = k.f16(o), k.f16(k.at(o, 2))
     s = [k.byte(k.at(o, 4 + i)) for i in range(12)]
     for p in range(4):
-        (sc0, m0), (sc1, m1) = _scale_min(k, s, 2 * p), _scale_min(k, s, 2 * p + 1)
-        scales = ((k.splat(b.fmul(d, sc0)), k.splat(b.fmul(dmin, m0))),
-                  (k.splat(b.fmul(d, sc1)), k.splat(b.fmul(dmin, m1))))
-        for c in range(32 // k.L):
-            v = k.bytes(k.at(o, 16 + 32 * p + c * k.L))
-            for h, nib in enumerate((b.and_(v, _const(k.vi8, 15)), b.lshr(v, _const(k.vi8, 4)))):
-                d1, m1 = scales[h]
-                emit(64 * p + 32 * h + c * k.L, b.fsub(b.fmul(d1, k.u_to_f(nib)), m1))
+        v = [k.bytes(k.at(o, 16 + 32 * p + c * k.L)) for c in range(32 // k.L)]
+        for h in range(2):
+            sc, m = _scale_min(k, s, 2 * p + h)
+            nibs = [b.and_(x, _const(k.vi8, 15)) if h == 0 else b.lshr(x, _const(k.vi8, 4)) for x in v]
+            ops.emit_codes(64 * p + 32 * h, [k.u_to_f(x) for x in nibs], k.splat(b.fmul(d, sc)))
+            ops.minus(2 * p + h, b.fmul(dmin, m))
 
 
-def _q6_k(k: _Block, o, emit):
+def _q6_k(k: _Block, o, ops):
     # ql [128], qh [64], scales int8 [16] (a 16-weight run each), d (f16): weight 128 h + 32 s +
     # i: low nibble (s < 2) or high (s >= 2) of ql[64 h + 32 (s % 2) + i], two high bits at 2 s
     # of qh[32 h + i], minus 32; value (d * sc) * q, as _q6_k computes it
@@ -128,7 +128,7 @@ def _q6_k(k: _Block, o, emit):
                 q = b.sub(b.or_(lo, b.shl(hi, _const(k.vi8, 4))), _const(k.vi8, 32))
                 first = 128 * h + 32 * s + c * k.L  # (L weights within one 16-weight run: one scale)
                 ds = k.splat(b.fmul(d, k.sbyte(k.at(o, 192 + first // 16))))
-                emit(first, b.fmul(ds, k.s_to_f(q)))
+                ops.emit(first, b.fmul(ds, k.s_to_f(q)))
 
 
 # kind -> (block emitter, weights a block, bytes a block)
@@ -138,17 +138,20 @@ BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q6_k": (_q6_k, 25
 def _rows_dot(kind, lanes, context, builder, sig, args, t0, n, nt: int):
     # out[t0 + i, n] = x[t0 + i] . dequant(q[n]) for i < nt, in vectors of `lanes`
     emitter, qk, nbytes = BLOCKS[kind]
-    x_v, q_v, lut_v, out_v = args[:4]
+    x_v, xs_v, q_v, lut_v, out_v = args[:5]
     vf = ir.VectorType(F32, lanes)
     ts = [builder.add(t0, _const(I64, i)) for i in range(nt)]
     xrows = [row_at(context, builder, sig.args[0], x_v, t) for t in ts]
-    qrow = row_at(context, builder, sig.args[1], q_v, n)
-    lut = context.make_array(sig.args[2])(context, builder, lut_v).data
-    q_shape = cgutils.unpack_tuple(builder, context.make_array(sig.args[1])(context, builder, q_v).shape)
+    xsrows = [row_at(context, builder, sig.args[1], xs_v, t) for t in ts]
+    qrow = row_at(context, builder, sig.args[2], q_v, n)
+    lut = context.make_array(sig.args[3])(context, builder, lut_v).data
+    q_shape = cgutils.unpack_tuple(builder, context.make_array(sig.args[2])(context, builder, q_v).shape)
     n_blocks = builder.sdiv(q_shape[1], _const(I64, nbytes))
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
+    fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32] * 3), "llvm.fmuladd.f32")
     sums = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(N_SUMS)]
             for _ in range(nt)]
+    corr = [cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0)) for _ in range(nt)]
     k = _Block(context, builder, qrow, lut, lanes)
     with cgutils.for_range(builder, n_blocks) as blk:
         o = builder.mul(blk.index, _const(I64, nbytes))
@@ -156,36 +159,57 @@ def _rows_dot(kind, lanes, context, builder, sig, args, t0, n, nt: int):
         prefetch(builder, qrow, o)
         count = [0]
 
-        def emit(at: int, w):  # the weights of columns col + at .. + L: into each token's next sum
-            which = count[0] % N_SUMS
-            count[0] += 1
-            for i in range(nt):
-                xv = vload(builder, xrows[i], builder.add(col, _const(I64, at)), vf, 4)
-                builder.store(builder.call(fma, [xv, w, builder.load(sums[i][which])]), sums[i][which])
+        class Ops:
+            @staticmethod
+            def emit(at: int, w):  # the weights of columns col + at .. + L: into each token's next sum
+                which = count[0] % N_SUMS
+                count[0] += 1
+                for i in range(nt):
+                    xv = vload(builder, xrows[i], builder.add(col, _const(I64, at)), vf, 4)
+                    builder.store(builder.call(fma, [xv, w, builder.load(sums[i][which])]), sums[i][which])
 
-        emitter(k, o, emit)
+            @staticmethod
+            def emit_codes(at: int, codes, scale):  # scale * (codes . x[col + at ..]) into each token's next sum
+                which = count[0] % N_SUMS
+                count[0] += 1
+                for i in range(nt):
+                    part = None
+                    for c, w in enumerate(codes):
+                        xv = vload(builder, xrows[i], builder.add(col, _const(I64, at + c * lanes)), vf, 4)
+                        part = builder.fmul(xv, w) if part is None else builder.call(fma, [xv, w, part])
+                    builder.store(builder.call(fma, [part, scale, builder.load(sums[i][which])]), sums[i][which])
+
+            @staticmethod
+            def minus(j: int, m):  # m * (the sum of x over the block's 32 columns j) off each token's result
+                for i in range(nt):
+                    xsum = builder.load(builder.gep(xsrows[i], [builder.add(builder.mul(blk.index, _const(I64, qk // 32)),
+                                                                            _const(I64, j))]))
+                    builder.store(builder.call(fma1, [m, xsum, builder.load(corr[i])]), corr[i])
+
+        emitter(k, o, Ops)
     for i in range(nt):
         total = builder.load(sums[i][0])
         for j in range(1, N_SUMS):
             total = builder.fadd(total, builder.load(sums[i][j]))
-        orow = row_at(context, builder, sig.args[3], out_v, ts[i])
-        builder.store(hsum(builder, to8(builder, total)), builder.gep(orow, [n]))
+        orow = row_at(context, builder, sig.args[4], out_v, ts[i])
+        builder.store(builder.fsub(hsum(builder, to8(builder, total)), builder.load(corr[i])), builder.gep(orow, [n]))
 
 
 def _make_dot(kind: str, lanes: int):
     @intrinsic
-    def dot(typingctx, x, q, lut, out, t_lo, t_hi, n_lo, n_hi):
+    def dot(typingctx, x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi):
         """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) in `kind`:
-        x [T, K] f32, q [N, K / block weights * block bytes] uint8, lut [65536] f32 (float16
-        bits -> value), out [T, N] f32; every 2-D array C-contiguous; the caller checks."""
-        arrays = (x, q, out)
+        x [T, K] f32, xs [T, K / 32] f32 the sums of x's 32-column runs (read by Q4_K's), q
+        [N, K / block weights * block bytes] uint8, lut [65536] f32 (float16 bits -> value),
+        out [T, N] f32; every 2-D array C-contiguous; the caller checks."""
+        arrays = (x, xs, q, out)
         if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
                 and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
             return None
-        sig = types.void(x, q, lut, out, t_lo, t_hi, n_lo, n_hi)
+        sig = types.void(x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi)
 
         def codegen(context, builder, sig, args):
-            t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[4:8], sig.args[4:8]))
+            t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[5:9], sig.args[5:9]))
             token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
                          lambda t, n, nt: _rows_dot(kind, lanes, context, builder, sig, args, t, n, nt), CODE_TOKENS)
             return context.get_dummy_value()
