@@ -43,8 +43,15 @@ import sys
 import tarfile
 import time
 
-for var, val in {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}.items():
-    os.environ.setdefault(var, val)
+# colibri's threads as it is run (numba's OpenMP threads passive, BLAS at one thread); never in
+# a llama.cpp worker: its OpenMP threads as its users run them. Until 2026-12-06 these were set
+# there too (run_worker took OMP_WAIT_POLICY out, and this line put it back): passive, llama.cpp
+# decoded the 8-layer Q4_K_M at 62 tok/s on the 2-core box, as its users run it at 110
+OMP_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+LLAMA_WORKER = len(sys.argv) > 2 and sys.argv[1] == "--worker" and '"engine": "llama"' in sys.argv[2]
+if not LLAMA_WORKER:
+    for var, val in OMP_ENV.items():
+        os.environ.setdefault(var, val)
 
 import numpy as np  # noqa: E402
 
@@ -345,8 +352,9 @@ def llama_worker(job: dict) -> dict:
 def run_worker(job: dict, cgroup: str | None = None) -> dict:
     """The job in a fresh process (in `cgroup` when given): its JSON, or {"error": ...}."""
     env = dict(os.environ)
-    if job["engine"] == "llama":
-        env.pop("OMP_WAIT_POLICY", None)  # llama.cpp's OpenMP threads as its users run them
+    if job["engine"] == "llama":  # llama.cpp's OpenMP threads as its users run them
+        for var in OMP_ENV:
+            env.pop(var, None)
     pre = None
     if cgroup:
         procs = os.path.join(cgroup, "cgroup.procs")
