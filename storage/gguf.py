@@ -124,23 +124,45 @@ def _why(e: Exception) -> str:
 
 # ---- architectures: llama.cpp's name -> the family's model_type and config.json ----
 
-def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
-    # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
+def _common(meta: dict, arch: str, tensors: dict) -> dict:
+    # what every MoE architecture's metadata says alike, under config.json's names
     def key(k, default=None):
         return meta.get(f"{arch}.{k}", default)
 
     n_head = key("attention.head_count")
-    cfg = {
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ArchitectureUnsupported(f"{arch} with rope scaling {scaling!r}: not read from GGUF files yet")
+    return {
         "hidden_size": key("embedding_length"), "num_hidden_layers": key("block_count"),
         "num_attention_heads": n_head, "num_key_value_heads": key("attention.head_count_kv", n_head),
-        "intermediate_size": key("feed_forward_length", 0) or key("expert_feed_forward_length"),
-        "moe_intermediate_size": key("expert_feed_forward_length"), "num_experts": key("expert_count"),
-        "num_experts_per_tok": key("expert_used_count"),
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": key("rope.freq_base", 10000.0), "max_position_embeddings": key("context_length", 32768),
         "vocab_size": tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else None,
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+
+
+def _olmoe(meta: dict, arch: str, tensors: dict) -> dict:
+    # OLMoE: q and k normed over the whole projection, the top-k weights not renormalised
+    # (llama.cpp's olmoe graph: build_moe_ffn(..., false, ...)); its experts' width is the
+    # feed-forward length. The rotary halves as HF's (llama.cpp's NEOX: its converter permutes nothing)
+    if meta.get(f"{arch}.attention.clamp_kqv") is not None:
+        raise ArchitectureUnsupported(f"{arch} with clamp_kqv: not read from GGUF files yet")
+    return _common(meta, arch, tensors) | {
+        "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "norm_topk_prob": False,
+        "intermediate_size": meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")}
+
+
+def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
+    # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    cfg = _common(meta, arch, tensors) | {
+        "intermediate_size": key("feed_forward_length", 0) or key("expert_feed_forward_length"),
+        "moe_intermediate_size": key("expert_feed_forward_length")}
     if arch == "qwen3moe":
         # llama.cpp's qwen3moe graph renormalises the top-k weights always (build_moe_ffn(..., true, ...)),
         # its qwen2moe graph never
@@ -151,13 +173,10 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
         cfg |= {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "norm_topk_prob": False,
                 "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
                 "qkv_bias": "blk.0.attn_q.bias" in tensors}
-    scaling = key("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ArchitectureUnsupported(f"{arch} with rope scaling {scaling!r}: not read from GGUF files yet")
     return cfg
 
 
-ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe}  # llama.cpp's general.architecture -> its family's config.json
+ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe}  # llama.cpp's general.architecture -> its family's config.json
 
 
 def _token_ids(meta: dict) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}  # model_type -> llama.cpp's architecture
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}  # model_type -> llama.cpp's architecture
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -26,8 +26,10 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
-    # what llama.cpp computes: qwen3moe renormalises the top-k weights, qwen2moe does not; every layer MoE
+    # what llama.cpp computes: qwen3moe renormalises the top-k weights, qwen2moe and olmoe do not;
+    # every layer MoE; olmoe without clip_qkv
     assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe") and not cfg.get("mlp_only_layers")
+    assert not cfg.get("clip_qkv")
     ck = open_checkpoint(str(hf_dir))
     L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts"))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), L)
@@ -47,7 +49,7 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(E)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     if tokenizer is not None:
         add_tokenizer(w, tokenizer, pre)
     as_type = TYPES[dtype]

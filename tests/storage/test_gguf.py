@@ -72,6 +72,21 @@ def test_qwen2moe_with_its_shared_expert(tmp_path):
     matches_transformers(model, ref, ids)
 
 
+def test_olmoe_in_k_quants_streamed(tmp_path):
+    """olmoe (llama.cpp's architecture of that name): q and k normed over the whole projection,
+    the top-k weights not renormalised; a Q4_K_M-like file whose experts stream at one slot a
+    layer: transformers' logits and tokens on the weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("olmoe", "basic", tmp_path / "hf", seed=6, hidden_size=256, intermediate_size=256)
+    path = write_gguf(tmp_path / "hf", tmp_path / "olmoe-Q4_K_M.gguf", quant=k_quants)
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "olmoe" and not model.args.norm_topk_prob
+    assert model.experts.c.expert_dtype == "iq4_xs+q2_k+q3_k+q4_k+q6_k"
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(6).integers(0, 101, 11))
+
+
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
     """An F16 GGUF: its matrices stay f16 and are widened exactly in the kernels: transformers
     given the same f16-rounded weights gives the same logits."""
