@@ -36,7 +36,7 @@ from .safetensors import TensorEntry
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # GGUF type -> storage dtype (bf16 as bits)
-EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 
 
 def is_gguf(path: str) -> bool:
@@ -155,6 +155,19 @@ def _olmoe(meta: dict, arch: str, tensors: dict) -> dict:
         "intermediate_size": meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")}
 
 
+def _llama(meta: dict, arch: str, tensors: dict) -> dict:
+    # llama with experts: Mixtral (softmax over the top-k router logits: renormalised, as
+    # llama.cpp's graph: build_moe_ffn(..., true, ...)); its converter permuted q and k's rows
+    # for its interleaved rotary (undone as they are read: GGUFCheckpoint.read). No sliding
+    # window: llama.cpp's llama graph has none
+    if not meta.get(f"{arch}.expert_count"):
+        raise ArchitectureUnsupported(f"{arch} without experts: a dense model, which colibri does not run")
+    return _common(meta, arch, tensors) | {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+        "intermediate_size": meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length"),
+        "head_dim": meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")}
+
+
 def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
     def key(k, default=None):
@@ -176,7 +189,9 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     return cfg
 
 
-ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe}  # llama.cpp's general.architecture -> its family's config.json
+# llama.cpp's general.architecture -> its family's config.json
+ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama}
+PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
 
 def _token_ids(meta: dict) -> dict:
@@ -302,6 +317,11 @@ class GGUFCheckpoint:
             a = np.asarray(t.data).reshape(-1).view(np.uint8).view(FLOAT_TYPES[t.dtype]).reshape(t.shape)
         else:
             raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF")
+        if t.name.endswith(PERMUTED.get(self.config["gguf_architecture"], ())):
+            # each head's rows back from llama.cpp's order (its converter's LlamaModel.permute:
+            # the rows of a head's first and second halves interleaved), whole rows of blocks
+            heads = self.config["num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"]
+            a = a.reshape(heads, a.shape[0] // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         return np.array(a if e is None else a[e])
 
     def read_weight(self, name: str) -> "np.ndarray | QuantWeight":

@@ -11,7 +11,7 @@ import numpy as np
 from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}  # model_type -> llama.cpp's architecture
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}  # -> llama.cpp's
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -55,6 +55,9 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     as_type = TYPES[dtype]
 
     def add(gname, a):
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):  # as its converter permutes
+            heads = cfg["num_attention_heads" if "attn_q" in gname else "num_key_value_heads"]
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
         qtype = quant(gname, a) if quant is not None and a.ndim >= 2 else None
         if qtype is not None:
             w.add_tensor(gname, blocks(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
@@ -68,7 +71,7 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
 
     stacked = {}
     for name in sorted(ck.where):
-        m = __import__("re").match(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        m = __import__("re").match(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$", name)
         if m:
             stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
             continue

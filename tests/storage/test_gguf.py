@@ -19,6 +19,7 @@ from colibri.storage.errors import (
     UnsupportedDtype,
 )
 from colibri.storage.formats import ggml
+from colibri.storage.quant import dequantize
 
 from hf_models import build, load_model
 
@@ -85,6 +86,31 @@ def test_olmoe_in_k_quants_streamed(tmp_path):
     assert model.experts.c.expert_dtype == "iq4_xs+q2_k+q3_k+q4_k+q6_k"
     ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
     matches_transformers(model, ref, np.random.default_rng(6).integers(0, 101, 11))
+
+
+def test_mixtral_as_llama_with_its_q_k_rows_permuted_back(tmp_path):
+    """llama.cpp's llama architecture with experts (Mixtral): its converter permutes the rows of
+    q and k for its rotary. An F32 file: the original checkpoint's logits and tokens; in
+    K-quants' blocks, whole rows of blocks put back (the rows the package dequantises, in the
+    checkpoint's order), transformers' tokens on those weights, the experts streamed at one
+    slot a layer."""
+    import gguf
+    from gguf_models import dequantized_reference
+
+    ref = build("mixtral", "basic", tmp_path / "hf", seed=9, hidden_size=256, intermediate_size=256)
+    ids = np.random.default_rng(9).integers(0, 101, 11)
+    matches_transformers(load_model(write_gguf(tmp_path / "hf", tmp_path / "mixtral.gguf"), budget="min"), ref, ids)
+    path = write_gguf(tmp_path / "hf", tmp_path / "mixtral-Q4_K_M.gguf", quant=k_quants)
+    ck = open_checkpoint(path)
+    t = ck.tensors["blk.0.attn_k.weight"]
+    assert t.dtype == "Q4_K"
+    stored = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q4_K)  # rows in llama.cpp's order
+    kv, hd = ref.config.num_key_value_heads, 256 // ref.config.num_attention_heads
+    got = dequantize(ck.read_weight("model.layers.0.self_attn.k_proj.weight"))
+    np.testing.assert_array_equal(got.reshape(kv, 2, hd // 2, -1), stored.reshape(kv, hd // 2, 2, -1).swapaxes(1, 2))
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "mixtral"
+    matches_transformers(model, dequantized_reference(path, tmp_path / "hf", tmp_path / "deq"), ids)
 
 
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
