@@ -168,6 +168,32 @@ def _llama(meta: dict, arch: str, tensors: dict) -> dict:
         "head_dim": meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")}
 
 
+def _glm4moe(meta: dict, arch: str, tensors: dict) -> dict:
+    # GLM-4.5 / 4.6 / 4.7: leading dense layers, shared experts, the sigmoid router with its
+    # score correction bias, routed_scaling_factor, partial rotary (its dimension count of the
+    # head's, NEOX: nothing permuted), q/k norms and q/k/v biases where the file has them. The
+    # file's MTP layers (block_count counts them) are never read. llama.cpp's graph groups no
+    # experts: one group
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    if key("expert_gating_func", 2) != 2:
+        raise ArchitectureUnsupported(f"{arch} with expert gating {key('expert_gating_func')}: colibri reads its "
+                                      "sigmoid gating (2)")
+    cfg = _common(meta, arch, tensors)
+    head_dim = key("attention.key_length") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {k: v for k, v in cfg.items() if k != "num_experts"} | {
+        "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+        "num_hidden_layers": cfg["num_hidden_layers"] - key("nextn_predict_layers", 0),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0), "norm_topk_prob": bool(key("expert_weights_norm")),
+        "n_group": 1, "topk_group": 1, "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim // 2) / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors, "attention_bias": "blk.0.attn_q.bias" in tensors}
+
+
 def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
     def key(k, default=None):
@@ -190,7 +216,7 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
 
 
 # llama.cpp's general.architecture -> its family's config.json
-ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama}
+ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe}
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
 
@@ -245,9 +271,10 @@ class GGUFCheckpoint:
             gname, e = self.where[name]
             return self.tensors[gname], e
         m = EXPERT.match(name)
-        base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (name.rsplit(".", 1)[0], None)
+        spelled = name.replace("e_score_correction_bias", "e_score_correction.bias")  # (as llama.cpp's converter)
+        base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (spelled.rsplit(".", 1)[0], None)
         gname = self._names.get_name(base)
-        gname = f"{gname}.{name.rsplit('.', 1)[1]}" if gname and "." in name else None
+        gname = f"{gname}.{spelled.rsplit('.', 1)[1]}" if gname and "." in name else None
         t = self.tensors.get(gname) if gname else None
         if t is None or (e is not None and (len(t.shape) != 3 or e >= t.shape[0])):
             raise TensorMissing(f"{self.path}: tensor {name!r} is missing"

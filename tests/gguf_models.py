@@ -11,7 +11,8 @@ import numpy as np
 from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}  # -> llama.cpp's
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
+        "glm4_moe": "glm4moe"}
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -27,11 +28,12 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     arch = ARCH[cfg["model_type"]]
     # what llama.cpp computes: qwen3moe renormalises the top-k weights, qwen2moe and olmoe do not;
-    # every layer MoE; olmoe without clip_qkv
-    assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe") and not cfg.get("mlp_only_layers")
-    assert not cfg.get("clip_qkv")
+    # every layer MoE; olmoe without clip_qkv; glm4moe's experts in one group
+    if arch in ("qwen3moe", "qwen2moe", "olmoe"):
+        assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe")
+    assert not cfg.get("mlp_only_layers") and not cfg.get("clip_qkv") and cfg.get("n_group", 1) == 1
     ck = open_checkpoint(str(hf_dir))
-    L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts"))
+    L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), L)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(L)
@@ -50,6 +52,14 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     w.add_expert_count(E)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if arch == "glm4moe":  # what llama.cpp's Glm4MoeModel writes
+        rope = cfg.get("rope_parameters") or {}
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
     if tokenizer is not None:
         add_tokenizer(w, tokenizer, pre)
     as_type = TYPES[dtype]
@@ -75,7 +85,7 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         if m:
             stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
             continue
-        base, suffix = name.rsplit(".", 1)
+        base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
         add(f"{names.get_name(base)}.{suffix}", f32(name))
     for base, experts in sorted(stacked.items()):
         add(f"{names.get_name(base)}.weight", np.stack([experts[e] for e in range(E)]))

@@ -113,6 +113,24 @@ def test_mixtral_as_llama_with_its_q_k_rows_permuted_back(tmp_path):
     matches_transformers(model, dequantized_reference(path, tmp_path / "hf", tmp_path / "deq"), ids)
 
 
+def test_glm4moe_with_its_dense_layer_shared_expert_and_biased_router(tmp_path):
+    """glm4moe (GLM-4.5-4.7): a leading dense layer, a shared expert, the sigmoid router with
+    its score correction bias and scaling, partial rotary, q/k norms and q/k/v biases, in
+    K-quants, the experts streamed at one slot a layer: transformers' logits and tokens on
+    the weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("glm4_moe", "partial_rotary_qk_norm_groups", tmp_path / "hf", seed=4, n_group=1, topk_group=1,
+          norm_topk_prob=True, hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64)
+    path = write_gguf(tmp_path / "hf", tmp_path / "glm-Q4_K_M.gguf", quant=k_quants)
+    model = load_model(path, budget="min")
+    a = model.args
+    assert (model.MODEL_TYPE, a.first_k_dense_replace, a.n_shared_experts, a.routed_scaling_factor,
+            a.use_qk_norm, a.attention_bias) == ("glm4_moe", 1, 1, 2.5, True, True)
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(4).integers(0, 101, 11))
+
+
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
     """An F16 GGUF: its matrices stay f16 and are widened exactly in the kernels: transformers
     given the same f16-rounded weights gives the same logits."""
