@@ -194,6 +194,21 @@ def _glm4moe(meta: dict, arch: str, tensors: dict) -> dict:
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors, "attention_bias": "blk.0.attn_q.bias" in tensors}
 
 
+def _minimax_m2(meta: dict, arch: str, tensors: dict) -> dict:
+    # MiniMax-M2: q and k normed over the whole projection, the sigmoid router with its score
+    # correction bias, top-k renormalised, partial rotary (rope.dimension_count; NEOX, nothing
+    # permuted)
+    if meta.get(f"{arch}.expert_gating_func", 2) != 2:
+        raise ArchitectureUnsupported(f"{arch} with expert gating {meta.get(f'{arch}.expert_gating_func')}: colibri "
+                                      "reads its sigmoid gating (2)")
+    cfg = _common(meta, arch, tensors)
+    head_dim = meta.get(f"{arch}.attention.key_length") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {k: v for k, v in cfg.items() if k != "num_experts"} | {
+        "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "num_local_experts": cfg["num_experts"],
+        "intermediate_size": meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length"),
+        "head_dim": head_dim, "rotary_dim": meta.get(f"{arch}.rope.dimension_count", head_dim)}
+
+
 def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
     def key(k, default=None):
@@ -216,7 +231,8 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
 
 
 # llama.cpp's general.architecture -> its family's config.json
-ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe}
+ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
+         "minimax-m2": _minimax_m2}
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
 

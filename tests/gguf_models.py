@@ -12,7 +12,7 @@ from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
-        "glm4_moe": "glm4moe"}
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -60,6 +60,9 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if arch == "minimax-m2":  # what llama.cpp's MiniMaxM2Model writes
+        w.add_rope_dimension_count(cfg.get("rotary_dim") or head_dim)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if tokenizer is not None:
         add_tokenizer(w, tokenizer, pre)
     as_type = TYPES[dtype]

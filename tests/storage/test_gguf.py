@@ -131,6 +131,21 @@ def test_glm4moe_with_its_dense_layer_shared_expert_and_biased_router(tmp_path):
     matches_transformers(model, ref, np.random.default_rng(4).integers(0, 101, 11))
 
 
+def test_minimax_m2_with_its_biased_sigmoid_router_and_partial_rotary(tmp_path):
+    """minimax-m2: q and k normed over the whole projection, the sigmoid router with its score
+    correction bias, a rotary of half the head, in K-quants, the experts streamed at one slot a
+    layer: transformers' logits and tokens on the weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("minimax_m2", "rotary_dim_half", tmp_path / "hf", seed=5, hidden_size=256, intermediate_size=256,
+          head_dim=64, rotary_dim=32)
+    path = write_gguf(tmp_path / "hf", tmp_path / "minimax-Q4_K_M.gguf", quant=k_quants)
+    model = load_model(path, budget="min")
+    assert (model.MODEL_TYPE, model.args.rotary_dim) == ("minimax_m2", 32)
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(5).integers(0, 101, 11))
+
+
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
     """An F16 GGUF: its matrices stay f16 and are widened exactly in the kernels: transformers
     given the same f16-rounded weights gives the same logits."""
