@@ -36,7 +36,8 @@ from .safetensors import TensorEntry
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # GGUF type -> storage dtype (bf16 as bits)
-EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)"
+                    r"\.(?P<suffix>weight|bias)$")
 
 
 def is_gguf(path: str) -> bool:
@@ -124,14 +125,15 @@ def _why(e: Exception) -> str:
 
 # ---- architectures: llama.cpp's name -> the family's model_type and config.json ----
 
-def _common(meta: dict, arch: str, tensors: dict) -> dict:
-    # what every MoE architecture's metadata says alike, under config.json's names
+def _common(meta: dict, arch: str, tensors: dict, scaled: tuple = ()) -> dict:
+    # what every MoE architecture's metadata says alike, under config.json's names; a rope
+    # scaling other than those in `scaled` refused (the architecture maps them itself)
     def key(k, default=None):
         return meta.get(f"{arch}.{k}", default)
 
     n_head = key("attention.head_count")
     scaling = key("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", *scaled):
         raise ArchitectureUnsupported(f"{arch} with rope scaling {scaling!r}: not read from GGUF files yet")
     return {
         "hidden_size": key("embedding_length"), "num_hidden_layers": key("block_count"),
@@ -209,6 +211,28 @@ def _minimax_m2(meta: dict, arch: str, tensors: dict) -> dict:
         "head_dim": head_dim, "rotary_dim": meta.get(f"{arch}.rope.dimension_count", head_dim)}
 
 
+def _gpt_oss(meta: dict, arch: str, tensors: dict) -> dict:
+    # gpt-oss: attention sinks, sliding and full layers in turn (llama.cpp's pattern of two: the
+    # even layers slide, as the checkpoints' default layer_types), q/k/v/o biases, the router's
+    # bias, the experts' biases and clamped SwiGLU (llama.cpp's constants alpha 1.702, limit
+    # 7.0: the checkpoints'), YaRN rotary (NEOX: nothing permuted; `truncate` false, as the
+    # published checkpoints say: the file cannot)
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    cfg = _common(meta, arch, tensors, scaled=("yarn",))
+    rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if key("rope.scaling.type") == "yarn":
+        rope |= {"rope_type": "yarn", "factor": key("rope.scaling.factor"), "truncate": False,
+                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                 "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}
+    return {k: v for k, v in cfg.items() if k != "num_experts"} | {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_local_experts": cfg["num_experts"],
+        "intermediate_size": key("expert_feed_forward_length"), "sliding_window": key("attention.sliding_window"),
+        "head_dim": key("attention.key_length") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        "attention_bias": "blk.0.attn_q.bias" in tensors, "rope_parameters": rope}
+
+
 def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     # qwen3moe and qwen2moe (a shared expert gated by a sigmoid, q/k/v biases)
     def key(k, default=None):
@@ -232,7 +256,7 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
 
 # llama.cpp's general.architecture -> its family's config.json
 ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
-         "minimax-m2": _minimax_m2}
+         "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss}
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
 
@@ -253,7 +277,10 @@ def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
     if arch not in ARCHS:
         raise ArchitectureUnsupported(f"{path}: architecture {arch!r} is not one colibri reads from GGUF "
                                       f"(it reads {', '.join(sorted(ARCHS))})")
-    cfg = ARCHS[arch](meta, arch, tensors)
+    try:
+        cfg = ARCHS[arch](meta, arch, tensors)
+    except ArchitectureUnsupported as e:
+        raise ArchitectureUnsupported(f"{path}: {e}") from None
     missing = sorted(k for k, v in cfg.items() if v is None)
     if missing:
         raise GGUFInvalid(f"{path}: the metadata has no {arch}.* value for {', '.join(missing)}")
@@ -288,11 +315,13 @@ class GGUFCheckpoint:
             return self.tensors[gname], e
         m = EXPERT.match(name)
         spelled = name.replace("e_score_correction_bias", "e_score_correction.bias")  # (as llama.cpp's converter)
+        if not spelled.endswith((".weight", ".bias")):  # a tensor named without a suffix (gpt-oss's sinks)
+            spelled += ".weight"
         base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (spelled.rsplit(".", 1)[0], None)
-        gname = self._names.get_name(base)
+        gname = self._names.get_name(base) or (self._names.get_name(name) if not m else None)
         gname = f"{gname}.{spelled.rsplit('.', 1)[1]}" if gname and "." in name else None
         t = self.tensors.get(gname) if gname else None
-        if t is None or (e is not None and (len(t.shape) != 3 or e >= t.shape[0])):
+        if t is None or (e is not None and (len(t.shape) < 2 or e >= t.shape[0])):
             raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
                                 + (f" (llama.cpp's {gname!r})" if gname else ""))
         self.where[name] = (gname, e)

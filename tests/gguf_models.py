@@ -5,6 +5,7 @@ writes. No llama.cpp build needed."""
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
-        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -60,6 +61,15 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if arch == "gpt-oss":  # what llama.cpp's GptOssModel (and its base, for YaRN) writes
+        w.add_sliding_window(cfg["sliding_window"])
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "minimax-m2":  # what llama.cpp's MiniMaxM2Model writes
         w.add_rope_dimension_count(cfg.get("rotary_dim") or head_dim)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -83,7 +93,20 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
 
     stacked = {}
+    fused = __import__("re").compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
     for name in sorted(ck.where):
+        if arch == "gpt-oss" and (m := fused.match(name)):  # split and transposed as llama.cpp's converter does
+            a, il, suffix = f32(name), m[1], "bias" if m[3] else "weight"
+            if m[2] == "down_proj":
+                add(f"blk.{il}.ffn_down_exps.{suffix}", a if m[3] else np.ascontiguousarray(a.swapaxes(-1, -2)))
+                continue
+            a = a if m[3] else a.swapaxes(-1, -2)  # [E, 2I, D]: gate's rows and up's interleaved
+            add(f"blk.{il}.ffn_gate_exps.{suffix}", np.ascontiguousarray(a[:, ::2]))
+            add(f"blk.{il}.ffn_up_exps.{suffix}", np.ascontiguousarray(a[:, 1::2]))
+            continue
+        if name.endswith(".sinks"):
+            add(f"{names.get_name(name)}.weight", f32(name))
+            continue
         m = __import__("re").match(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$", name)
         if m:
             stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
@@ -168,14 +191,32 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
 
     shutil.copytree(hf_dir, out_dir)
     src, ck = open_checkpoint(str(gguf_path)), open_checkpoint(str(hf_dir))
-    tensors = {}
-    for name in ck.where:
+
+    def values(name):
         w = src.read_weight(name)
-        tensors[name] = dequantize(w) if isinstance(w, QuantWeight) else w.astype(np.float32)
+        return dequantize(w) if isinstance(w, QuantWeight) else w.astype(np.float32)
+
+    tensors = {}
+    fused = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+    for name in ck.where:
+        if m := fused.match(name):  # gpt-oss's fused experts, put together again from the file's gate and up
+            E, one = ck.entry(name).shape[0], f"model.layers.{m[1]}.mlp.experts.{{}}.{{}}.{'bias' if m[3] else 'weight'}"
+            if m[2] == "down_proj":
+                parts = [values(one.format(e, "down_proj")) for e in range(E)]
+                tensors[name] = np.stack(parts if m[3] else [p.T for p in parts])
+                continue
+            gate, up = ([values(one.format(e, p)) for e in range(E)] for p in ("gate_proj", "up_proj"))
+            both = np.stack([np.stack([g, u], axis=-1).reshape(*g.shape[:-1], -1) if m[3]
+                             else np.stack([g.T, u.T], axis=-1).reshape(g.shape[1], -1) for g, u in zip(gate, up)])
+            tensors[name] = both
+            continue
+        tensors[name] = values(name)
     for f in os.listdir(out_dir):
         if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
             os.remove(os.path.join(out_dir, f))
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    # (save_file writes an array's buffer as it lies: a stack of transposed views would be written transposed)
+    save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
     family = json.load(open(os.path.join(hf_dir, "config.json")))["model_type"]
     model_cls = getattr(transformers, CLASSES[family][1])
     return model_cls.from_pretrained(str(out_dir), torch_dtype=torch.float32, **REFERENCE).eval()

@@ -181,6 +181,8 @@ class Model(MoEModel):
         super().__init__(args, config, where)
 
     def source(self, checkpoint):
+        if hasattr(checkpoint, "name_all"):  # a GGUF file: its experts' gate and up already apart, each a slice
+            return super().source(checkpoint)
         return FusedExperts(checkpoint, self)
 
     def shapes(self):

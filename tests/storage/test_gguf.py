@@ -146,6 +146,23 @@ def test_minimax_m2_with_its_biased_sigmoid_router_and_partial_rotary(tmp_path):
     matches_transformers(model, ref, np.random.default_rng(5).integers(0, 101, 11))
 
 
+def test_gpt_oss_with_mxfp4_experts_sinks_and_yarn(tmp_path):
+    """gpt-oss (llama.cpp's gpt-oss): its experts in GGUF's MXFP4 with their biases, gate and
+    up apart, attention sinks, sliding and full layers in turn, the router's bias, YaRN
+    rotary; the experts streamed at one slot a layer: transformers' logits and tokens on the
+    weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("gpt_oss", "sinks_sliding_clamped", tmp_path / "hf", seed=7, hidden_size=64, intermediate_size=64,
+          swiglu_limit=7.0)  # (llama.cpp's SwiGLU clamp is its constant: the published checkpoints')
+    path = write_gguf(tmp_path / "hf", tmp_path / "gpt-oss-mxfp4.gguf",
+                      quant=lambda name, a: "MXFP4" if name.endswith("_exps.weight") else None)
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "gpt_oss" and model.experts.c.expert_dtype == "f32+gguf_mxfp4"
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(7).integers(0, 101, 11))
+
+
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
     """An F16 GGUF: its matrices stay f16 and are widened exactly in the kernels: transformers
     given the same f16-rounded weights gives the same logits."""
@@ -343,12 +360,14 @@ def test_an_unknown_block_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path
 def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    _finish(w)
-    with pytest.raises(ArchitectureUnsupported, match="'llama'.*qwen2moe, qwen3moe"):
-        open_checkpoint(str(tmp_path / "l.gguf"))
+    for arch, want in (("gemma3", "'gemma3'.*gpt-oss, llama, minimax-m2, olmoe, qwen2moe, qwen3moe"),
+                       ("llama", "l.gguf: llama without experts: a dense model")):
+        w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), arch)
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        _finish(w)
+        with pytest.raises(ArchitectureUnsupported, match=want):
+            open_checkpoint(str(tmp_path / "l.gguf"))
 
 
 def _copy_field(w, key, field):
