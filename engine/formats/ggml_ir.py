@@ -102,14 +102,37 @@ def _q4_k(k: _Block, o, ops):
     # associated otherwise (two float operations a weight fewer: 10.4 -> 12.5+ GB/s, one thread)
     b = k.b
     d, dmin = k.f16(o), k.f16(k.at(o, 2))
-    s = [k.byte(k.at(o, 4 + i)) for i in range(12)]
+    d1, m1 = _scales_mins(k, o, d, dmin)
     for p in range(4):
         v = [k.bytes(k.at(o, 16 + 32 * p + c * k.L)) for c in range(32 // k.L)]
         for h in range(2):
-            sc, m = _scale_min(k, s, 2 * p + h)
+            j = ir.Constant(I32, 2 * p + h)
             nibs = [b.and_(x, _const(k.vi8, 15)) if h == 0 else b.lshr(x, _const(k.vi8, 4)) for x in v]
-            ops.emit_codes(64 * p + 32 * h, [k.u_to_f(x) for x in nibs], k.splat(b.fmul(d, sc)))
-            ops.minus(2 * p + h, b.fmul(dmin, m))
+            ops.emit_codes(64 * p + 32 * h, [k.u_to_f(x) for x in nibs], k.splat(b.extract_element(d1, j)))
+            ops.minus(2 * p + h, b.extract_element(m1, j))
+
+
+def _scales_mins(k: _Block, o, d, dmin):
+    # Q4_K's eight (d * scale) and (dmin * minimum), <8 x float> each, from the 12 bytes at o + 4
+    # in vectors (_scale_min's bits, all eight at once: the scalar unpacking had been the
+    # largest part of a block's work): sub-block j < 4 takes scale s[j] & 63, minimum
+    # s[j + 4] & 63; j >= 4 scale (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, minimum
+    # (s[j + 4] >> 4) | (s[j] >> 6) << 4
+    b = k.b
+    v8i32, v8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
+    s = vload(b, k.qrow, k.at(o, 4), ir.VectorType(I8, 16), 1)  # (bytes 12-15 belong to qs: unused)
+
+    def pick(idx):
+        return b.zext(b.shuffle_vector(s, s, ir.Constant(v8i32, idx)), v8i32)
+
+    lo4 = ir.Constant(v8i32, [1] * 4 + [0] * 4)
+    a, m_src = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
+    hi_sc = b.shl(b.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), _const(v8i32, 6)), _const(v8i32, 4))
+    hi_m = b.shl(b.lshr(pick([4, 5, 6, 7, 4, 5, 6, 7]), _const(v8i32, 6)), _const(v8i32, 4))
+    first = b.icmp_unsigned("!=", lo4, _const(v8i32, 0))
+    sc = b.select(first, b.and_(a, _const(v8i32, 63)), b.or_(b.and_(a, _const(v8i32, 15)), hi_sc))
+    m = b.select(first, b.and_(m_src, _const(v8i32, 63)), b.or_(b.lshr(m_src, _const(v8i32, 4)), hi_m))
+    return (b.fmul(splat_lanes(b, d, 8), b.sitofp(sc, v8)), b.fmul(splat_lanes(b, dmin, 8), b.sitofp(m, v8)))
 
 
 def _q6_k(k: _Block, o, ops):
