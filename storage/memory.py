@@ -17,13 +17,36 @@ from .sizes import fmt_bytes
 # the interpreter, numpy, numba and its compiled kernels, the tokenizer, a step's
 # temporaries and a few requests' KV: the demo model's daemon runs in about 250 MB
 PROCESS_BYTES = 256 << 20
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+def cgroup_limit_files(proc_cgroup: str = "/proc/self/cgroup") -> list[str]:
+    """The memory limit files of this process's cgroup and each of its ancestors, cgroup v2
+    (memory.max) or v1's memory controller (memory.limit_in_bytes). Only the root's had been
+    read: a process in a service's or a cgroup's own (systemd's MemoryMax=, a memory cgroup
+    of 25 % of a model, benchmarks/peer.py) saw the whole machine, and placing it let its
+    budgets grow past the limit into the kernel's OOM killer."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and not controllers:
+            root, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p != ".."]
+        files += [os.path.join(root, *parts[:i], name) for i in range(len(parts), -1, -1)]
+    return files
 
 
 def ram_bytes() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
+    """The memory this process may use: the machine's, or the lowest limit of its cgroup and
+    their ancestors when lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in _CGROUP_LIMITS:
+    for path in cgroup_limit_files():
         try:
             with open(path) as f:
                 text = f.read().strip()
