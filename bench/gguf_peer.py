@@ -26,7 +26,6 @@ the benchmarks' directory is first on their import path, and that name would hid
 package colibri reads GGUF files with.)
 """
 
-import argparse
 import os
 import sys
 
@@ -48,15 +47,8 @@ def dense_bytes(path: str) -> int:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
+    ap = peer.arguments(__doc__, "warm, limit", LENGTHS)
     ap.add_argument("--types", default=",".join(TYPES), help="llama.cpp's quantization types, comma-separated")
-    ap.add_argument("--parts", default="warm,limit", help="warm, limit, comma-separated")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "colibri-bench-peer"))
-    ap.add_argument("--sdist", help="llama-cpp-python's source tarball (default: downloaded from PyPI)")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     mod = peer.llama_cpp()

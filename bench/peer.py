@@ -48,7 +48,7 @@ import time
 # there too (run_worker took OMP_WAIT_POLICY out, and this line put it back): passive, llama.cpp
 # decoded the 8-layer Q4_K_M at 62 tok/s on the 2-core box, as its users run it at 110
 OMP_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-LLAMA_WORKER = len(sys.argv) > 2 and sys.argv[1] == "--worker" and '"engine": "llama"' in sys.argv[2]
+LLAMA_WORKER = len(sys.argv) > 2 and sys.argv[1] == "--worker" and json.loads(sys.argv[2]).get("engine") == "llama"
 if not LLAMA_WORKER:
     for var, val in OMP_ENV.items():
         os.environ.setdefault(var, val)
@@ -529,15 +529,21 @@ def memory_gbs() -> float:
     return round(2 * buf.nbytes / (time.perf_counter() - t0) / 1e9, 1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, parts: str, lengths) -> argparse.ArgumentParser:
+    """The options this script and bench/gguf_peer.py share."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--parts", default="warm,limit", help="warm, limit, exact (bf16 against F16), comma-separated")
+    ap.add_argument("--parts", default="warm,limit", help=f"{parts}, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    ap.add_argument("--lengths", default=",".join(map(str, lengths)))
     ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "colibri-bench-peer"))
     ap.add_argument("--sdist", help="llama-cpp-python's source tarball (default: downloaded from PyPI)")
+    return ap
+
+
+def main():
+    ap = arguments(__doc__, "warm, limit, exact (bf16 against F16)", LENGTHS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

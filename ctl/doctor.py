@@ -71,7 +71,7 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
             r.add(SKIP, "checksums", "a plain checkpoint carries no checksums to verify (a container made by "
                                      "colictl convert has a crc32 per expert record and per dense tensor)")
         return facts
-    facts.update(dense=sum(sf.file_bytes for sf in store.dense.files.values()), experts=store.expert_bytes,
+    facts.update(dense=store.dense_bytes, experts=store.expert_bytes,
                  record_bytes=store.record_bytes, probe=next(iter(store.records.values())).file)
     if deep:
         check_checksums(r, store)

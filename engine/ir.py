@@ -148,6 +148,23 @@ def token_blocks(builder, t_lo, t_hi, n_lo, n_hi, emit, size):
             rows(builder.sub(t_hi, rest), nt)
 
 
+def rows_kernel(args: tuple, arrays: tuple, emit):
+    """(signature, codegen) of a decode-path intrinsic over its typing arguments `args`, the
+    last four t_lo, t_hi, n_lo, n_hi: emit(context, builder, sig, values, t, n, nt) for every
+    row and block of CODE_TOKENS tokens (token_blocks); None (not this intrinsic) unless
+    `arrays` are 2-D C-contiguous and the bounds integers."""
+    if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
+            and all(isinstance(v, types.Integer) for v in args[-4:])):
+        return None
+
+    def codegen(context, builder, sig, values):
+        bounds = (context.cast(builder, v, ty, types.int64) for v, ty in zip(values[-4:], sig.args[-4:]))
+        token_blocks(builder, *bounds, lambda t, n, nt: emit(context, builder, sig, values, t, n, nt), CODE_TOKENS)
+        return context.get_dummy_value()
+
+    return types.void(*args), codegen
+
+
 def vload(builder, row, off, ty, align):
     return builder.load(builder.bitcast(builder.gep(row, [off]), ty.as_pointer()), align=align)
 

@@ -214,6 +214,10 @@ class Container:
     def expert_bytes(self) -> int:
         return self.record_bytes * len(self.records)
 
+    @property
+    def dense_bytes(self) -> int:  # what stays resident (as GGUFExperts.dense_bytes for a GGUF file)
+        return sum(sf.file_bytes for sf in self.dense.files.values())
+
     def precision(self) -> dict:
         """Precision per tensor class, the activations the experts compute on (as converted),
         and `lossy`: whether any of it differs from the source's."""

@@ -84,9 +84,6 @@ class GGUFExperts:
                 out.append(record[at:at + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape))
         return Expert(out)
 
-    def check_index(self, moe_layers: list[int], n_expert: int) -> None:
-        """(Every expert is indexed by construction: its tensors were checked by placement.)"""
-
     @property
     def expert_bytes(self) -> int:  # (as slots hold them, like a container's)
         return self.record_bytes * len(self.records)

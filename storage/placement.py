@@ -185,9 +185,7 @@ def check_model(path: str, build: Build, report=None):
 def room_for(container) -> MemoryRoom:
     """The RAM a container's (or a GGUF file's) budgets may take: the box's, less its dense
     weights and the process."""
-    if isinstance(container, GGUFExperts):
-        return MemoryRoom(container.dense_bytes)
-    return MemoryRoom(sum(sf.file_bytes for sf in container.dense.files.values()))
+    return MemoryRoom(container.dense_bytes)
 
 
 def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, build: Build | None = None) -> None:

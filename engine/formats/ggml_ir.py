@@ -14,20 +14,18 @@ both on any CPU: LLVM splits a vector wider than the CPU's registers, the result
 """
 
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..ir import (
-    CODE_TOKENS,
     F32,
     host_features,
     hsum,
     prefetch,
     row_at,
+    rows_kernel,
     splat_lanes,
     to8,
-    token_blocks,
     vload,
 )
 
@@ -225,19 +223,8 @@ def _make_dot(kind: str, lanes: int):
         x [T, K] f32, xs [T, K / 32] f32 the sums of x's 32-column runs (read by Q4_K's), q
         [N, K / block weights * block bytes] uint8, lut [65536] f32 (float16 bits -> value),
         out [T, N] f32; every 2-D array C-contiguous; the caller checks."""
-        arrays = (x, xs, q, out)
-        if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
-                and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
-            return None
-        sig = types.void(x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi)
-
-        def codegen(context, builder, sig, args):
-            t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[5:9], sig.args[5:9]))
-            token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
-                         lambda t, n, nt: _rows_dot(kind, lanes, context, builder, sig, args, t, n, nt), CODE_TOKENS)
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return rows_kernel((x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi), (x, xs, q, out),
+                           lambda *a: _rows_dot(kind, lanes, *a))
 
     return dot
 

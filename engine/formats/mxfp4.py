@@ -8,13 +8,11 @@ exactly (mx4_rows: a code's value times a power of two) and tiles them with ever
 import numba as nb
 import numpy as np
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...storage.experts import QuantWeight, mxfp4
 from ..ir import (
-    CODE_TOKENS,
     F32,
     float_ty,
     has_feature,
@@ -22,10 +20,10 @@ from ..ir import (
     hsum,
     prefetch,
     row_at,
+    rows_kernel,
     splat_i32,
     splat_lanes,
     to8,
-    token_blocks,
     vload,
 )
 from ..jit import JIT
@@ -201,19 +199,7 @@ def mx4_matmul(typingctx, x, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi):
     in mx4_rows_dot's order (mx4_layout), q [N, K/2] uint8 (two e2m1 codes a byte, the
     even column's low), scales [N, K/32] uint8 (e8m0 exponents), e8m0_lut [256] f32 (2 ** (e -
     127)), out [T, N] f32; every array 2-D C-contiguous, K a multiple of 32; the caller checks."""
-    arrays = (x, q, scales, out)
-    if not (all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in arrays)
-            and all(isinstance(v, types.Integer) for v in (t_lo, t_hi, n_lo, n_hi))):
-        return None
-    sig = types.void(x, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi)
-
-    def codegen(context, builder, sig, args):
-        t_lo, t_hi, n_lo, n_hi = (context.cast(builder, v, ty, types.int64) for v, ty in zip(args[5:9], sig.args[5:9]))
-        token_blocks(builder, t_lo, t_hi, n_lo, n_hi,
-                      lambda t, n, nt: mx4_rows_dot(context, builder, sig, args, t, n, nt), CODE_TOKENS)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return rows_kernel((x, q, scales, e8m0_lut, out, t_lo, t_hi, n_lo, n_hi), (x, q, scales, out), mx4_rows_dot)
 
 
 @nb.njit(**JIT)
