@@ -344,8 +344,8 @@ def grouping(experts: dict) -> str:
               help="a routing trace (colictl run --routing-trace) for --layout coactivation")
 @guarded
 def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout, trace_path):
-    """Convert the Hugging Face checkpoint SRC into a colibri container DST, laid out for
-    streaming experts from disk."""
+    """Convert the Hugging Face checkpoint (or GGUF file) SRC into a colibri container DST,
+    laid out for streaming experts from disk."""
     from ..engine.registry import build_model
     from ..storage.checkpoint import load_config, open_checkpoint
     from ..storage.container import is_container
@@ -358,7 +358,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
         raise ConvertError("--layout coactivation takes its order from --trace FILE (and --trace only serves it)")
     if is_container(src):
         raise ConvertError(f"{src} is already a colibri container: convert takes a Hugging Face checkpoint "
-                           "(run the container as it is)")
+                           "or a GGUF file (run the container as it is)")
     cfg = load_config(src)
     model = build_model(src, cfg)
     ckpt = model.source(open_checkpoint(src))

@@ -25,7 +25,7 @@ from .errors import (
 )
 from .formats import FORMATS
 from .fpformats import FP8_DTYPES, QuantConfig, check_fp4, check_fp8, quant_config, read_fp4, read_fp8
-from .gguf import GGUFCheckpoint, is_gguf
+from .gguf import GGUFCheckpoint, block_shape, block_weight, is_gguf
 from .quant import QuantWeight, quantized_shapes
 from .safetensors import WEIGHT_DTYPES, SafetensorsFile, TensorEntry
 
@@ -46,6 +46,7 @@ class Checkpoint:
     quant: QuantConfig | None = None  # how its quantized weights are scaled (fpformats)
     crc32: dict[str, int] | None = None  # tensor name -> crc32 of its bytes (a container's dense file), checked on read
     int_dense: dict | None = None  # name -> (kind, group): a container's int8/int4 dense matrices (scales at NAME.scales)
+    ggml: dict | None = None  # name -> GGUF type: a container's dense matrices kept in a GGUF file's blocks (U8)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -73,6 +74,12 @@ class Checkpoint:
                 raise TensorShapeMismatch(f"{file}: tensor {name!r} is {e.dtype} {list(e.shape)} with scales "
                                           f"{s.dtype} {list(s.shape)}; {kind} g{g} of {list(shape)} is "
                                           f"{FORMATS[kind].code_dtype} {list(qshape)} with F16 {list(sshape)}")
+            return e
+        if self.ggml and name in self.ggml:  # a GGUF file's blocks, as stored
+            want = block_shape(self.ggml[name], tuple(shape))
+            if e.dtype != "U8" or e.shape != want or len(shape) != 2:
+                raise TensorShapeMismatch(f"{file}: tensor {name!r} is {e.dtype} {list(e.shape)}; {self.ggml[name]} "
+                                          f"blocks of {list(shape)} are U8 {list(want)}")
             return e
         if e.dtype == "I8" and not integer and len(shape) == 2:  # FP4 experts: half the columns (fpformats)
             check_fp4(self, name, e, tuple(shape))
@@ -114,6 +121,8 @@ class Checkpoint:
         if self.int_dense and name in self.int_dense:
             kind, g = self.int_dense[name]
             return QuantWeight(kind, self.read(name), self.read(name + ".scales"), g)
+        if self.ggml and name in self.ggml:
+            return block_weight(self.ggml[name], self.read(name))
         if dtype in FP8_DTYPES:
             return read_fp8(self, name)
         if dtype == "I8" and self.quant is not None and self.quant.fp4_experts:

@@ -26,6 +26,7 @@ from .checksum import crc32  # noqa: F401 (the records' checksum; cache, convert
 from .errors import CheckpointError, ConfigInvalid, DenseChecksumMismatch, read_json
 from .formats import FORMATS
 from .fpformats import quant_config
+from .gguf import block_weight
 from .quant import Expert, from_record
 from .safetensors import DTYPES, SafetensorsFile
 
@@ -63,18 +64,20 @@ class RecordPart:
     shape: tuple[int, ...]
     offset: int  # inside the record
     n_bytes: int
+    ggml: str | None = None  # a GGUF file's block type (Q4_K, ...): `shape` is then [rows, row bytes] of U8 blocks
 
     def view(self, record: np.ndarray) -> np.ndarray:
         # record [record_bytes] uint8 -> this part, zero-copy
         return record[self.offset : self.offset + self.n_bytes].view(DTYPES[self.dtype]).reshape(self.shape)
 
 
-def record_layout(parts: list[tuple[str, str, str, tuple]]) -> tuple[list[RecordPart], int]:
-    """Place (part, tensor, dtype, shape) entries in a record; return them and the record size."""
+def record_layout(parts: list[tuple]) -> tuple[list[RecordPart], int]:
+    """Place (part, tensor, dtype, shape[, GGUF type]) entries in a record; return them and
+    the record size."""
     out, offset = [], 0
-    for part, tensor, dtype, shape in parts:
+    for part, tensor, dtype, shape, *gtype in parts:
         n = int(np.prod(shape)) * DTYPES[dtype].itemsize
-        out.append(RecordPart(part, tensor, dtype, tuple(shape), offset, n))
+        out.append(RecordPart(part, tensor, dtype, tuple(shape), offset, n, *gtype))
         offset = round_up(offset + n, PART_ALIGN)
     return out, round_up(max(offset, 1), ALIGN)
 
@@ -140,15 +143,19 @@ class Container:
                                 quant=quant_config(self.config, os.path.join(path, "config.json")),
                                 crc32={n: int(c) for n, c in dense_sums["tensors"].items()} if dense_sums else None,
                 int_dense={n: (q["kind"], int(q["group_size"])) for q in [m["tensor_classes"]["dense"].get("int")]
-                           if q for n in q["names"]} or None)
+                           if q for n in q["names"]} or None,
+                ggml=m["tensor_classes"]["dense"].get("ggml"))
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")
         self.block = m["tensor_classes"]["experts"].get("block")  # a published format's scale block [rows, columns] (None: per matrix)
         self.dense_dtype = m["tensor_classes"]["dense"]["dtype"]
         self.record_bytes = int(ex["record_bytes"])
-        self.layout = [RecordPart(p["part"], p["tensor"], p["dtype"], tuple(p["shape"]), p["offset"], p["bytes"])
-                       for p in ex["layout"]]
+        self.layout = record_parts(ex["layout"])
+        # a GGUF file's experts kept as its blocks: each layer's own types (Q4_K_M's down
+        # matrices are Q6_K in some layers, Q4_K in others), so each layer its own layout
+        self.layouts = {int(il): record_parts(x) for il, x in ex.get("layouts", {}).items()}
+        self.views_per_record = bool(self.layouts)
         self.n_expert = int(ex["n_expert"])
         self.records: dict[tuple[int, int], ExpertRecord] = {}
         files: dict[str, int] = {}
@@ -201,11 +208,13 @@ class Container:
     def expert_views(self, record: np.ndarray, key: tuple[int, int] | None = None) -> tuple:
         """(gate, up, down), then the biases when the family has them, over one record's
         bytes, zero-copy: arrays in their storage dtype, or QuantWeight for quantized
-        matrices (biases stay float), as an Expert. Every record has the one layout (`key`,
-        the expert's (layer, expert), matters where each has its own: storage/gguf_experts.py)."""
-        parts = {(p.part, p.tensor): p.view(record) for p in self.layout}
+        matrices (biases stay float), as an Expert. `key`, the expert's (layer, expert),
+        matters where the layout is not every record's: a container keeping a GGUF file's
+        blocks has one a layer (and storage/gguf_experts.py one an expert)."""
+        layout = self.layouts[key[0]] if self.layouts else self.layout
+        parts = {(p.part, p.tensor): block_weight(p.ggml, p.view(record)) if p.ggml else p.view(record) for p in layout}
         biases = tuple(parts[(n, "weight")] for n in BIAS_PARTS if (n, "weight") in parts)
-        if self.expert_dtype in FORMATS:  # block None: one scale per matrix (published formats)
+        if self.expert_dtype in FORMATS and not self.layouts:  # block None: one scale per matrix (published formats)
             return Expert(tuple(from_record(self.expert_dtype, parts[(n, "weight")], parts[(n, "scales")], self.block)
                                 for n in PARTS) + biases)
         return Expert(tuple(parts[(n, "weight")] for n in PARTS) + biases)
@@ -229,6 +238,12 @@ class Container:
                 "dense_int": f"{q['kind']} g{q['group_size']}" if q else None,
                 "experts": self.expert_dtype, "group_size": self.group_size, "source": src,
                 "lossy": bool(lossy or acts != "float32" or q), "activations": acts}
+
+
+def record_parts(layout: list[dict]) -> list[RecordPart]:
+    # a manifest's record layout
+    return [RecordPart(p["part"], p["tensor"], p["dtype"], tuple(p["shape"]), p["offset"], p["bytes"], p.get("ggml"))
+            for p in layout]
 
 
 def dense_header_crc(file: str) -> int:

@@ -34,6 +34,7 @@ from .container import (
 from .errors import ColibriError
 from .formats import FORMATS, PUBLISHED_DTYPES, QUANT_DTYPES, ggml
 from .fpformats import FP8_DTYPES, scale_name
+from .gguf import block_shape, kinds_label
 from .quant import QuantWeight, check_group, dequantize, quantize, quantized_shapes
 from .safetensors import SafetensorsWriter, bf16_to_f32, dtype_name, f32_to_bf16
 
@@ -144,12 +145,11 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     if expert_dtype in PUBLISHED_DTYPES:
         raise ConvertError(f"--dtype {expert_dtype}: colibri keeps a checkpoint's {expert_dtype} as it is "
                            "(the default) but does not quantize to it")
-    blocks = sorted({src.entry(n).dtype for n in src.where if src.entry(n).dtype in ggml.BY_TYPE_NAME}) \
-        if getattr(src, "tensors", None) is not None else []  # (a GGUF file's block types)
-    if blocks:
-        raise ConvertError(f"{src.path}: its {', '.join(blocks)} tensors are not kept in a container yet; run the "
-                           f"GGUF file as it is (--model {os.path.basename(src.path)}), its experts all resident")
-    published = published_kind(src, plan)
+    blocks = sorted({t.dtype for t in getattr(src, "tensors", {}).values() if t.dtype in ggml.BY_TYPE_NAME})
+    if blocks and (expert_dtype or dense_dtype or group_size or activations == "int8"):
+        raise ConvertError(f"{src.path}: a GGUF file's {', '.join(blocks)} blocks are kept as stored; --dtype, "
+                           "--dense-dtype, --group-size and --activations int8 do not apply to it")
+    published = None if blocks else published_kind(src, plan)
     if expert_dtype is None and published is not None:
         expert_dtype = published.kind  # kept as published
     quant = expert_dtype in QUANT_DTYPES
@@ -192,7 +192,7 @@ def convert(src: Checkpoint, dst: str, plan: ExpertPlan, expert_dtype: str | Non
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.converting-", dir=parent)
     try:
         manifest = _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
-                          order)
+                          order, bool(blocks))
         manifest["activations"] = activations
         write_manifest(tmp, manifest)
         if os.path.exists(dst):
@@ -230,8 +230,13 @@ def expert_file_entries(il: int, plan: ExpertPlan, layout, record_bytes: int, qu
     return entries
 
 
+def layout_json(layout) -> list[dict]:
+    return [{"part": p.part, "tensor": p.tensor, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
+             "bytes": p.n_bytes, **({"ggml": p.ggml} if p.ggml else {})} for p in layout]
+
+
 def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0, published, progress,
-           order=None) -> dict:
+           order=None, blocks=False) -> dict:
     t0 = time.perf_counter()
     for name in COPIED:
         if os.path.isfile(os.path.join(src.path, name)):
@@ -259,8 +264,14 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         if dense_dtype in QUANT_DTYPES else set()
     float_dtype = dense_dtype if dense_dtype in FLOAT_DTYPES else None
     recast = {n for n in dense_names if float_dtype and src.entry(n).dtype in OUR_NAME and n not in scales}
+    # a GGUF file's matrices in block formats: their blocks as stored, U8 [rows, row bytes]
+    # under their names, each one's GGUF type in the manifest
+    ggml_dense = {n: src.entry(n).dtype for n in dense_names if src.entry(n).dtype in ggml.BY_TYPE_NAME}
     for n in dense_names:
         e = src.entry(n)
+        if n in ggml_dense:
+            entries.append((n, "U8", block_shape(e.dtype, e.shape)))
+            continue
         if n in qdense:
             qshape, sshape = quantized_shapes(dense_dtype, e.shape, DENSE_GROUP)
             entries += [(n, FORMATS[dense_dtype].code_dtype, qshape), (n + ".scales", "F16", sshape)]
@@ -286,9 +297,10 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     dense_sums = {"file": DENSE_FILE, "checksum": "crc32",
                   "header_crc32": dense_header_crc(os.path.join(tmp, DENSE_FILE)), "tensors": dense_crc}
 
-    block = None  # a published format's scale block: [rows, columns]
-    if quant := expert_dtype in ("int8", "int4"):
-        parts = []
+    block, parts = None, []  # a published format's scale block: [rows, columns]; one record's parts
+    if blocks:  # (below: a layout a layer)
+        quant = False
+    elif quant := expert_dtype in ("int8", "int4"):
         for part, shape in zip(PARTS, shapes):
             g = group_size or shape[1]
             qshape, sshape = quantized_shapes(expert_dtype, shape, g)
@@ -296,7 +308,6 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     elif quant := expert_dtype in PUBLISHED_DTYPES:  # as the checkpoint has them: codes, then scales
         first = [src.read_weight(n) for n in plan.names(plan.moe_layers[0], 0)[:len(PARTS)]]
         code_dtype = FORMATS[expert_dtype].code_dtype
-        parts = []
         for part, qw in zip(PARTS, first):
             parts += [(part, "weight", code_dtype, qw.q.shape), (part, "scales", dtype_name(qw.scales), qw.scales.shape)]
         qc = src.quant  # FP8's scale block; None: one scale per matrix
@@ -306,25 +317,39 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
     bias_src = src.entry(plan.names(plan.moe_layers[0], 0)[len(PARTS)]).dtype if len(shapes) > len(PARTS) else None
     bias_dtype = ST_NAME[expert_dtype] if expert_dtype in FLOAT_DTYPES else (bias_src or "BF16")
-    parts += [(part, "weight", bias_dtype, shape) for part, shape in zip(BIAS_PARTS, shapes[3:])]
+    if not blocks:
+        parts += [(part, "weight", bias_dtype, shape) for part, shape in zip(BIAS_PARTS, shapes[3:])]
     layout, record_bytes = record_layout(parts)
+    layouts = {}  # a GGUF file's experts: each layer's own types as stored (Q4_K_M mixes them by layer)
+    if blocks:
+        sized = {il: record_layout([(part, "weight", "U8", block_shape(e.dtype, e.shape), e.dtype)
+                                    if e.dtype in ggml.BY_TYPE_NAME else (part, "weight", e.dtype, e.shape)
+                                    for part, e in zip(PARTS + BIAS_PARTS, map(src.entry, plan.names(il, 0)))])
+                 for il in plan.moe_layers}
+        layouts = {il: x for il, (x, _) in sized.items()}
+        record_bytes = max(n for _, n in sized.values())  # every record the largest layer's size
+        layout = layouts[plan.moe_layers[0]]
+        expert_dtype = kinds_label({src.entry(n).dtype for il in plan.moe_layers for n in plan.names(il, 0)})
 
     index = []
     for il in plan.moe_layers:
         file = expert_file_name(il)
         meta = {"format": "pt", "colibri": "experts", "layer": str(il), "record_bytes": str(record_bytes)}
         ids = order["experts"][il] if order else list(range(plan.n_expert))
-        entries = expert_file_entries(il, plan, layout, record_bytes, quant, ids)
+        lay = layouts.get(il, layout)
+        entries = expert_file_entries(il, plan, lay, record_bytes, quant, ids)
         w = SafetensorsWriter(os.path.join(tmp, file), entries, meta, header_align=ALIGN)
         record = np.zeros(record_bytes, np.uint8)
         for pos, ie in enumerate(ids):
             record[:] = 0
             for part, name in zip(PARTS + BIAS_PARTS, plan.names(il, ie)):
-                if part in BIAS_PARTS:  # never quantized: the float dtype the record keeps them in
+                if blocks:  # as stored
+                    values = {"weight": src.read(name)}
+                elif part in BIAS_PARTS:  # never quantized: the float dtype the record keeps them in
                     values = {"weight": cast(src.read(name), OUR_NAME[bias_dtype])}
                 else:
                     values = expert_values(src, name, expert_dtype, group_size)
-                for p in layout:
+                for p in lay:
                     if p.part == part:
                         v = np.ascontiguousarray(values[p.tensor])
                         assert dtype_name(v) == p.dtype or p.dtype in CODE_DTYPES
@@ -339,16 +364,20 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
 
     src_dense = next((src.entry(n).dtype for n in dense_names if src.entry(n).dtype in OUR_NAME and n not in scales), "BF16")
     fp8_dense = sorted({FP8_DTYPES[src.entry(n).dtype] for n in dense_names if src.entry(n).dtype in FP8_DTYPES})
-    src_experts = published.kind if published is not None else OUR_NAME.get(gate0.dtype if gate0 else "BF16")
+    src_experts = published.kind if published is not None else expert_dtype if blocks else \
+        OUR_NAME.get(gate0.dtype if gate0 else "BF16")
+    if ggml_dense:  # (named as a GGUF file's precision is: its block formats, q4_k+q6_k+q8_0)
+        src_dense = float_dtype = kinds_label(set(ggml_dense.values()))
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "source": {"path": os.path.abspath(src.path), "fingerprint": fingerprint(src),
-                   "dtypes": {"dense": OUR_NAME[src_dense], "experts": src_experts}},
+                   "dtypes": {"dense": OUR_NAME.get(src_dense, src_dense), "experts": src_experts}},
         "model_type": src.config.get("model_type"),
         "tensor_classes": {
             # its FP8 matrices (with their scales) are kept as published whatever dtype the rest has
             "dense": {"dtype": float_dtype or OUR_NAME[src_dense], **({"fp8": fp8_dense} if fp8_dense else {}),
+                      **({"ggml": ggml_dense} if ggml_dense else {}),
                       **({"int": {"kind": dense_dtype, "group_size": DENSE_GROUP, "names": sorted(qdense)}}
                          if qdense else {})},
             "experts": {"dtype": expert_dtype or src_experts,
@@ -363,8 +392,8 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
             "align": ALIGN,
             "checksum": "crc32",
             "order": {"layout": order["layout"], "source": order["source"]} if order else {"layout": "expert id"},
-            "layout": [{"part": p.part, "tensor": p.tensor, "dtype": p.dtype, "shape": list(p.shape),
-                        "offset": p.offset, "bytes": p.n_bytes} for p in layout],
+            "layout": layout_json(layout),
+            **({"layouts": {str(il): layout_json(x) for il, x in layouts.items()}} if layouts else {}),
             "index": index,
         },
         "convert_s": round(time.perf_counter() - t0, 3),

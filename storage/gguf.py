@@ -289,6 +289,27 @@ def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
 
 # ---- the checkpoint ----
 
+NO_SCALES = np.zeros((1 << 20, 0), np.uint8)  # a block format's scales are in its blocks: [rows, 0], no bytes
+
+
+def block_weight(gguf_type: str, q: np.ndarray) -> QuantWeight:
+    """The QuantWeight of a block format's matrix: its blocks q uint8 [rows, row bytes] as
+    stored (a GGUF file's, or a container's that kept them), no separate scales."""
+    kind = ggml.BY_TYPE_NAME[gguf_type]
+    return QuantWeight(kind, q, NO_SCALES[:q.shape[0]] if q.shape[0] <= len(NO_SCALES) else
+                       np.zeros((q.shape[0], 0), np.uint8), FORMATS[kind].block[0])
+
+
+def kinds_label(gguf_types) -> str:
+    """GGUF types as colibri names a precision: q4_k+q6_k (Q4_K_M's experts), f32, ..."""
+    return "+".join(sorted({ggml.BY_TYPE_NAME.get(t, t.lower()) for t in gguf_types}))
+
+
+def block_shape(gguf_type: str, shape: tuple) -> tuple:
+    """The bytes of a block format's matrix of `shape` [rows, columns]: [rows, row bytes]."""
+    qk, nbytes = FORMATS[ggml.BY_TYPE_NAME[gguf_type]].block
+    return (*shape[:-1], shape[-1] // qk * nbytes)
+
 class GGUFCheckpoint:
     """A GGUF file (or split set) with the interface of storage/checkpoint.Checkpoint: the
     family's tensor names, entries in numpy's shapes, reads in the storage dtype."""
@@ -382,9 +403,7 @@ class GGUFCheckpoint:
         format's: its blocks, uint8 [.., rows, row bytes]."""
         t, e = self._locate(name)
         if t.dtype in ggml.BY_TYPE_NAME:
-            _, qk, nbytes = ggml.TYPES[ggml.BY_TYPE_NAME[t.dtype]]
-            shape = (*t.shape[:-1], t.shape[-1] // qk * nbytes)
-            a = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(shape)
+            a = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(block_shape(t.dtype, t.shape))
         elif t.dtype in FLOAT_TYPES:
             a = np.asarray(t.data).reshape(-1).view(np.uint8).view(FLOAT_TYPES[t.dtype]).reshape(t.shape)
         else:
@@ -401,10 +420,7 @@ class GGUFCheckpoint:
         format's QuantWeight over its blocks as stored (storage/formats/ggml.py)."""
         t, _ = self._locate(name)
         q = self.read(name)
-        if t.dtype not in ggml.BY_TYPE_NAME:
-            return q
-        kind = ggml.BY_TYPE_NAME[t.dtype]
-        return QuantWeight(kind, q, np.zeros((q.shape[0], 0), np.uint8), FORMATS[kind].block[0])
+        return block_weight(t.dtype, q) if t.dtype in ggml.BY_TYPE_NAME else q
 
     def file_of(self, name: str) -> str:
         return self._locate(name)[0].file

@@ -19,9 +19,9 @@ import os
 import numpy as np
 
 from .container import ALIGN, ExpertRecord, Extent, round_up
-from .formats import FORMATS, ggml
-from .gguf import FLOAT_TYPES
-from .quant import Expert, QuantWeight
+from .formats import ggml
+from .gguf import FLOAT_TYPES, block_shape, block_weight, kinds_label
+from .quant import Expert
 
 
 class GGUFExperts:
@@ -65,7 +65,7 @@ class GGUFExperts:
                 self.parts[(il, ie)] = tuple(parts)
         self.record_bytes = max(r.length for r in self.records.values())
         # the experts' number formats, as precision() names them: q4_k, q4_k+q6_k (Q4_K_M), f32, ...
-        self.expert_dtype = "+".join(sorted(ggml.BY_TYPE_NAME.get(k, k.lower()) for k in kinds))
+        self.expert_dtype = kinds_label(kinds)
         self.dense_bytes = sum(p.file_bytes for p in gguf.files.values()) - slices
 
     def expert_views(self, record: np.ndarray, key: tuple[int, int]) -> Expert:
@@ -74,11 +74,8 @@ class GGUFExperts:
         out = []
         for at, dtype, shape in self.parts[key]:
             if dtype in ggml.BY_TYPE_NAME:
-                kind = ggml.BY_TYPE_NAME[dtype]
-                qk, nbytes = FORMATS[kind].block
-                rows, row_bytes = shape[0], shape[1] // qk * nbytes
-                q = record[at:at + rows * row_bytes].reshape(rows, row_bytes)
-                out.append(QuantWeight(kind, q, NO_SCALES[:rows], qk))
+                rows, row_bytes = block_shape(dtype, shape)
+                out.append(block_weight(dtype, record[at:at + rows * row_bytes].reshape(rows, row_bytes)))
             else:
                 dt = np.dtype(FLOAT_TYPES[dtype])
                 out.append(record[at:at + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape))
@@ -88,5 +85,3 @@ class GGUFExperts:
     def expert_bytes(self) -> int:  # (as slots hold them, like a container's)
         return self.record_bytes * len(self.records)
 
-
-NO_SCALES = np.zeros((1 << 20, 0), np.uint8)  # a block format's scales are in its blocks: [rows, 0], no bytes

@@ -297,7 +297,7 @@ def sample_experts(store, model: ModelShape, k: int, max_bytes: int,
                 with open(r.file, "rb") as f:
                     f.seek(r.offset)
                     f.readinto(buf)
-                experts.append(c.expert_views(buf))
+                experts.append(c.expert_views(buf, (il, ie)))
             layers.append(experts)
         return layers, c.group_size if c.expert_dtype == "int4" else None
     first = model.expert_names(model.moe_layers[0], 0)

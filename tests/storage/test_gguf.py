@@ -160,7 +160,18 @@ def test_gpt_oss_with_mxfp4_experts_sinks_and_yarn(tmp_path):
     model = load_model(path, budget="min")
     assert model.MODEL_TYPE == "gpt_oss" and model.experts.c.expert_dtype == "f32+gguf_mxfp4"
     ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
-    matches_transformers(model, ref, np.random.default_rng(7).integers(0, 101, 11))
+    ids = np.random.default_rng(7).integers(0, 101, 11)
+    matches_transformers(model, ref, ids)
+    # converted, the blocks and biases kept: the same logits at one slot a layer
+    from colibri.storage.checkpoint import open_checkpoint
+    from colibri.storage.convert import ExpertPlan, convert
+
+    src = model.source(open_checkpoint(path))
+    convert(src, str(tmp_path / "c"), ExpertPlan(model.moe_layers, model.n_expert, model.expert_names,
+                                                 model.dense_names()))
+    box = load_model(str(tmp_path / "c"), budget="min")
+    assert box.experts.c.expert_dtype == "f32+gguf_mxfp4" and box.experts.c.layouts[0][-1].part == "down_bias"
+    np.testing.assert_array_equal(logits_of(box, ids), logits_of(model, ids))
 
 
 def test_f16_tensors_are_computed_as_stored(qwen, tmp_path):
@@ -267,7 +278,11 @@ def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden
     """Every GGUF block type colibri reads, in the matrices (experts, attention, embeddings,
     output) of a file of `parts` parts: the logits and 32 greedy tokens of transformers run on
     the weights the `gguf` package dequantises from the file, its experts streamed from the
-    file under every budget from one slot per layer to all of them."""
+    file under every budget from one slot per layer to all of them; then converted to a
+    container that keeps the blocks, streamed at one slot per layer."""
+    import subprocess
+    import sys
+
     from gguf_models import dequantized_reference
 
     build("qwen3_moe", "basic", tmp_path / "hf", **(SHAPE | dict(hidden_size=hidden, intermediate_size=hidden,
@@ -311,14 +326,31 @@ def test_a_quantized_gguf_computes_its_dequantised_weights(tmp_path, mix, hidden
     got_a, got_b = model.forward_batch([(a, model.new_cache(32)), (b[-1:], cache_b2)], all_logits=True)
     np.testing.assert_array_equal(got_a, alone_a)
     np.testing.assert_array_equal(got_b, alone_b)
-    if parts > 1:  # a container keeping the blocks is still to come: refused in one line, nothing written
-        import subprocess
-        import sys
+    # `colictl convert`: a container keeping every block as stored (a layout a layer: layer
+    # 1's experts are other types), checksummed; at one slot a layer the same logits and tokens
+    from colibri.storage.container import open_container
+    from colibri.storage.convert import ConvertError
 
-        r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", path, str(tmp_path / "c")],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode != 0 and "not kept in a container yet" in r.stderr and "Traceback" not in r.stderr
-        assert not os.path.exists(tmp_path / "c")
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", path, str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    box = open_container(str(tmp_path / "c"))
+    assert box.checksums and box.expert_dtype == c.expert_dtype and box.precision()["lossy"] is False
+    assert box.dense.ggml and set(box.dense.ggml.values()) == {t.dtype for t in ck.tensors.values()
+                                                              if "_exps" not in t.name} - {"F32"}
+    assert {il: tuple(p.ggml for p in x) for il, x in box.layouts.items()} == {
+        il: tuple(ck.entry(n).dtype for n in model.expert_names(il, 0)) for il in model.moe_layers}
+    slim = load_model(str(tmp_path / "c"), budget="min")
+    assert slim.experts.describe()["checksums"] is True and slim.precision()["experts"] == c.expert_dtype
+    np.testing.assert_array_equal(logits_of(slim, ids), logits_of(model, ids))
+    assert greedy(slim, ids, 32) == greedy(model, ids, 32)
+    assert slim.experts.stats.evictions > 0
+    with pytest.raises(ConvertError, match="kept as stored"):
+        from colibri.storage.convert import ExpertPlan, convert
+
+        convert(model.source(ck), str(tmp_path / "c2"), ExpertPlan(model.moe_layers, model.n_expert, model.expert_names),
+                expert_dtype="int4")
+    assert not os.path.exists(tmp_path / "c2")
 
 
 def test_an_unknown_block_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path):
