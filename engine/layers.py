@@ -188,9 +188,10 @@ def swiglu(x: np.ndarray, gate, up, down, prompt: bool = False) -> np.ndarray:
         one.experts(x, np.arange(x.shape[0]), np.array([0, x.shape[0]]), 1, np.ones(x.shape[0], np.float32),
                     [(gate, up, down)], out)
         return out
-    if isinstance(gate, QuantWeight) and gate.kind in ggml.KINDS:  # a GGUF file's experts: the path asked
+    quant = [isinstance(w, QuantWeight) for w in (gate, up, down)]
+    if all(quant) and all(w.kind in ggml.KINDS for w in (gate, up, down)):  # a GGUF file's: the path asked
         return ggml.swiglu(np.ascontiguousarray(x, dtype=np.float32), gate, up, down, prompt)
-    if prompt and isinstance(gate, QuantWeight):  # the prompt-token kernels (int4, fp8, mxfp4)
+    if prompt and all(quant) and gate.kind not in ggml.KINDS:  # the prompt-token kernels (int4, fp8, mxfp4)
         x = np.ascontiguousarray(x, dtype=np.float32)
         h, u = qlinear(x, gate, True), qlinear(x, up, True)
         kernels.silu_mul(h, u, h)

@@ -71,6 +71,7 @@ class GGUFTensor:
     begin: int  # absolute offset in its file
     n_bytes: int
     data: np.ndarray  # the bytes, mapped
+    derive: object = None  # a tensor put together from others (deepseek2's kv_b): () -> its float32 values
 
 
 @dataclass
@@ -254,9 +255,50 @@ def _qwen_moe(meta: dict, arch: str, tensors: dict) -> dict:
     return cfg
 
 
+def _deepseek2(meta: dict, arch: str, tensors: dict) -> dict:
+    # DeepSeek-V3/R1, Kimi K2 (deepseek_v3): MLA (llama.cpp's converter splits kv_b into k_b,
+    # transposed, and v_b: put together again as they are read, GGUFCheckpoint.read), the
+    # sigmoid router with its score correction bias, expert groups, leading dense layers,
+    # shared experts; the rotary interleaved (llama.cpp's NORM rope: HF's rope_interleave).
+    # YaRN as llama.cpp reads it: yarn_log_multiplier is 0.1 x mscale_all_dim, and llama.cpp
+    # takes mscale = mscale_all_dim, so the rotary keeps magnitude 1 and the softmax scale
+    # gets (0.1 m ln(factor) + 1)^2, what HF computes with mscale = mscale_all_dim = m
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    if key("expert_gating_func") != 2:
+        raise ArchitectureUnsupported(f"{arch} with expert gating {key('expert_gating_func')} (DeepSeek-V2's "
+                                      "softmax): colibri reads DeepSeek-V3's sigmoid gating (2)")
+    cfg = _common(meta, arch, tensors, scaled=("yarn",))
+    rope_dim = key("rope.dimension_count")
+    k_mla = key("attention.key_length_mla") or key("attention.key_length")  # (files before the _mla keys)
+    rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if key("rope.scaling.type") == "yarn":
+        if not key("rope.scaling.yarn_log_multiplier"):
+            raise ArchitectureUnsupported(f"{arch} with YaRN and no yarn_log_multiplier: not read from GGUF files")
+        m = key("rope.scaling.yarn_log_multiplier") / 0.1
+        rope |= {"rope_type": "yarn", "factor": key("rope.scaling.factor"), "mscale": m, "mscale_all_dim": m,
+                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                 "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}
+    return {k: v for k, v in cfg.items() if k != "num_experts"} | {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "num_hidden_layers": cfg["num_hidden_layers"] - key("nextn_predict_layers", 0),
+        "num_key_value_heads": cfg["num_attention_heads"],  # (llama.cpp writes MLA as one KV head)
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0), "norm_topk_prob": bool(key("expert_weights_norm")),
+        "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "q_lora_rank": key("attention.q_lora_rank"), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim if k_mla and rope_dim else None,
+        "v_head_dim": key("attention.value_length_mla") or key("attention.value_length"), "head_dim": rope_dim,
+        "rope_interleave": True, "rope_parameters": rope}
+
+
 # llama.cpp's general.architecture -> its family's config.json
 ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
-         "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss}
+         "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss, "deepseek2": _deepseek2}
+OPTIONAL = ("q_lora_rank",)  # config values a file may leave out (None: DeepSeek-V2-Lite's q has no LoRA)
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
 
@@ -281,7 +323,7 @@ def gguf_config(meta: dict, tensors: dict, path: str) -> dict:
         cfg = ARCHS[arch](meta, arch, tensors)
     except ArchitectureUnsupported as e:
         raise ArchitectureUnsupported(f"{path}: {e}") from None
-    missing = sorted(k for k, v in cfg.items() if v is None)
+    missing = sorted(k for k, v in cfg.items() if v is None and k not in OPTIONAL)
     if missing:
         raise GGUFInvalid(f"{path}: the metadata has no {arch}.* value for {', '.join(missing)}")
     return cfg | _token_ids(meta) | {"gguf_architecture": arch}
@@ -329,11 +371,12 @@ class GGUFCheckpoint:
         arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.config["gguf_architecture"])
         self._names = gguf.get_tensor_name_map(arch, int(self.config["num_hidden_layers"]))
         self.where = {}  # the family's name -> (llama.cpp's, expert index or None), filled as names are asked
+        self.derived: dict[str, GGUFTensor] = {}  # tensors put together from the file's (_kv_b), by llama.cpp's name
 
     def _locate(self, name: str) -> tuple[GGUFTensor, int | None]:
         if name in self.where:
             gname, e = self.where[name]
-            return self.tensors[gname], e
+            return self.tensors.get(gname) or self.derived[gname], e
         m = EXPERT.match(name)
         spelled = name.replace("e_score_correction_bias", "e_score_correction.bias")  # (as llama.cpp's converter)
         if not spelled.endswith((".weight", ".bias")):  # a tensor named without a suffix (gpt-oss's sinks)
@@ -342,11 +385,33 @@ class GGUFCheckpoint:
         gname = self._names.get_name(base) or (self._names.get_name(name) if not m else None)
         gname = f"{gname}.{spelled.rsplit('.', 1)[1]}" if gname and "." in name else None
         t = self.tensors.get(gname) if gname else None
+        if t is None and gname and gname.endswith(".attn_kv_b.weight"):
+            t = self.derived[gname] = self._kv_b(gname)
         if t is None or (e is not None and (len(t.shape) < 2 or e >= t.shape[0])):
             raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
                                 + (f" (llama.cpp's {gname!r})" if gname else ""))
         self.where[name] = (gname, e)
         return t, e
+
+    def _kv_b(self, gname: str) -> GGUFTensor | None:
+        """MLA's kv_b [heads x (nope + v), kv rank] from llama.cpp's k_b [heads, kv rank, nope]
+        (its converter's transpose) and v_b [heads, v, kv rank], in float32: exactly the
+        values stored (the family holds kv_b in float32 anyway, absorbed per head); None
+        when the file has neither."""
+        k_b, v_b = (self.tensors.get(gname.replace("attn_kv_b", p)) for p in ("attn_k_b", "attn_v_b"))
+        if k_b is None or v_b is None:
+            return None
+        if len(k_b.shape) != 3 or len(v_b.shape) != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+            raise TensorShapeMismatch(f"{k_b.file}: {k_b.name} {list(k_b.shape)} and {v_b.name} {list(v_b.shape)} "
+                                      "are not MLA's k_b [heads, kv rank, nope] and v_b [heads, v, kv rank]")
+        heads, rank = k_b.shape[:2]
+        shape = (heads * (k_b.shape[2] + v_b.shape[1]), rank)
+
+        def derive():
+            k, v = values(k_b), values(v_b)
+            return np.concatenate([k.transpose(0, 2, 1), v], axis=1).reshape(shape)
+
+        return GGUFTensor(gname, k_b.file, "F32", shape, k_b.begin, int(np.prod(shape)) * 4, None, derive)
 
     def name_all(self, names) -> None:
         """Take the family's tensor names (MoEModel.source): `where` then lists each one the file
@@ -402,6 +467,8 @@ class GGUFCheckpoint:
         """A tensor in its storage dtype (bf16 as uint16), from the mapped file; a block
         format's: its blocks, uint8 [.., rows, row bytes]."""
         t, e = self._locate(name)
+        if t.derive is not None:
+            return t.derive()
         if t.dtype in ggml.BY_TYPE_NAME:
             a = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(block_shape(t.dtype, t.shape))
         elif t.dtype in FLOAT_TYPES:
@@ -424,6 +491,18 @@ class GGUFCheckpoint:
 
     def file_of(self, name: str) -> str:
         return self._locate(name)[0].file
+
+
+def values(t: GGUFTensor) -> np.ndarray:
+    """A tensor's float32 values (a block format's dequantised by the `gguf` package)."""
+    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    if t.dtype in ggml.BY_TYPE_NAME:
+        rows = raw.reshape(-1, block_shape(t.dtype, t.shape)[-1])
+        return ggml.dequantize(ggml.BY_TYPE_NAME[t.dtype], rows).reshape(t.shape)
+    if t.dtype not in FLOAT_TYPES:
+        raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF")
+    a = raw.view(FLOAT_TYPES[t.dtype]).reshape(t.shape)
+    return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 # ---- the tokenizer, from the metadata ----

@@ -13,7 +13,7 @@ from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
-        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -32,7 +32,9 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     # every layer MoE; olmoe without clip_qkv; glm4moe's experts in one group
     if arch in ("qwen3moe", "qwen2moe", "olmoe"):
         assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe")
-    assert not cfg.get("mlp_only_layers") and not cfg.get("clip_qkv") and cfg.get("n_group", 1) == 1
+    assert not cfg.get("mlp_only_layers") and not cfg.get("clip_qkv")
+    assert cfg.get("n_group", 1) == 1 or arch == "deepseek2"  # (llama.cpp groups deepseek2's experts only)
+    assert arch != "deepseek2" or (cfg.get("rope_interleave", True) and not cfg.get("attention_bias"))
     ck = open_checkpoint(str(hf_dir))
     L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), L)
@@ -42,10 +44,11 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    mla = arch == "deepseek2"  # (MLA as one KV head of kv rank + rope dims, as llama.cpp's converter writes it)
+    w.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla else head_dim)
+    w.add_value_length(cfg["kv_lora_rank"] if mla else head_dim)
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
@@ -70,6 +73,30 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "deepseek2":  # what llama.cpp's DeepseekV2Model (and its base) writes
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type") == "yarn":
+            assert rope["mscale"] == rope["mscale_all_dim"]  # (what llama.cpp computes)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
+            w.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if arch == "minimax-m2":  # what llama.cpp's MiniMaxM2Model writes
         w.add_rope_dimension_count(cfg.get("rotary_dim") or head_dim)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -78,6 +105,8 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     as_type = TYPES[dtype]
 
     def add(gname, a):
+        if a.size == 0:  # (transformers' DeepSeek-V3 with no shared expert still has its empty matrices)
+            return
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):  # as its converter permutes
             heads = cfg["num_attention_heads" if "attn_q" in gname else "num_key_value_heads"]
             a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -103,6 +132,13 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             a = a if m[3] else a.swapaxes(-1, -2)  # [E, 2I, D]: gate's rows and up's interleaved
             add(f"blk.{il}.ffn_gate_exps.{suffix}", np.ascontiguousarray(a[:, ::2]))
             add(f"blk.{il}.ffn_up_exps.{suffix}", np.ascontiguousarray(a[:, 1::2]))
+            continue
+        if arch == "deepseek2" and name.endswith("kv_b_proj.weight"):  # split, k_b transposed, as its converter
+            heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+            kv_b = f32(name).reshape(heads, nope + cfg["v_head_dim"], -1)
+            il = name.split(".")[2]
+            add(f"blk.{il}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)))
+            add(f"blk.{il}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
             continue
         if name.endswith(".sinks"):
             add(f"{names.get_name(name)}.weight", f32(name))
@@ -210,7 +246,7 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
                              else np.stack([g.T, u.T], axis=-1).reshape(g.shape[1], -1) for g, u in zip(gate, up)])
             tensors[name] = both
             continue
-        tensors[name] = values(name)
+        tensors[name] = values(name) if np.prod(ck.entry(name).shape) else np.zeros(ck.entry(name).shape, np.float32)
     for f in os.listdir(out_dir):
         if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
             os.remove(os.path.join(out_dir, f))

@@ -393,7 +393,8 @@ def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
     import gguf
 
     for arch, want in (("gemma3", "'gemma3'.*gpt-oss, llama, minimax-m2, olmoe, qwen2moe, qwen3moe"),
-                       ("llama", "l.gguf: llama without experts: a dense model")):
+                       ("llama", "l.gguf: llama without experts: a dense model"),
+                       ("deepseek2", "l.gguf: deepseek2 with expert gating None \\(DeepSeek-V2's softmax\\)")):
         w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), arch)
         w.add_block_count(1)
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
@@ -503,3 +504,35 @@ def load_eos(path):
     from colibri.storage.checkpoint import load_config
 
     return load_config(path).get("eos_token_id")
+
+
+@pytest.mark.parametrize("case", ["q_lora_groups_interleaved", "one_group_two_dense_tied"])
+def test_deepseek2_with_mla_split_kv_b_groups_and_yarn(tmp_path, case):
+    """deepseek2 (DeepSeek-V3/R1, Kimi K2): llama.cpp's converter splits MLA's kv_b into k_b
+    (transposed) and v_b, writes one KV head, the expert groups, leading dense layers and
+    shared experts; YaRN with its log multiplier. Its experts in K-quants streamed at one slot
+    a layer, the rest as blocks and F32: transformers' logits and tokens on the weights the
+    package dequantises, and a converted container the same."""
+    from gguf_models import dequantized_reference
+
+    from colibri.storage.convert import ExpertPlan, convert
+
+    yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.7,
+                                "mscale_all_dim": 0.7, "original_max_position_embeddings": 16}} \
+        if case.startswith("q_lora") else {}
+    build("deepseek_v3", case, tmp_path / "hf", seed=5, hidden_size=64, max_position_embeddings=64,
+          qk_nope_head_dim=32, kv_lora_rank=32, **yarn)
+    path = write_gguf(tmp_path / "hf", tmp_path / "ds.gguf",
+                      quant=lambda name, a: "Q8_0" if a.shape[-1] % 32 == 0 else None)
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "deepseek_v3" and model.args.rope_interleave
+    ck = open_checkpoint(path)
+    assert "blk.1.attn_kv_b.weight" not in ck.tensors and ck.tensors["blk.1.attn_k_b.weight"].dtype == "Q8_0"
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    ids = np.random.default_rng(5).integers(1, 60, 24)  # (past the YaRN original context of 16; no 0: the
+    # reference's generate takes 0 for padding)
+    matches_transformers(model, ref, ids)
+    src = model.source(ck)
+    convert(src, str(tmp_path / "c"), ExpertPlan(model.moe_layers, model.n_expert, model.expert_names,
+                                                 model.dense_names()))
+    np.testing.assert_array_equal(logits_of(load_model(str(tmp_path / "c"), budget="min"), ids), logits_of(model, ids))
