@@ -295,9 +295,40 @@ def _deepseek2(meta: dict, arch: str, tensors: dict) -> dict:
         "rope_interleave": True, "rope_parameters": rope}
 
 
+def _qwen3next(meta: dict, arch: str, tensors: dict) -> dict:
+    # Qwen3-Next (qwen3next) and Qwen3.5/3.6 (qwen35moe): Gated DeltaNet layers between full
+    # ones (recurrent_layers, else every full_attention_interval-th layer full), in the layout
+    # llama.cpp's converter writes (the family's gguf_layout: split projections, norms stored
+    # as 1 + w, A_log as A, the convolution squeezed; Qwen3.5's value heads tiled). Its graphs
+    # renormalise the top-k weights always
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    cfg = _common(meta, arch, tensors)
+    n = cfg["num_hidden_layers"] - key("nextn_predict_layers", 0)
+    recurrent, every = key("attention.recurrent_layers"), key("full_attention_interval", 4)
+    head_dim, rope_dim, Hv = key("attention.key_length"), key("rope.dimension_count"), key("ssm.time_step_rank")
+    dense = {"intermediate_size": key("feed_forward_length")} if key("feed_forward_length") else {}
+    return {k: v for k, v in cfg.items() if k != "rope_theta"} | dense | {
+        "model_type": "qwen3_next" if arch == "qwen3next" else "qwen3_5_moe",
+        "architectures": ["Qwen3NextForCausalLM" if arch == "qwen3next" else "Qwen3_5MoeForCausalLM"],
+        "num_hidden_layers": n, "head_dim": head_dim, "norm_topk_prob": True,
+        "layer_types": ["linear_attention" if (recurrent[il] if recurrent is not None else (il + 1) % every)
+                        else "full_attention" for il in range(n)],
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length"),
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"), "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": Hv,
+        "linear_value_head_dim": key("ssm.inner_size") // Hv if Hv and key("ssm.inner_size") else None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                            "partial_rotary_factor": rope_dim / head_dim if rope_dim and head_dim else None},
+        "gguf_layout": True, "v_heads_tiled": arch == "qwen35moe"}
+
+
 # llama.cpp's general.architecture -> its family's config.json
 ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
-         "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss, "deepseek2": _deepseek2}
+         "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
+         "qwen3next": _qwen3next, "qwen35moe": _qwen3next}
 OPTIONAL = ("q_lora_rank",)  # config values a file may leave out (None: DeepSeek-V2-Lite's q has no LoRA)
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
@@ -378,12 +409,16 @@ class GGUFCheckpoint:
             gname, e = self.where[name]
             return self.tensors.get(gname) or self.derived[gname], e
         m = EXPERT.match(name)
-        spelled = name.replace("e_score_correction_bias", "e_score_correction.bias")  # (as llama.cpp's converter)
+        spelled = name.replace("e_score_correction_bias", "e_score_correction.bias").replace(
+            "linear_attn.dt_bias", "linear_attn.dt_proj.bias")  # (as llama.cpp's converter renames them)
         if not spelled.endswith((".weight", ".bias")):  # a tensor named without a suffix (gpt-oss's sinks)
             spelled += ".weight"
         base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (spelled.rsplit(".", 1)[0], None)
         gname = self._names.get_name(base) or (self._names.get_name(name) if not m else None)
         gname = f"{gname}.{spelled.rsplit('.', 1)[1]}" if gname and "." in name else None
+        if gname and gname not in self.tensors and not name.endswith((".weight", ".bias")) and \
+                gname.removesuffix(".weight") in self.tensors:
+            gname = gname.removesuffix(".weight")  # a tensor llama.cpp names without a suffix (ssm_a)
         t = self.tensors.get(gname) if gname else None
         if t is None and gname and gname.endswith(".attn_kv_b.weight"):
             t = self.derived[gname] = self._kv_b(gname)

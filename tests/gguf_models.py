@@ -13,7 +13,9 @@ from colibri.storage.checkpoint import open_checkpoint
 
 TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
-        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
+        "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
+HYBRID = ("qwen3next", "qwen35moe")
 
 
 def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pre="default", quant=None):
@@ -42,7 +44,8 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     w.add_block_count(L)
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if "intermediate_size" in cfg:
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     mla = arch == "deepseek2"  # (MLA as one KV head of kv rank + rope dims, as llama.cpp's converter writes it)
     w.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
@@ -97,6 +100,15 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             w.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast", 32.0))
             w.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow", 1.0))
             w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if arch in HYBRID:  # what llama.cpp's Qwen3NextModel (and Qwen3_5MoeTextModel) writes
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(head_dim * (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)))
     if arch == "minimax-m2":  # what llama.cpp's MiniMaxM2Model writes
         w.add_rope_dimension_count(cfg.get("rotary_dim") or head_dim)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -143,6 +155,10 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         if name.endswith(".sinks"):
             add(f"{names.get_name(name)}.weight", f32(name))
             continue
+        if arch in HYBRID and (written := hybrid_tensors(name, f32(name), cfg, arch, names)) is not None:
+            for gname, a in written:
+                add(gname, a)
+            continue
         m = __import__("re").match(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$", name)
         if m:
             stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
@@ -159,6 +175,96 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
         stem = str(out)[: -len(".gguf")]
         return next(p for p in (f"{stem}-00001-of-{n:05d}.gguf" for n in range(1, 100)) if os.path.exists(p))
     return str(out)
+
+
+def tiled(a, axis, cfg, head_dim, inverse=False):
+    # Qwen3.5's value heads from grouped (by key head) to tiled order along `axis`, as llama.cpp's
+    # converter (_LinearAttentionVReorderBase._reorder_v_heads) reorders them; `inverse`: back
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    order = (hv // hk, hk) if inverse else (hk, hv // hk)
+    a = a.reshape(*order, head_dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def hybrid_tensors(name, a, cfg, arch, names):
+    """A Qwen3-Next / Qwen3.5 tensor as llama.cpp's converter writes it: [(its name, array)], or
+    None for a tensor it writes as any other."""
+    il = name.split(".")[2] if name.startswith("model.layers.") else None
+    kd = cfg["linear_key_head_dim"] * cfg["linear_num_key_heads"]
+    dv, r = cfg["linear_value_head_dim"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+    tile = arch == "qwen35moe" and r > 1
+    if name.endswith("norm.weight") and ".linear_attn." not in name:  # the (1 + w) norms, stored as 1 + w
+        return [(f"{names.get_name(name.removesuffix('.weight'))}.weight", a + np.float32(1))]
+    if ".linear_attn." not in name:
+        return None
+    if name.endswith(".A_log"):
+        return [(f"blk.{il}.ssm_a", tiled(-np.exp(a), 0, cfg, 1) if tile else -np.exp(a))]
+    if name.endswith(".dt_bias"):
+        return [(f"blk.{il}.ssm_dt.bias", tiled(a, 0, cfg, 1) if tile else a)]
+    if name.endswith("conv1d.weight"):
+        a = a.reshape(a.shape[0], -1)
+        if tile:
+            a = np.concatenate([a[:2 * kd], tiled(a[2 * kd:], 0, cfg, dv)])
+        return [(f"blk.{il}.ssm_conv1d.weight", a)]
+    if name.endswith("in_proj_qkvz.weight"):  # per key head [q, k, v, z] -> q, k, v of every head; z apart
+        dk = cfg["linear_key_head_dim"]
+        g = a.reshape(cfg["linear_num_key_heads"], 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        D = a.shape[1]
+        return [(f"blk.{il}.attn_qkv.weight", np.concatenate([q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D)])),
+                (f"blk.{il}.attn_gate.weight", np.ascontiguousarray(z.reshape(-1, D)))]
+    if not tile:
+        return None
+    if name.endswith("in_proj_qkv.weight"):
+        return [(f"blk.{il}.attn_qkv.weight", np.concatenate([a[:2 * kd], tiled(a[2 * kd:], 0, cfg, dv)]))]
+    if name.endswith("in_proj_z.weight"):
+        return [(f"blk.{il}.attn_gate.weight", tiled(a, 0, cfg, dv))]
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+        return [(f"blk.{il}.ssm_{'alpha' if 'proj_a' in name else 'beta'}.weight", tiled(a, 0, cfg, 1))]
+    if name.endswith("out_proj.weight"):
+        return [(f"blk.{il}.ssm_out.weight", tiled(a, 1, cfg, dv))]
+    return None
+
+
+def hybrid_values(name, values, cfg, arch):
+    """The transformers tensor `name` of a Qwen3-Next / Qwen3.5 checkpoint from the values
+    the GGUF file holds (values(family name)): hybrid_tensors undone; None for any other."""
+    kd = cfg["linear_key_head_dim"] * cfg["linear_num_key_heads"]
+    dv, r = cfg["linear_value_head_dim"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+    tile = arch == "qwen35moe" and r > 1
+
+    def back(a, axis, head_dim):
+        return tiled(a, axis, cfg, head_dim, inverse=True) if tile else a
+
+    if name.endswith("norm.weight") and ".linear_attn." not in name:
+        return values(name) - np.float32(1)
+    if ".linear_attn." not in name:
+        return None
+    if name.endswith(".A_log"):
+        return back(np.log(-values(name)), 0, 1)
+    if name.endswith(".dt_bias"):
+        return back(values(name), 0, 1)
+    if name.endswith("conv1d.weight"):
+        a = values(name)
+        return np.concatenate([a[:2 * kd], back(a[2 * kd:], 0, dv)])[:, None, :]
+    if name.endswith("in_proj_qkvz.weight"):
+        base = name.removesuffix("in_proj_qkvz.weight")
+        qkv, z = values(base + "in_proj_qkv.weight"), values(base + "in_proj_z.weight")
+        dk, hk, D = cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], qkv.shape[1]
+        q, k, v = qkv[:kd].reshape(hk, dk, D), qkv[kd:2 * kd].reshape(hk, dk, D), qkv[2 * kd:].reshape(hk, r * dv, D)
+        return np.concatenate([q, k, v, z.reshape(hk, r * dv, D)], axis=1).reshape(-1, D)
+    a = values(name)
+    if name.endswith("in_proj_qkv.weight"):
+        return np.concatenate([a[:2 * kd], back(a[2 * kd:], 0, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return back(a, 0, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+        return back(a, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return back(a, 1, dv)
+    return a
 
 
 def add_tokenizer(w, directory, pre):
@@ -234,6 +340,8 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
 
     tensors = {}
     fused = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    arch = ARCH[cfg["model_type"]]
     for name in ck.where:
         if m := fused.match(name):  # gpt-oss's fused experts, put together again from the file's gate and up
             E, one = ck.entry(name).shape[0], f"model.layers.{m[1]}.mlp.experts.{{}}.{{}}.{'bias' if m[3] else 'weight'}"
@@ -246,6 +354,9 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
                              else np.stack([g.T, u.T], axis=-1).reshape(g.shape[1], -1) for g, u in zip(gate, up)])
             tensors[name] = both
             continue
+        if arch in HYBRID and (a := hybrid_values(name, values, cfg, arch)) is not None:
+            tensors[name] = a
+            continue
         tensors[name] = values(name) if np.prod(ck.entry(name).shape) else np.zeros(ck.entry(name).shape, np.float32)
     for f in os.listdir(out_dir):
         if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
@@ -253,6 +364,6 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
     # (save_file writes an array's buffer as it lies: a stack of transposed views would be written transposed)
     save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
-    family = json.load(open(os.path.join(hf_dir, "config.json")))["model_type"]
+    family = cfg["model_type"].removesuffix("_text")  # (Qwen3.5's text model: qwen3_5_moe_text)
     model_cls = getattr(transformers, CLASSES[family][1])
     return model_cls.from_pretrained(str(out_dir), torch_dtype=torch.float32, **REFERENCE).eval()

@@ -50,6 +50,12 @@ class ModelArgs:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    # a GGUF file's layout (storage/gguf.py), as llama.cpp's converter wrote it: in_proj_qkvz
+    # split into qkv and z, the (1 + w) norms stored as 1 + w, A_log as A = -exp(A_log), the
+    # convolution squeezed to [C, K]; `v_heads_tiled` (Qwen3.5's): the value heads in tiled
+    # order (value head h reads key head h % Hk, not h // (Hv / Hk))
+    gguf_layout: bool = False
+    v_heads_tiled: bool = False
 
     def __post_init__(self):
         self.mlp_only_layers = self.mlp_only_layers or []
@@ -112,6 +118,9 @@ class Model(MoEModel):
 
         self.cols = {"q": part(group, 0, dk), "k": part(group, dk, dk), "v": part(group, 2 * dk, r * dv),
                      "z": part(group, 2 * dk + r * dv, r * dv), "b": part(2 * r, 0, r), "a": part(2 * r, r, r)}
+        if args.gguf_layout and "lin_qkvz" in self.NAMES:  # (the split projections under HF's names)
+            self.NAMES = {k: v for k, v in self.NAMES.items() if k != "lin_qkvz"} | {
+                "lin_qkv": LIN + "in_proj_qkv.weight", "lin_z": LIN + "in_proj_z.weight"}
         super().__init__(args, config, where)
 
     def is_moe(self, il: int) -> bool:
@@ -128,7 +137,8 @@ class Model(MoEModel):
             if a.layer_types[il] == "full_attention":
                 s = self.attn_shapes(a.attention_bias, a.attention_bias)
             else:
-                s = {"in_norm": (D,), "post_norm": (D,), **self.projection_shapes(), "conv": (conv_dim, 1, K),
+                s = {"in_norm": (D,), "post_norm": (D,), **self.projection_shapes(),
+                     "conv": (conv_dim, K) if a.gguf_layout else (conv_dim, 1, K),
                      "dt_bias": (Hv,), "A_log": (Hv,), "lin_norm": (a.linear_value_head_dim,),
                      "lin_out": (D, self.value_dim)}
             if self.is_moe(il):
@@ -141,16 +151,21 @@ class Model(MoEModel):
 
     def projection_shapes(self) -> dict:
         D, Hv = self.args.hidden_size, self.args.linear_num_value_heads
+        if self.args.gguf_layout:
+            return {"lin_qkv": (2 * self.key_dim + self.value_dim, D), "lin_z": (self.value_dim, D),
+                    "lin_ba": (2 * Hv, D)}
         return {"lin_qkvz": (2 * self.key_dim + 2 * self.value_dim, D), "lin_ba": (2 * Hv, D)}
 
     def load(self, *args, **kwargs):
         super().load(*args, **kwargs)
-        one = np.float32(1.0)
+        one = np.float32(0.0 if self.args.gguf_layout else 1.0)  # (a GGUF file stores 1 + w)
         self.glob["norm"] = self.glob["norm"] + one  # (1 + w), computed once in float32 as transformers does
         for L in self.layers:
             for key in ONE_PLUS:
                 if key in L:
                     L[key] = L[key] + one
+            if "A_log" in L and self.args.gguf_layout:
+                L["A"] = L.pop("A_log")  # (a GGUF file's is A itself)
             if "conv" in L:
                 L["conv"] = np.ascontiguousarray(L["conv"].reshape(L["conv"].shape[0], -1))  # [C, K]
         return self
@@ -174,7 +189,10 @@ class Model(MoEModel):
         # x [T, D] -> (q, k, v side by side [T, 2 key_dim + value_dim], z [T, value_dim], b, a
         # [T, Hv]): in_proj_qkvz and in_proj_ba, their columns taken apart by head
         c = self.cols
-        qkvz, ba = linear(x, L["lin_qkvz"]), linear(x, L["lin_ba"])
+        ba = linear(x, L["lin_ba"])
+        if "lin_qkv" in L:  # (a GGUF file's: q, k, v by head already, z apart)
+            return linear(x, L["lin_qkv"]), linear(x, L["lin_z"]), ba[:, c["b"]], ba[:, c["a"]]
+        qkvz = linear(x, L["lin_qkvz"])
         mixed = np.concatenate([qkvz[:, c["q"]], qkvz[:, c["k"]], qkvz[:, c["v"]]], axis=1)
         return mixed, qkvz[:, c["z"]], ba[:, c["b"]], ba[:, c["a"]]
 
@@ -188,7 +206,8 @@ class Model(MoEModel):
         mixed = np.ascontiguousarray(mixed, dtype=np.float32)  # [T, conv_dim]
         z = z.reshape(T, Hv, dv)
         beta = sigmoid(b)  # [T, Hv]
-        g = (-np.exp(L["A_log"]) * softplus(a_ + L["dt_bias"])).astype(np.float32)  # [T, Hv]
+        A = L["A"] if "A" in L else -np.exp(L["A_log"])  # [Hv]
+        g = (A * softplus(a_ + L["dt_bias"])).astype(np.float32)  # [T, Hv]
         conv = np.empty_like(mixed)  # [T, conv_dim]
         core = np.empty((T, Hv, dv), np.float32)
         s = self.slot[il]
@@ -197,6 +216,8 @@ class Model(MoEModel):
             short_conv(mixed[rows], L["conv"], sg.cache.state["conv"][s], conv[rows])
             q = l2norm(conv[rows, : self.key_dim].reshape(sg.n, Hk, dk)) / np.float32(dk**0.5)
             k = l2norm(conv[rows, self.key_dim : 2 * self.key_dim].reshape(sg.n, Hk, dk))
+            if a.v_heads_tiled and Hv != Hk:  # value head h reads key head h % Hk: each its own copy
+                q, k = np.tile(q, (1, Hv // Hk, 1)), np.tile(k, (1, Hv // Hk, 1))
             v = np.ascontiguousarray(conv[rows, 2 * self.key_dim :].reshape(sg.n, Hv, dv))
             delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows, :, None]),
                              np.ascontiguousarray(beta[rows]), sg.cache.state["delta"][s], core[rows])
