@@ -266,7 +266,7 @@ def _deepseek2(meta: dict, arch: str, tensors: dict) -> dict:
     def key(k, default=None):
         return meta.get(f"{arch}.{k}", default)
 
-    if key("expert_gating_func") != 2:
+    if key("expert_gating_func", 2 if arch == "glm-dsa" else None) != 2:  # (llama.cpp's glm-dsa default: sigmoid)
         raise ArchitectureUnsupported(f"{arch} with expert gating {key('expert_gating_func')} (DeepSeek-V2's "
                                       "softmax): colibri reads DeepSeek-V3's sigmoid gating (2)")
     cfg = _common(meta, arch, tensors, scaled=("yarn",))
@@ -293,6 +293,23 @@ def _deepseek2(meta: dict, arch: str, tensors: dict) -> dict:
         "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim if k_mla and rope_dim else None,
         "v_head_dim": key("attention.value_length_mla") or key("attention.value_length"), "head_dim": rope_dim,
         "rope_interleave": True, "rope_parameters": rope}
+
+
+def _glm_dsa(meta: dict, arch: str, tensors: dict) -> dict:
+    # GLM-5 (glm_moe_dsa): deepseek2's MLA and router with DeepSeek Sparse Attention's indexer:
+    # its heads, key length and top-k, and which layers compute their own top-k (`types`: the
+    # rest reuse the previous one's); without them, GLM-5/5.1 (a context under 1M) index on
+    # every layer, as llama.cpp reads them. Its rotary is interleaved (the family's own)
+    types = meta.get(f"{arch}.attention.indexer.types")
+    if types is None and meta.get(f"{arch}.context_length", 0) >= 1 << 20:
+        raise ArchitectureUnsupported(f"{arch} without attention.indexer.types: which layers index is not in the file")
+    n = meta.get(f"{arch}.block_count", 0) - meta.get(f"{arch}.nextn_predict_layers", 0)
+    return {k: v for k, v in _deepseek2(meta, arch, tensors).items() if k != "rope_interleave"} | {
+        "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+        "index_n_heads": meta.get(f"{arch}.attention.indexer.head_count"),
+        "index_head_dim": meta.get(f"{arch}.attention.indexer.key_length"),
+        "index_topk": meta.get(f"{arch}.attention.indexer.top_k"),
+        "indexer_types": ["full" if t else "shared" for t in types[:n]] if types is not None else ["full"] * n}
 
 
 def _qwen3next(meta: dict, arch: str, tensors: dict) -> dict:
@@ -325,10 +342,43 @@ def _qwen3next(meta: dict, arch: str, tensors: dict) -> dict:
         "gguf_layout": True, "v_heads_tiled": arch == "qwen35moe"}
 
 
+def _kimi_linear(meta: dict, arch: str, tensors: dict) -> dict:
+    # Kimi Linear: KDA layers (a head_count_kv of 0) between MLA ones (no rotary; kv_b split as
+    # deepseek2's), DeepSeek-V3's sigmoid router, leading dense layers, shared experts; the KDA
+    # heads are the attention heads (llama.cpp's graph), A_log stored as A (gguf_layout). Its
+    # graph renormalises the top-k weights always
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    if key("expert_gating_func") != 2:
+        raise ArchitectureUnsupported(f"{arch} with expert gating {key('expert_gating_func')}: colibri reads its "
+                                      "sigmoid gating (2)")
+    kv = key("attention.head_count_kv")
+    cfg = {k: v for k, v in _common(meta, arch, tensors).items() if k not in ("num_experts", "rope_theta")}
+    n, rope_dim = cfg["num_hidden_layers"], key("rope.dimension_count")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    return cfg | {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+        "num_key_value_heads": cfg["num_attention_heads"],
+        "layer_types": ["linear_attention" if h == 0 else "full_attention" for h in kv[:n]],
+        "linear_num_heads": cfg["num_attention_heads"], "linear_head_dim": key("kda.head_dim"),
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0), "norm_topk_prob": True,
+        "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "q_lora_rank": key("attention.q_lora_rank"), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key("attention.key_length_mla") - rope_dim
+        if key("attention.key_length_mla") and rope_dim else None,
+        "v_head_dim": key("attention.value_length_mla"), "gguf_layout": True}
+
+
 # llama.cpp's general.architecture -> its family's config.json
 ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
          "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
-         "qwen3next": _qwen3next, "qwen35moe": _qwen3next}
+         "qwen3next": _qwen3next, "qwen35moe": _qwen3next, "kimi-linear": _kimi_linear,
+         "glm-dsa": _glm_dsa}
 OPTIONAL = ("q_lora_rank",)  # config values a file may leave out (None: DeepSeek-V2-Lite's q has no LoRA)
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
@@ -409,12 +459,13 @@ class GGUFCheckpoint:
             gname, e = self.where[name]
             return self.tensors.get(gname) or self.derived[gname], e
         m = EXPERT.match(name)
-        spelled = name.replace("e_score_correction_bias", "e_score_correction.bias").replace(
-            "linear_attn.dt_bias", "linear_attn.dt_proj.bias")  # (as llama.cpp's converter renames them)
+        spelled = re.sub(r"\.dt_bias$", ".dt_proj.bias", name.replace(
+            "e_score_correction_bias", "e_score_correction.bias"))  # (as llama.cpp's converter renames them)
         if not spelled.endswith((".weight", ".bias")):  # a tensor named without a suffix (gpt-oss's sinks)
             spelled += ".weight"
         base, e = (f"{m['layer']}.{m['proj']}", int(m["e"])) if m else (spelled.rsplit(".", 1)[0], None)
-        gname = self._names.get_name(base) or (self._names.get_name(name) if not m else None)
+        gname = self._names.get_name(base) or (self._names.get_name(name) if not m else None) or \
+            self._names.get_name(base.replace(".block_sparse_moe.", ".mlp."))  # (Kimi Linear's dense layers)
         gname = f"{gname}.{spelled.rsplit('.', 1)[1]}" if gname and "." in name else None
         if gname and gname not in self.tensors and not name.endswith((".weight", ".bias")) and \
                 gname.removesuffix(".weight") in self.tensors:

@@ -14,7 +14,8 @@ from colibri.storage.checkpoint import open_checkpoint
 TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
         "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
-        "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"}
+        "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
+        "kimi_linear": "kimi-linear", "glm_moe_dsa": "glm-dsa"}
 HYBRID = ("qwen3next", "qwen35moe")
 
 
@@ -35,8 +36,8 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     if arch in ("qwen3moe", "qwen2moe", "olmoe"):
         assert bool(cfg.get("norm_topk_prob")) == (arch == "qwen3moe")
     assert not cfg.get("mlp_only_layers") and not cfg.get("clip_qkv")
-    assert cfg.get("n_group", 1) == 1 or arch == "deepseek2"  # (llama.cpp groups deepseek2's experts only)
-    assert arch != "deepseek2" or (cfg.get("rope_interleave", True) and not cfg.get("attention_bias"))
+    assert cfg.get("n_group", 1) == 1 or arch in ("deepseek2", "glm-dsa")  # (llama.cpp groups these only)
+    assert arch not in ("deepseek2", "glm-dsa") or (cfg.get("rope_interleave", True) and not cfg.get("attention_bias"))
     ck = open_checkpoint(str(hf_dir))
     L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), L)
@@ -47,8 +48,11 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     if "intermediate_size" in cfg:
         w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    mla = arch == "deepseek2"  # (MLA as one KV head of kv rank + rope dims, as llama.cpp's converter writes it)
-    w.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
+    mla = arch in ("deepseek2", "kimi-linear", "glm-dsa")  # (MLA as one KV head of kv rank + rope dims, as llama.cpp writes it)
+    if arch == "kimi-linear":  # a KV head count a layer, 0 for the KDA ones
+        w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in cfg["layer_types"]])
+    else:
+        w.add_head_count_kv(1 if mla else cfg["num_key_value_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla else head_dim)
     w.add_value_length(cfg["kv_lora_rank"] if mla else head_dim)
@@ -57,7 +61,7 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     w.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(E)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_used_count(cfg.get("num_experts_per_tok") or cfg["num_experts_per_token"])
     w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     if arch == "glm4moe":  # what llama.cpp's Glm4MoeModel writes
         rope = cfg.get("rope_parameters") or {}
@@ -76,7 +80,28 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    if arch == "deepseek2":  # what llama.cpp's DeepseekV2Model (and its base) writes
+    if arch == "kimi-linear":  # what llama.cpp's KimiLinearModel writes (groups: its base reads n_group only)
+        assert cfg.get("num_expert_group", 1) == 1 and cfg["linear_num_heads"] == cfg["num_attention_heads"]
+        lead = cfg["mlp_layer_types"].index("sparse")
+        assert cfg["mlp_layer_types"] == ["dense"] * lead + ["sparse"] * (L - lead)  # (llama.cpp: leading dense only)
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_uint32(f"{arch}.kda.head_dim", cfg["linear_head_dim"])
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_expert_shared_count(cfg["num_shared_experts"])
+        w.add_leading_dense_block_count(lead)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if arch == "glm-dsa":  # what llama.cpp's GlmMoeDsaModel adds to deepseek2's
+        w.add_indexer_head_count(cfg["index_n_heads"])
+        w.add_indexer_key_length(cfg["index_head_dim"])
+        w.add_indexer_top_k(cfg["index_topk"])
+        w.add_array(f"{arch}.attention.indexer.types", [t == "full" for t in cfg["indexer_types"]])
+    if arch in ("deepseek2", "glm-dsa"):  # what llama.cpp's DeepseekV2Model (and its base) writes
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
         if cfg.get("q_lora_rank"):
             w.add_q_lora_rank(cfg["q_lora_rank"])
@@ -145,7 +170,11 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             add(f"blk.{il}.ffn_gate_exps.{suffix}", np.ascontiguousarray(a[:, ::2]))
             add(f"blk.{il}.ffn_up_exps.{suffix}", np.ascontiguousarray(a[:, 1::2]))
             continue
-        if arch == "deepseek2" and name.endswith("kv_b_proj.weight"):  # split, k_b transposed, as its converter
+        if arch == "kimi-linear" and (written := kimi_tensors(name, f32(name), cfg)) is not None:
+            for gname, a in written:
+                add(gname, a)
+            continue
+        if mla and name.endswith("kv_b_proj.weight"):  # split, k_b transposed, as its converter
             heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
             kv_b = f32(name).reshape(heads, nope + cfg["v_head_dim"], -1)
             il = name.split(".")[2]
@@ -164,7 +193,8 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
             stacked.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = f32(name)
             continue
         base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
-        add(f"{names.get_name(base)}.{suffix}", f32(name))
+        add(f"{names.get_name(base) or names.get_name(base.replace('.block_sparse_moe.', '.mlp.'))}.{suffix}",
+            f32(name))
     for base, experts in sorted(stacked.items()):
         add(f"{names.get_name(base)}.weight", np.stack([experts[e] for e in range(E)]))
     w.write_header_to_file()
@@ -225,6 +255,18 @@ def hybrid_tensors(name, a, cfg, arch, names):
         return [(f"blk.{il}.ssm_{'alpha' if 'proj_a' in name else 'beta'}.weight", tiled(a, 0, cfg, 1))]
     if name.endswith("out_proj.weight"):
         return [(f"blk.{il}.ssm_out.weight", tiled(a, 1, cfg, dv))]
+    return None
+
+
+def kimi_tensors(name, a, cfg):
+    """A Kimi Linear KDA tensor as llama.cpp's converter writes it, or None."""
+    il = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith(("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")):
+        return [(f"blk.{il}.ssm_conv1d_{name.split('.')[-2][0]}.weight", a.reshape(1, a.shape[0], 1, -1))]
+    if name.endswith(".A_log"):
+        return [(f"blk.{il}.ssm_a", -np.exp(a))]
+    if name.endswith(".dt_bias"):
+        return [(f"blk.{il}.ssm_dt.bias", a)]
     return None
 
 
@@ -353,6 +395,10 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
             both = np.stack([np.stack([g, u], axis=-1).reshape(*g.shape[:-1], -1) if m[3]
                              else np.stack([g.T, u.T], axis=-1).reshape(g.shape[1], -1) for g, u in zip(gate, up)])
             tensors[name] = both
+            continue
+        if arch == "kimi-linear" and name.endswith((".A_log", "conv1d.weight")):  # kimi_tensors undone
+            a = values(name)
+            tensors[name] = np.log(-a) if name.endswith(".A_log") else a.reshape(a.shape[1], 1, -1)
             continue
         if arch in HYBRID and (a := hybrid_values(name, values, cfg, arch)) is not None:
             tensors[name] = a

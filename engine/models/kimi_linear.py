@@ -57,6 +57,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     rope_interleave = False  # (not a field: the deepseek_v3 attention it reuses never rotates here)
+    # a GGUF file's layout (storage/gguf.py), as llama.cpp's converter wrote it: A_log stored
+    # as A = -exp(A_log) (used as stored), the convolutions [1, channels, 1, kernel]
+    gguf_layout: bool = False
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -154,7 +157,8 @@ class Model(deepseek_v3.Model):
             if a.layer_types[il] == "full_attention":
                 return attn_layer(il)
             return {"in_norm": (D,), "post_norm": (D,), "q": (Hd, D), "k": (Hd, D), "v": (Hd, D),
-                    "q_conv": (Hd, 1, K), "k_conv": (Hd, 1, K), "v_conv": (Hd, 1, K), "A_log": (1, 1, H, 1),
+                    **{c: (1, Hd, 1, K) if a.gguf_layout else (Hd, 1, K) for c in ("q_conv", "k_conv", "v_conv")},
+                    "A_log": (1, 1, H, 1),
                     "dt_bias": (Hd,), "f_a": (d, D), "f_b": (Hd, d), "b_proj": (H, D), "g_a": (d, D), "g_b": (Hd, d),
                     "o_norm": (d,), "o": (D, Hd)} | self.mlp_shapes(il)
 
@@ -165,8 +169,9 @@ class Model(deepseek_v3.Model):
         for L in self.layers:
             if "q_conv" in L:  # a KDA layer: its three convolutions as one over q, k, v side by side
                 convs = [L.pop(k) for k in ("q_conv", "k_conv", "v_conv")]
-                L["conv"] = np.ascontiguousarray(np.concatenate([c.reshape(c.shape[0], -1) for c in convs]))  # [3 Hd, K]
-                L["A_log"] = L["A_log"].reshape(-1)  # [H]
+                K = self.args.linear_conv_kernel_dim
+                L["conv"] = np.ascontiguousarray(np.concatenate([c.reshape(-1, K) for c in convs]))  # [3 Hd, K]
+                L["A" if self.args.gguf_layout else "A_log"] = L.pop("A_log").reshape(-1)  # [H] (a GGUF file's: A)
         return self
 
     def kda(self, L: dict, x: np.ndarray, step, il: int) -> np.ndarray:
@@ -178,7 +183,8 @@ class Model(deepseek_v3.Model):
         mixed = np.ascontiguousarray(np.concatenate([linear(x, L["q"]), linear(x, L["k"]), linear(x, L["v"])], axis=1),
                                      dtype=np.float32)  # [T, 3 Hd]
         f = (linear(linear(x, L["f_a"]), L["f_b"]) + L["dt_bias"]).reshape(T, H, d)
-        g = (-np.exp(L["A_log"])[None, :, None] * softplus(f)).astype(np.float32)  # [T, H, d] per key channel
+        A = L["A"] if "A" in L else -np.exp(L["A_log"])  # [H]
+        g = (A[None, :, None] * softplus(f)).astype(np.float32)  # [T, H, d] per key channel
         beta = sigmoid(linear(x, L["b_proj"]))  # [T, H]
         gate = linear(linear(x, L["g_a"]), L["g_b"]).reshape(T, H, d)
         conv = np.empty_like(mixed)

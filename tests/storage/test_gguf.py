@@ -392,7 +392,7 @@ def test_an_unknown_block_type_is_named_and_a_wrong_shape_refused(qwen, tmp_path
 def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
     import gguf
 
-    for arch, want in (("gemma3", "'gemma3'.*gpt-oss, llama, minimax-m2, olmoe, qwen2moe, qwen35moe, qwen3moe"),
+    for arch, want in (("gemma3", "'gemma3' is not one colibri reads from GGUF \\(it reads deepseek2, glm4moe, .*qwen3moe"),
                        ("llama", "l.gguf: llama without experts: a dense model"),
                        ("deepseek2", "l.gguf: deepseek2 with expert gating None \\(DeepSeek-V2's softmax\\)")):
         w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), arch)
@@ -561,3 +561,39 @@ def test_qwen3next_and_qwen35moe_hybrids_in_llama_cpps_layout(tmp_path, family):
     # (5e-4: at this shape the family differs from transformers by 1.4e-4 on the plain checkpoint
     # too, logits up to 10: float32 sums in another order through the recurrent layers)
     matches_transformers(model, ref, np.random.default_rng(9).integers(1, 101, 19), atol=5e-4)
+
+
+def test_kimi_linear_with_kda_and_mla_layers(tmp_path):
+    """kimi-linear (Kimi Linear): KDA layers (a KV head count of 0) between MLA ones without
+    rotary, as llama.cpp's converter writes them (A_log as -exp(A_log), the convolutions [1,
+    channels, 1, kernel], dt_bias as ssm_dt.bias, kv_b split), a leading dense layer, shared
+    experts; Q8_0 matrices, experts at one slot a layer: transformers' logits and tokens on the
+    weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("kimi_linear", "q_lora_groups_mixed", tmp_path / "hf", seed=4, hidden_size=64, n_group=1,
+          linear_num_heads=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    path = write_gguf(tmp_path / "hf", tmp_path / "k.gguf", quant=lambda name, a: "Q8_0" if a.shape[-1] % 32 == 0
+                      and "ssm_conv" not in name else None)
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "kimi_linear" and model.args.layer_types[:2] == ["linear_attention", "full_attention"]
+    assert model.args.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(4).integers(1, 101, 17))
+
+
+def test_glm_dsa_with_its_indexer_full_and_shared(tmp_path):
+    """glm-dsa (GLM-5): deepseek2's MLA (kv_b split) and grouped sigmoid router with DeepSeek
+    Sparse Attention's indexer, full on some layers and shared on others (indexer.types), a
+    top-k below the prompt's length so the selection matters; Q8_0 matrices, experts at one
+    slot a layer: transformers' logits and tokens on the weights the package dequantises."""
+    from gguf_models import dequantized_reference
+
+    build("glm_moe_dsa", "full_shared_topk4", tmp_path / "hf", seed=6, hidden_size=64, kv_lora_rank=32)
+    path = write_gguf(tmp_path / "hf", tmp_path / "g.gguf", quant=lambda name, a: "Q8_0" if a.shape[-1] % 32 == 0
+                      else None)
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "glm_moe_dsa" and model.args.indexer_types == ["full", "shared", "full"]
+    assert model.args.index_topk == 4 and model.args.n_group == 2
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    matches_transformers(model, ref, np.random.default_rng(6).integers(1, 101, 15))
