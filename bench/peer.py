@@ -60,6 +60,7 @@ import provenance  # noqa: E402
 import synthetic  # noqa: E402
 
 from colibri.storage.container import DENSE_FILE, MANIFEST  # noqa: E402
+from colibri.storage.memory import PROCESS_BYTES  # noqa: E402
 
 LLAMA_VERSION = "0.3.36"  # llama-cpp-python: its sdist carries llama.cpp, its converter and gguf-py
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -419,8 +420,7 @@ def limited(gguf: str, ours: dict, threads: int, dense_bytes: int, rounds: int) 
     limit = os.path.getsize(gguf) // 4
     ra_file = read_ahead_file(gguf)
     ra0 = int(open(ra_file).read()) if ra_file else None
-    overhead = 300 << 20  # colibri's process: Python, numpy, numba's compiled kernels, the KV cache
-    budget = limit - dense_bytes - overhead
+    budget = limit - dense_bytes - PROCESS_BYTES  # (colibri's process: what placement leaves it)
     feed = prompts(LIMIT_TOKENS, 11)
     job_c = {"engine": "colibri", **ours, "threads": threads, "lengths": [],
              "tokens": LIMIT_TOKENS, "seconds": LIMIT_SECONDS, "budget": budget if budget > 64 << 20 else "min",

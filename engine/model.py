@@ -263,8 +263,10 @@ class MoEModel:
         ValueError for another name."""
         if name not in ACTIVATIONS:
             raise ValueError(f"activations {name!r}: not one of {', '.join(ACTIVATIONS)}")
-        dense = [w for L in [self.glob, *self.layers] for w in L.values()
-                 if isinstance(w, QuantWeight) and w.kind in ("int8", "int4")]  # convert --dense-dtype int8/int4
+        # (a flag, not a list of them: a list kept every matrix alive beside its arranged copy,
+        # the dense int bytes twice over at the load's peak)
+        dense = any(isinstance(w, QuantWeight) and w.kind in ("int8", "int4")
+                    for L in [self.glob, *self.layers] for w in L.values())  # convert --dense-dtype int8/int4
         int_experts = self.expert_kind() in ("int8", "int4")
         if name == "int8" and not int_experts and not dense:
             raise ActivationsUnsupported(f"activations int8 needs int8 or int4 experts; these are "
@@ -279,10 +281,14 @@ class MoEModel:
         if name == "int8" and int_experts and not self.CREW_EXPERTS:
             raise ActivationsUnsupported(f"activations int8: {self.args.model_type}'s experts are not computed by "
                                          f"the integer kernels; convert with --activations float32")
+        if not self.args.tie_word_embeddings and "lm_head" in self.glob:
+            self.lm_head = None  # (re-pointed below: the old matrix freed as its copy is made)
         for L in [self.glob, *self.layers]:  # what linear() reads (engine/layers.py)
-            for k, w in L.items():
+            for k in list(L):
+                w = L[k]
                 if isinstance(w, QuantWeight) and w.kind in ("int8", "int4") and w.integer != (name == "int8"):
                     L[k] = intdot.arranged(w, name == "int8")
+                del w
         if not self.args.tie_word_embeddings and "lm_head" in self.glob:
             self.lm_head = self.glob["lm_head"]
         self.activations = name

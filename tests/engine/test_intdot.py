@@ -310,7 +310,7 @@ def test_the_crews_dense_job_equals_the_kernel(kind):
 
 
 @pytest.mark.parametrize("dense", ["int8", "int4"])
-def test_dense_matrices_in_int8_or_int4(tmp_path, dense):
+def test_dense_matrices_in_int8_or_int4(tmp_path, dense, monkeypatch):
     """convert --dense-dtype int8/int4: the attention matrices and the untied LM head stored
     with their scales, computed on int8 activations (the crew's dense job for the large ones):
     rows the same alone, batched and streamed; exact float32 activations on request; the label
@@ -346,6 +346,23 @@ def test_dense_matrices_in_int8_or_int4(tmp_path, dense):
     assert not model.layers[0]["q"].integer and not model.lm_head.integer
     f32 = model.forward(seqs[0], model.new_cache(16), all_logits=True)
     assert not np.array_equal(f32, ref[0]) and np.abs(f32 - ref[0]).max() < 0.1 * np.abs(f32).max()
+    # each matrix is freed as its copy is made (a list of them once held every one beside its
+    # copy: the dense int bytes twice over at a load's peak, 215 MB on the benchmark model)
+    import weakref
+
+    from colibri.engine.formats import intdot
+
+    seen, most, arranged = [], 0, intdot.arranged
+
+    def counting(w, on):
+        nonlocal most
+        seen.append(weakref.ref(w.q))
+        most = max(most, sum(r() is not None for r in seen))
+        return arranged(w, on)
+
+    monkeypatch.setattr(intdot, "arranged", counting)
+    model.set_activations("int8")
+    assert len(seen) == 4 * m.n_layer + 1 and most == 1, (len(seen), most)
     build("deepseek_v3", "q_lora_groups_interleaved", tmp_path / "ds", seed=3)
     d = build_model(str(tmp_path / "ds"), load_config(str(tmp_path / "ds")))
     with pytest.raises(ConvertError, match="dense matrices are not computed"):
