@@ -24,7 +24,17 @@ import numpy as np
 from ...storage.experts import FORMATS, QuantWeight, ggml
 from ..jit import JIT
 from ..kernels import PARALLEL_MIN_ELEMENTS, ROW_BLOCK, f16_lut, rows_aligned, silu_mul, tiles
-from .ggml_ir import LANES, dot_q4_k, dot_q4_k_8, dot_q6_k, dot_q6_k_8, dot_q8_0, dot_q8_0_8
+from .ggml_ir import (
+    LANES,
+    dot_q4_k,
+    dot_q4_k_8,
+    dot_q5_k,
+    dot_q5_k_8,
+    dot_q6_k,
+    dot_q6_k_8,
+    dot_q8_0,
+    dot_q8_0_8,
+)
 
 KINDS = tuple(ggml.TYPES)  # the storage formats these kernels compute on
 MXFP4_VALUES, IQ4_VALUES, E8M0_HALF = ggml.MXFP4_VALUES, ggml.IQ4_VALUES, ggml.e8m0_half()
@@ -307,7 +317,7 @@ def ggml_matmul_par(code, x, q, lut, out):
 
 # the decode path where a format has its IR row dot (engine/formats/ggml_ir.py): a kernel of its
 # own, not a branch of ggml_matmul (which would then carry a copy of tiles more)
-DOT_KINDS = ("q4_k", "q6_k", "q8_0")
+DOT_KINDS = ("q4_k", "q5_k", "q6_k", "q8_0")
 
 
 @nb.njit(**JIT)
@@ -329,12 +339,17 @@ def ggml_dot(code, lanes, x, q, lut, out, n_lo, n_hi):
     # out[:, n] = x @ row n for n_lo <= n < n_hi, each block decoded in registers for a few
     # tokens, in vectors of `lanes` (16 or 8: ggml_ir.LANES)
     T = x.shape[0]
-    xs = run_sums(x) if code == C_Q4_K else np.empty((T, 0), np.float32)
+    xs = run_sums(x) if code == C_Q4_K or code == C_Q5_K else np.empty((T, 0), np.float32)
     if code == C_Q4_K:
         if lanes == 16:
             dot_q4_k(x, xs, q, lut, out, 0, T, n_lo, n_hi)
         else:
             dot_q4_k_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+    elif code == C_Q5_K:
+        if lanes == 16:
+            dot_q5_k(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+        else:
+            dot_q5_k_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
     elif code == C_Q6_K:
         if lanes == 16:
             dot_q6_k(x, xs, q, lut, out, 0, T, n_lo, n_hi)

@@ -1,5 +1,5 @@
-"""The decode path of the GGUF block formats most files are made of (Q4_K and Q6_K in a
-Q4_K_M or Q5_K_M file, Q8_0), in LLVM IR: each block decoded in registers, once for the
+"""The decode path of the GGUF block formats most files are made of (Q4_K, Q5_K and Q6_K in
+a Q4_K_M or Q5_K_M file, Q8_0), in LLVM IR: each block decoded in registers, once for the
 few tokens of a token block, into vectors of its weights' float32 values (the same values,
 bit for bit, as engine/formats/ggml.py's decoders: the same float32 operations, none fused)
 multiplied into each token's sums straight away. The rows-then-tiles path writes each
@@ -110,6 +110,25 @@ def _q4_k(k: _Block, o, ops):
             ops.minus(2 * p + h, b.extract_element(m1, j))
 
 
+def _q5_k(k: _Block, o, ops):
+    # Q4_K's block with qh [32] before qs (d, dmin, scales [12], qh [32], qs [128]): weight
+    # 32 j + i's fifth bit is bit j of qh[i] (_k4 with `high`); summed as Q4_K's
+    b = k.b
+    d, dmin = k.f16(o), k.f16(k.at(o, 2))
+    d1, m1 = _scales_mins(k, o, d, dmin)
+    qh = [k.bytes(k.at(o, 16 + c * k.L)) for c in range(32 // k.L)]
+    for p in range(4):
+        v = [k.bytes(k.at(o, 48 + 32 * p + c * k.L)) for c in range(32 // k.L)]
+        for h in range(2):
+            jj = 2 * p + h
+            j = ir.Constant(I32, jj)
+            nibs = [b.and_(x, _const(k.vi8, 15)) if h == 0 else b.lshr(x, _const(k.vi8, 4)) for x in v]
+            fifth = [b.shl(b.and_(b.lshr(x, _const(k.vi8, jj)), _const(k.vi8, 1)), _const(k.vi8, 4)) for x in qh]
+            codes = [b.or_(n, f) for n, f in zip(nibs, fifth)]
+            ops.emit_codes(64 * p + 32 * h, [k.u_to_f(x) for x in codes], k.splat(b.extract_element(d1, j)))
+            ops.minus(jj, b.extract_element(m1, j))
+
+
 def _scales_mins(k: _Block, o, d, dmin):
     # Q4_K's eight (d * scale) and (dmin * minimum), <8 x float> each, from the 12 bytes at o + 4
     # in vectors (_scale_min's bits, all eight at once: the scalar unpacking had been the
@@ -153,7 +172,7 @@ def _q6_k(k: _Block, o, ops):
 
 
 # kind -> (block emitter, weights a block, bytes a block)
-BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q6_k": (_q6_k, 256, 210)}
+BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q5_k": (_q5_k, 256, 176), "q6_k": (_q6_k, 256, 210)}
 
 
 def _rows_dot(kind, lanes, context, builder, sig, args, t0, n, nt: int):
@@ -220,7 +239,8 @@ def _make_dot(kind: str, lanes: int):
     @intrinsic
     def dot(typingctx, x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi):
         """out[t, n] for t_lo <= t < t_hi, n_lo <= n < n_hi = x[t] . dequant(q[n]) in `kind`:
-        x [T, K] f32, xs [T, K / 32] f32 the sums of x's 32-column runs (read by Q4_K's), q
+        x [T, K] f32, xs [T, K / 32] f32 the sums of x's 32-column runs (read by Q4_K's and
+        Q5_K's), q
         [N, K / block weights * block bytes] uint8, lut [65536] f32 (float16 bits -> value),
         out [T, N] f32; every 2-D array C-contiguous; the caller checks."""
         return rows_kernel((x, xs, q, lut, out, t_lo, t_hi, n_lo, n_hi), (x, xs, q, out),
@@ -229,5 +249,5 @@ def _make_dot(kind: str, lanes: int):
     return dot
 
 
-dot_q8_0, dot_q4_k, dot_q6_k = (_make_dot(kind, 16) for kind in BLOCKS)
-dot_q8_0_8, dot_q4_k_8, dot_q6_k_8 = (_make_dot(kind, 8) for kind in BLOCKS)
+dot_q8_0, dot_q4_k, dot_q5_k, dot_q6_k = (_make_dot(kind, 16) for kind in BLOCKS)
+dot_q8_0_8, dot_q4_k_8, dot_q5_k_8, dot_q6_k_8 = (_make_dot(kind, 8) for kind in BLOCKS)
