@@ -26,6 +26,10 @@ from ..jit import JIT
 from ..kernels import PARALLEL_MIN_ELEMENTS, ROW_BLOCK, f16_lut, rows_aligned, silu_mul, tiles
 from .ggml_ir import (
     LANES,
+    dot_mxfp4,
+    dot_mxfp4_8,
+    dot_q4_0,
+    dot_q4_0_8,
     dot_q4_k,
     dot_q4_k_8,
     dot_q5_k,
@@ -317,7 +321,7 @@ def ggml_matmul_par(code, x, q, lut, out):
 
 # the decode path where a format has its IR row dot (engine/formats/ggml_ir.py): a kernel of its
 # own, not a branch of ggml_matmul (which would then carry a copy of tiles more)
-DOT_KINDS = ("q4_k", "q5_k", "q6_k", "q8_0")
+DOT_KINDS = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "gguf_mxfp4")
 
 
 @nb.njit(**JIT)
@@ -360,6 +364,16 @@ def ggml_dot(code, lanes, x, q, lut, out, n_lo, n_hi):
             dot_q8_0(x, xs, q, lut, out, 0, T, n_lo, n_hi)
         else:
             dot_q8_0_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+    elif code == C_Q4_0:
+        if lanes == 16:
+            dot_q4_0(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+        else:
+            dot_q4_0_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+    elif code == C_MXFP4:
+        if lanes == 16:
+            dot_mxfp4(x, xs, q, lut, out, 0, T, n_lo, n_hi)
+        else:
+            dot_mxfp4_8(x, xs, q, lut, out, 0, T, n_lo, n_hi)
 
 
 @nb.njit(parallel=True, **JIT)

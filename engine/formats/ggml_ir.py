@@ -1,5 +1,5 @@
 """The decode path of the GGUF block formats most files are made of (Q4_K, Q5_K and Q6_K in
-a Q4_K_M or Q5_K_M file, Q8_0), in LLVM IR: each block decoded in registers, once for the
+a Q4_K_M or Q5_K_M file, Q8_0, Q4_0, gpt-oss's MXFP4), in LLVM IR: each block decoded in registers, once for the
 few tokens of a token block, into vectors of its weights' float32 values (the same values,
 bit for bit, as engine/formats/ggml.py's decoders: the same float32 operations, none fused)
 multiplied into each token's sums straight away. The rows-then-tiles path writes each
@@ -80,6 +80,41 @@ def _q8_0(k: _Block, o, ops):
     d = k.splat(k.f16(o))
     for p in range(32 // k.L):
         ops.emit(p * k.L, k.b.fmul(k.s_to_f(k.bytes(k.at(o, 2 + p * k.L))), d))
+
+
+def _q4_0(k: _Block, o, ops):
+    # d (f16), qs [16]: weight i the low nibble of qs[i] less 8, weight 16 + i its high one;
+    # value d * (q - 8), as _q4_0 computes it
+    b = k.b
+    d = k.splat(k.f16(o))
+    for c in range(16 // k.L):
+        v = k.bytes(k.at(o, 2 + c * k.L))
+        for h, nib in enumerate((b.and_(v, _const(k.vi8, 15)), b.lshr(v, _const(k.vi8, 4)))):
+            ops.emit(16 * h + c * k.L, b.fmul(d, k.s_to_f(b.sub(nib, _const(k.vi8, 8)))))
+
+
+def _gguf_mxfp4(k: _Block, o, ops):
+    # e (e8m0), qs [16]: weight i the low nibble of qs[i], 16 + i its high one; value
+    # e8m0_half(e) * the e2m1 code's doubled value (MXFP4_VALUES), as _gguf_mxfp4 computes it:
+    # the scale's bits made from e (ggml's e8m0_to_fp32_half), the code's value from its bits
+    # (magnitude m < 4: m; else (2 | m & 1) << (m >> 1) - 1; bit 3 the sign), both exact
+    b = k.b
+    e = k.byte(o)
+    bits = b.select(b.icmp_unsigned("<", e, _const(I32, 2)), b.shl(_const(I32, 0x00200000), e),
+                    b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23)))
+    d = k.splat(b.bitcast(bits, F32))
+    for c in range(16 // k.L):
+        v = k.bytes(k.at(o, 1 + c * k.L))
+        for h, nib in enumerate((b.and_(v, _const(k.vi8, 15)), b.lshr(v, _const(k.vi8, 4)))):
+            code = b.zext(nib, k.vi32)
+            m = b.and_(code, _const(k.vi32, 7))
+            small = b.icmp_unsigned("<", m, _const(k.vi32, 4))
+            shift = b.select(small, _const(k.vi32, 0), b.sub(b.lshr(m, _const(k.vi32, 1)), _const(k.vi32, 1)))
+            big = b.shl(b.or_(b.and_(m, _const(k.vi32, 1)), _const(k.vi32, 2)), shift)
+            mag = b.select(small, m, big)
+            neg = b.icmp_unsigned("!=", b.and_(code, _const(k.vi32, 8)), _const(k.vi32, 0))
+            val = b.sitofp(b.select(neg, b.sub(_const(k.vi32, 0), mag), mag), k.vf)
+            ops.emit(16 * h + c * k.L, b.fmul(d, val))
 
 
 def _scale_min(k: _Block, s, j: int):
@@ -172,7 +207,8 @@ def _q6_k(k: _Block, o, ops):
 
 
 # kind -> (block emitter, weights a block, bytes a block)
-BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q5_k": (_q5_k, 256, 176), "q6_k": (_q6_k, 256, 210)}
+BLOCKS = {"q8_0": (_q8_0, 32, 34), "q4_k": (_q4_k, 256, 144), "q5_k": (_q5_k, 256, 176), "q6_k": (_q6_k, 256, 210),
+          "q4_0": (_q4_0, 32, 18), "gguf_mxfp4": (_gguf_mxfp4, 32, 17)}
 
 
 def _rows_dot(kind, lanes, context, builder, sig, args, t0, n, nt: int):
@@ -249,5 +285,5 @@ def _make_dot(kind: str, lanes: int):
     return dot
 
 
-dot_q8_0, dot_q4_k, dot_q5_k, dot_q6_k = (_make_dot(kind, 16) for kind in BLOCKS)
-dot_q8_0_8, dot_q4_k_8, dot_q5_k_8, dot_q6_k_8 = (_make_dot(kind, 8) for kind in BLOCKS)
+dot_q8_0, dot_q4_k, dot_q5_k, dot_q6_k, dot_q4_0, dot_mxfp4 = (_make_dot(kind, 16) for kind in BLOCKS)
+dot_q8_0_8, dot_q4_k_8, dot_q5_k_8, dot_q6_k_8, dot_q4_0_8, dot_mxfp4_8 = (_make_dot(kind, 8) for kind in BLOCKS)
