@@ -417,7 +417,7 @@ def read_ahead_file(path: str) -> str | None:
 def limited(gguf: str, ours: dict, threads: int, dense_bytes: int, rounds: int) -> dict:
     """Decode under a memory cgroup of 25 % of the GGUF file, cold: both engines, in turn,
     colibri as `ours` says ({"path", "activations"}: a container, or the GGUF file itself)."""
-    limit = os.path.getsize(gguf) // 4
+    limit = os.path.getsize(gguf) // 4 // 4096 * 4096  # (the kernel keeps a cgroup's limit in whole pages)
     ra_file = read_ahead_file(gguf)
     ra0 = int(open(ra_file).read()) if ra_file else None
     budget = limit - dense_bytes - PROCESS_BYTES  # (colibri's process: what placement leaves it)
