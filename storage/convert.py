@@ -317,11 +317,11 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
         parts = [(part, "weight", keep, shape) for part, shape in zip(PARTS, shapes)]
     bias_src = src.entry(plan.names(plan.moe_layers[0], 0)[len(PARTS)]).dtype if len(shapes) > len(PARTS) else None
     bias_dtype = ST_NAME[expert_dtype] if expert_dtype in FLOAT_DTYPES else (bias_src or "BF16")
+    layouts = {}  # a GGUF file's experts: each layer's own types as stored (Q4_K_M mixes them by layer)
     if not blocks:
         parts += [(part, "weight", bias_dtype, shape) for part, shape in zip(BIAS_PARTS, shapes[3:])]
-    layout, record_bytes = record_layout(parts)
-    layouts = {}  # a GGUF file's experts: each layer's own types as stored (Q4_K_M mixes them by layer)
-    if blocks:
+        layout, record_bytes = record_layout(parts)
+    else:
         sized = {il: record_layout([(part, "weight", "U8", block_shape(e.dtype, e.shape), e.dtype)
                                     if e.dtype in ggml.BY_TYPE_NAME else (part, "weight", e.dtype, e.shape)
                                     for part, e in zip(PARTS + BIAS_PARTS, map(src.entry, plan.names(il, 0)))])

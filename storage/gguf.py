@@ -280,19 +280,30 @@ def _deepseek2(meta: dict, arch: str, tensors: dict) -> dict:
         rope |= {"rope_type": "yarn", "factor": key("rope.scaling.factor"), "mscale": m, "mscale_all_dim": m,
                  "original_max_position_embeddings": key("rope.scaling.original_context_length"),
                  "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}
-    return {k: v for k, v in cfg.items() if k != "num_experts"} | {
+    return {k: v for k, v in cfg.items() if k != "num_experts"} | _mla_moe(meta, arch) | {
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
         "num_hidden_layers": cfg["num_hidden_layers"] - key("nextn_predict_layers", 0),
-        "num_key_value_heads": cfg["num_attention_heads"],  # (llama.cpp writes MLA as one KV head)
+        "norm_topk_prob": bool(key("expert_weights_norm")),
+        "qk_nope_head_dim": k_mla - rope_dim if k_mla and rope_dim else None,
+        "v_head_dim": key("attention.value_length_mla") or key("attention.value_length"), "head_dim": rope_dim,
+        "rope_interleave": True, "rope_parameters": rope}
+
+
+def _mla_moe(meta: dict, arch: str) -> dict:
+    # what deepseek2's and kimi-linear's metadata say alike: MLA's ranks and rotary dims (one KV
+    # head in the file: the config's are the attention heads), DeepSeek-V3's router and experts
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    return {
+        "num_key_value_heads": key("attention.head_count"),  # (llama.cpp writes MLA as one KV head)
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
         "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
         "first_k_dense_replace": key("leading_dense_block_count", 0),
-        "routed_scaling_factor": key("expert_weights_scale", 1.0), "norm_topk_prob": bool(key("expert_weights_norm")),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
         "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
         "q_lora_rank": key("attention.q_lora_rank"), "kv_lora_rank": key("attention.kv_lora_rank"),
-        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": k_mla - rope_dim if k_mla and rope_dim else None,
-        "v_head_dim": key("attention.value_length_mla") or key("attention.value_length"), "head_dim": rope_dim,
-        "rope_interleave": True, "rope_parameters": rope}
+        "qk_rope_head_dim": key("rope.dimension_count")}
 
 
 def _glm_dsa(meta: dict, arch: str, tensors: dict) -> dict:
@@ -303,8 +314,9 @@ def _glm_dsa(meta: dict, arch: str, tensors: dict) -> dict:
     types = meta.get(f"{arch}.attention.indexer.types")
     if types is None and meta.get(f"{arch}.context_length", 0) >= 1 << 20:
         raise ArchitectureUnsupported(f"{arch} without attention.indexer.types: which layers index is not in the file")
-    n = meta.get(f"{arch}.block_count", 0) - meta.get(f"{arch}.nextn_predict_layers", 0)
-    return {k: v for k, v in _deepseek2(meta, arch, tensors).items() if k != "rope_interleave"} | {
+    cfg = _deepseek2(meta, arch, tensors)
+    n = cfg["num_hidden_layers"]
+    return {k: v for k, v in cfg.items() if k != "rope_interleave"} | {
         "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
         "index_n_heads": meta.get(f"{arch}.attention.indexer.head_count"),
         "index_head_dim": meta.get(f"{arch}.attention.indexer.key_length"),
@@ -357,19 +369,12 @@ def _kimi_linear(meta: dict, arch: str, tensors: dict) -> dict:
     cfg = {k: v for k, v in _common(meta, arch, tensors).items() if k not in ("num_experts", "rope_theta")}
     n, rope_dim = cfg["num_hidden_layers"], key("rope.dimension_count")
     kv = kv if isinstance(kv, list) else [kv] * n
-    return cfg | {
+    return cfg | _mla_moe(meta, arch) | {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-        "num_key_value_heads": cfg["num_attention_heads"],
         "layer_types": ["linear_attention" if h == 0 else "full_attention" for h in kv[:n]],
         "linear_num_heads": cfg["num_attention_heads"], "linear_head_dim": key("kda.head_dim"),
-        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
-        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
-        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
-        "first_k_dense_replace": key("leading_dense_block_count", 0),
-        "routed_scaling_factor": key("expert_weights_scale", 1.0), "norm_topk_prob": True,
-        "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
-        "q_lora_rank": key("attention.q_lora_rank"), "kv_lora_rank": key("attention.kv_lora_rank"),
-        "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key("attention.key_length_mla") - rope_dim
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"), "norm_topk_prob": True,
+        "qk_nope_head_dim": key("attention.key_length_mla") - rope_dim
         if key("attention.key_length_mla") and rope_dim else None,
         "v_head_dim": key("attention.value_length_mla"), "gguf_layout": True}
 
