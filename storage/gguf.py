@@ -36,6 +36,7 @@ from .safetensors import TensorEntry
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # GGUF type -> storage dtype (bf16 as bits)
+INT_TYPES = {"I32": np.int32}  # integer tables (DeepSeek-V4's token -> experts map)
 EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)"
                     r"\.(?P<suffix>weight|bias)$")
 
@@ -379,11 +380,108 @@ def _kimi_linear(meta: dict, arch: str, tensors: dict) -> dict:
         "v_head_dim": key("attention.value_length_mla"), "gguf_layout": True}
 
 
+def _deepseek4(meta: dict, arch: str, tensors: dict) -> dict:
+    # DeepSeek-V4 (Flash, Pro) as llama.cpp's DeepseekV4Model writes it: the layers' compress
+    # ratios (0 sliding, 4 CSA, 128 HCA: the only ones its graph computes, as the family's
+    # compress_ratios), the hash layers' count, hyper-connections, the grouped low-rank output,
+    # the indexer; the main RoPE plain at rope.freq_base, the compressed layers' at
+    # compress_rope_freq_base with the file's YaRN and without its attention factor (its
+    # graph's dsv4_rope_attn_factor cancels it: the family's flat rope_scaling). One SwiGLU
+    # clamp for routed and shared experts (the family's swiglu_limit); the top-k weights
+    # renormalised (expert_weights_norm: the family does always, as transformers)
+    def key(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    def one(k, what):
+        v = key(k)
+        values = set(v if isinstance(v, list) else [v])
+        if len(values) != 1 or None in values:
+            raise ArchitectureUnsupported(f"{arch} with {what} {v!r}: colibri reads one for every layer")
+        return values.pop()
+
+    scoring = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}.get(key("expert_gating_func"))
+    if scoring is None:
+        raise ArchitectureUnsupported(f"{arch} with expert gating {key('expert_gating_func')}: colibri reads "
+                                      "sqrtsoftplus (4), sigmoid (2) and softmax (1)")
+    if not key("expert_weights_norm", True):
+        raise ArchitectureUnsupported(f"{arch} without expert_weights_norm: DeepSeek-V4 renormalises the top-k weights")
+    limit = one("swiglu_clamp_exp", "swiglu_clamp_exp")
+    if key("swiglu_clamp_shexp") is not None and one("swiglu_clamp_shexp", "swiglu_clamp_shexp") != limit:
+        raise ArchitectureUnsupported(f"{arch} with a shared experts' SwiGLU clamp other than the routed ones'")
+    cfg = {k: v for k, v in _common(meta, arch, tensors, scaled=("yarn",)).items() if k != "num_experts"}
+    n = cfg["num_hidden_layers"] - key("nextn_predict_layers", 0)
+    ratios = key("attention.compress_ratios")
+    if ratios is not None and not set(ratios[:n]) <= {0, 4, 128}:
+        raise ArchitectureUnsupported(f"{arch} with compress ratios {sorted(set(ratios[:n]))}: DeepSeek-V4's are "
+                                      "0, 4 and 128")
+    rope = {}
+    if key("rope.scaling.type") == "yarn":
+        rope = {"rope_scaling": {"type": "yarn", "factor": key("rope.scaling.factor"),
+                                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                                 "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
+                                 "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}}
+    head_dim = key("attention.key_length")
+    return cfg | rope | {
+        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": n,
+        "head_dim": head_dim, "qk_rope_head_dim": key("rope.dimension_count"),
+        "q_lora_rank": key("attention.q_lora_rank"), "sliding_window": key("attention.sliding_window"),
+        "o_groups": key("attention.output_group_count"), "o_lora_rank": key("attention.output_lora_rank"),
+        "compress_ratios": ratios[:n] if ratios is not None else None,
+        "compress_rope_theta": key("attention.compress_rope_freq_base"),
+        "index_n_heads": key("attention.indexer.head_count"), "index_head_dim": key("attention.indexer.key_length"),
+        "index_topk": key("attention.indexer.top_k"),
+        "hc_mult": key("hyper_connection.count"), "hc_sinkhorn_iters": key("hyper_connection.sinkhorn_iterations"),
+        "hc_eps": key("hyper_connection.epsilon"), "num_hash_layers": key("hash_layer_count", 0),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "moe_intermediate_size": one("expert_feed_forward_length", "expert_feed_forward_length"),
+        "scoring_func": scoring, "norm_topk_prob": True, "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        "swiglu_limit": limit}
+
+
+# DeepSeek-V4's names, for which the gguf package (0.19) has no map: the family's (DeepSeek's
+# own, as transformers saves them) -> llama.cpp's, as its converter (DeepseekV4Model) and its
+# gguf-py constants write them
+V4_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
+             "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
+V4_LAYER = {
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "ffn_norm", "attn.attn_sink": "attn_sinks",
+    "attn.wq_a.weight": "attn_q_a", "attn.q_norm.weight": "attn_q_a_norm", "attn.wq_b.weight": "attn_q_b",
+    "attn.wkv.weight": "attn_kv", "attn.norm.weight": "attn_kv_a_norm",
+    "attn.wo_a.weight": "attn_output_a", "attn.wo_b.weight": "attn_output_b",
+    "attn.compressor.wkv.weight": "attn_compressor_kv", "attn.compressor.wgate.weight": "attn_compressor_gate",
+    "attn.compressor.ape": "attn_compressor_ape", "attn.compressor.norm.weight": "attn_compressor_norm",
+    "attn.indexer.wq_b.weight": "indexer.attn_q_b", "attn.indexer.weights_proj.weight": "indexer.proj",
+    "attn.indexer.compressor.wkv.weight": "indexer_compressor_kv",
+    "attn.indexer.compressor.wgate.weight": "indexer_compressor_gate",
+    "attn.indexer.compressor.ape": "indexer_compressor_ape", "attn.indexer.compressor.norm.weight": "indexer_compressor_norm",
+    **{f"hc_{h}_{p}": f"hc_{h}_{p}" for h in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    "ffn.gate.weight": "ffn_gate_inp", "ffn.gate.bias": "exp_probs_b.bias", "ffn.gate.tid2eid": "ffn_gate_tid2eid",
+    "ffn.shared_experts.w1.weight": "ffn_gate_shexp", "ffn.shared_experts.w3.weight": "ffn_up_shexp",
+    "ffn.shared_experts.w2.weight": "ffn_down_shexp",
+    "ffn.experts.w1.weight": "ffn_gate_exps", "ffn.experts.w3.weight": "ffn_up_exps",
+    "ffn.experts.w2.weight": "ffn_down_exps"}
+
+
+def _deepseek4_name(name: str) -> tuple[str | None, int | None]:
+    # the family's name -> (llama.cpp's, the expert's index in its stacked tensor or None)
+    if name in V4_GLOBAL:
+        return V4_GLOBAL[name], None
+    m = re.match(r"^model\.layers\.(\d+)\.(?:ffn\.experts\.(\d+)\.(?=w))?(.+)$", name)
+    if m is None:
+        return None, None
+    rest = f"ffn.experts.{m[3]}" if m[2] is not None else m[3]
+    g = V4_LAYER.get(rest)
+    return (None if g is None else f"blk.{m[1]}.{g}" + ("" if g.endswith(".bias") else ".weight"),
+            None if m[2] is None else int(m[2]))
+
+
 # llama.cpp's general.architecture -> its family's config.json
 ARCHS = {"qwen3moe": _qwen_moe, "qwen2moe": _qwen_moe, "olmoe": _olmoe, "llama": _llama, "glm4moe": _glm4moe,
          "minimax-m2": _minimax_m2, "gpt-oss": _gpt_oss, "deepseek2": _deepseek2,
          "qwen3next": _qwen3next, "qwen35moe": _qwen3next, "kimi-linear": _kimi_linear,
-         "glm-dsa": _glm_dsa}
+         "glm-dsa": _glm_dsa, "deepseek4": _deepseek4}
+TABLES = {"deepseek4": _deepseek4_name}  # architectures named by colibri's own table (none in the gguf package)
 OPTIONAL = ("q_lora_rank",)  # config values a file may leave out (None: DeepSeek-V2-Lite's q has no LoRA)
 PERMUTED = {"llama": ("attn_q.weight", "attn_k.weight")}  # rows llama.cpp's converter permuted for its rotary
 
@@ -454,8 +552,10 @@ class GGUFCheckpoint:
         self.files = {os.path.basename(p): GGUFPart(p, os.path.getsize(p), begins[p]) for p in parts}
         import gguf
 
-        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.config["gguf_architecture"])
-        self._names = gguf.get_tensor_name_map(arch, int(self.config["num_hidden_layers"]))
+        self.table = TABLES.get(self.config["gguf_architecture"])
+        if self.table is None:
+            arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.config["gguf_architecture"])
+            self._names = gguf.get_tensor_name_map(arch, int(self.config["num_hidden_layers"]))
         self.where = {}  # the family's name -> (llama.cpp's, expert index or None), filled as names are asked
         self.derived: dict[str, GGUFTensor] = {}  # tensors put together from the file's (_kv_b), by llama.cpp's name
 
@@ -463,6 +563,18 @@ class GGUFCheckpoint:
         if name in self.where:
             gname, e = self.where[name]
             return self.tensors.get(gname) or self.derived[gname], e
+        gname, e = self.table(name) if self.table is not None else self._mapped(name)
+        t = self.tensors.get(gname) if gname else None
+        if t is None and gname and gname.endswith(".attn_kv_b.weight"):
+            t = self.derived[gname] = self._kv_b(gname)
+        if t is None or (e is not None and (len(t.shape) < 2 or e >= t.shape[0])):
+            raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
+                                + (f" (llama.cpp's {gname!r})" if gname else ""))
+        self.where[name] = (gname, e)
+        return t, e
+
+    def _mapped(self, name: str) -> tuple[str | None, int | None]:
+        # the family's name -> (llama.cpp's by the gguf package's map, the expert's index or None)
         m = EXPERT.match(name)
         spelled = re.sub(r"\.dt_bias$", ".dt_proj.bias", name.replace(
             "e_score_correction_bias", "e_score_correction.bias"))  # (as llama.cpp's converter renames them)
@@ -475,14 +587,7 @@ class GGUFCheckpoint:
         if gname and gname not in self.tensors and not name.endswith((".weight", ".bias")) and \
                 gname.removesuffix(".weight") in self.tensors:
             gname = gname.removesuffix(".weight")  # a tensor llama.cpp names without a suffix (ssm_a)
-        t = self.tensors.get(gname) if gname else None
-        if t is None and gname and gname.endswith(".attn_kv_b.weight"):
-            t = self.derived[gname] = self._kv_b(gname)
-        if t is None or (e is not None and (len(t.shape) < 2 or e >= t.shape[0])):
-            raise TensorMissing(f"{self.path}: tensor {name!r} is missing"
-                                + (f" (llama.cpp's {gname!r})" if gname else ""))
-        self.where[name] = (gname, e)
-        return t, e
+        return gname, e
 
     def _kv_b(self, gname: str) -> GGUFTensor | None:
         """MLA's kv_b [heads x (nope + v), kv rank] from llama.cpp's k_b [heads, kv rank, nope]
@@ -543,7 +648,10 @@ class GGUFCheckpoint:
         """As Checkpoint.expect. Raises TensorMissing, TensorShapeMismatch, UnsupportedDtype."""
         e = self.entry(name)
         t, _ = self._locate(name)
-        if e.dtype not in FLOAT_TYPES and e.dtype not in ggml.BY_TYPE_NAME:
+        if integer != (e.dtype in INT_TYPES):
+            raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {e.dtype}; " + (
+                f"an integer table must be {', '.join(INT_TYPES)}" if integer else "a weight cannot be an integer"))
+        if e.dtype not in FLOAT_TYPES and e.dtype not in ggml.BY_TYPE_NAME and not integer:
             raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {e.dtype}; colibri computes GGUF's "
                                    f"{', '.join([*FLOAT_TYPES, *ggml.BY_TYPE_NAME])} tensors")
         if tuple(e.shape) != tuple(shape):
@@ -562,8 +670,8 @@ class GGUFCheckpoint:
             return t.derive()
         if t.dtype in ggml.BY_TYPE_NAME:
             a = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(block_shape(t.dtype, t.shape))
-        elif t.dtype in FLOAT_TYPES:
-            a = np.asarray(t.data).reshape(-1).view(np.uint8).view(FLOAT_TYPES[t.dtype]).reshape(t.shape)
+        elif t.dtype in FLOAT_TYPES or t.dtype in INT_TYPES:
+            a = np.asarray(t.data).reshape(-1).view(np.uint8).view({**FLOAT_TYPES, **INT_TYPES}[t.dtype]).reshape(t.shape)
         else:
             raise UnsupportedDtype(f"{t.file}: tensor {t.name!r} is {t.dtype}; not computed from GGUF")
         if t.name.endswith(PERMUTED.get(self.config["gguf_architecture"], ())):

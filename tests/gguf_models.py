@@ -15,7 +15,7 @@ TYPES = {"F32": np.float32, "F16": np.float16}
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",  # -> llama.cpp's
         "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
         "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
-        "kimi_linear": "kimi-linear", "glm_moe_dsa": "glm-dsa"}
+        "kimi_linear": "kimi-linear", "glm_moe_dsa": "glm-dsa", "deepseek_v4": "deepseek4"}
 HYBRID = ("qwen3next", "qwen35moe")
 
 
@@ -207,6 +207,121 @@ def write_gguf(hf_dir, out, dtype="F32", split_max_tensors=0, tokenizer=None, pr
     return str(out)
 
 
+# DeepSeek-V4's tensors as llama.cpp's converter names them (DeepseekV4Model._map_dsv4_tensor_name
+# and gguf-py's constants, spelled out here: the gguf package on PyPI has no map for them)
+V4_NAMES = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight", "attn.attn_sink": "attn_sinks.weight",
+    "attn.wq_a.weight": "attn_q_a.weight", "attn.q_norm.weight": "attn_q_a_norm.weight",
+    "attn.wq_b.weight": "attn_q_b.weight", "attn.wkv.weight": "attn_kv.weight", "attn.norm.weight": "attn_kv_a_norm.weight",
+    "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
+    "attn.compressor.wkv.weight": "attn_compressor_kv.weight", "attn.compressor.wgate.weight": "attn_compressor_gate.weight",
+    "attn.compressor.ape": "attn_compressor_ape.weight", "attn.compressor.norm.weight": "attn_compressor_norm.weight",
+    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+    "attn.indexer.compressor.wkv.weight": "indexer_compressor_kv.weight",
+    "attn.indexer.compressor.wgate.weight": "indexer_compressor_gate.weight",
+    "attn.indexer.compressor.ape": "indexer_compressor_ape.weight",
+    "attn.indexer.compressor.norm.weight": "indexer_compressor_norm.weight",
+    "hc_attn_fn": "hc_attn_fn.weight", "hc_attn_base": "hc_attn_base.weight", "hc_attn_scale": "hc_attn_scale.weight",
+    "hc_ffn_fn": "hc_ffn_fn.weight", "hc_ffn_base": "hc_ffn_base.weight", "hc_ffn_scale": "hc_ffn_scale.weight",
+    "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+    "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight", "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
+    "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight", "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight"}
+V4_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
+           "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
+V4_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
+
+
+def write_deepseek4(hf_dir, out, quant=None):
+    """A deepseek_v4 checkpoint as llama.cpp's DeepseekV4Model writes DeepSeek-V4: its names,
+    the routed experts of a layer stacked per projection in MXFP4, the hash layers' tid2eid as
+    I32, the metadata its converter writes (compress ratios 0/4/128 and leading hash layers:
+    what its graph computes). quant(llama.cpp's name, array): the block type of any other
+    matrix (its FP8 ones become Q8_0), None for F32. Returns the path."""
+    import gguf
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    L, rates, types = cfg["num_hidden_layers"], cfg["compress_rates"], cfg["layer_types"]
+    ratios = [0 if t == "sliding_attention" else rates[t] for t in types]
+    hash_layers = cfg["mlp_layer_types"].count("hash_moe")
+    assert set(ratios) <= {0, 4, 128} and cfg["mlp_layer_types"][:hash_layers] == ["hash_moe"] * hash_layers
+    ck = open_checkpoint(str(hf_dir))
+    arch, w = "deepseek4", gguf.GGUFWriter(str(out), "deepseek4")
+    w.add_block_count(L)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(1)
+    main, comp = cfg["rope_parameters"]["main"], cfg["rope_parameters"]["compress"]
+    w.add_rope_freq_base(main["rope_theta"])
+    if comp["rope_type"] == "yarn":  # (the hub's flat rope_scaling: the compressed layers')
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(comp["factor"])
+        w.add_rope_scaling_orig_ctx_len(comp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(comp.get("beta_fast", 32.0))
+        w.add_rope_scaling_yarn_beta_slow(comp.get("beta_slow", 1.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_uint32(f"{arch}.expert_gating_func", {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}[cfg["scoring_func"]])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_swiglu_clamp_exp([cfg["swiglu_limit"]] * L)
+    w.add_swiglu_clamp_shexp([cfg["swiglu_limit"]] * L)
+    w.add_indexer_head_count(cfg["index_n_heads"])
+    w.add_indexer_key_length(cfg["index_head_dim"])
+    w.add_indexer_top_k(cfg["index_topk"])
+    w.add_uint32(f"{arch}.attention.output_group_count", cfg["o_groups"])
+    w.add_uint32(f"{arch}.attention.output_lora_rank", cfg["o_lora_rank"])
+    w.add_array(f"{arch}.attention.compress_ratios", ratios)
+    w.add_float32(f"{arch}.attention.compress_rope_freq_base", cfg["compress_rope_theta"])
+    w.add_uint32(f"{arch}.hyper_connection.count", cfg["hc_mult"])
+    w.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", cfg["hc_sinkhorn_iters"])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", cfg["hc_eps"])
+    w.add_uint32(f"{arch}.hash_layer_count", hash_layers)
+    w.add_embedding_length_out(cfg["hidden_size"] * cfg["hc_mult"])
+
+    def f32(name):
+        return ck.read(name).astype(np.float32)
+
+    def add(gname, a):
+        plain = quant is None or a.ndim != 2 or "hc_" in gname or gname.endswith("_ape.weight")  # (F32 in the release)
+        qtype = None if plain else quant(gname, a)
+        if qtype is not None:
+            w.add_tensor(gname, blocks(a, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+
+    stacked = {}
+    for name in sorted(ck.where):
+        if name in V4_ROOT:
+            add(V4_ROOT[name], f32(name))
+            continue
+        m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+        if e := re.match(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$", m[2]):
+            stacked.setdefault((int(m[1]), e[2]), {})[int(e[1])] = f32(name)
+        elif m[2] == "ffn.gate.tid2eid":
+            w.add_tensor(f"blk.{m[1]}.{V4_NAMES[m[2]]}", np.ascontiguousarray(ck.read(name), dtype=np.int32))
+        else:
+            add(f"blk.{m[1]}.{V4_NAMES[m[2]]}", f32(name))
+    for (il, proj), experts in sorted(stacked.items()):
+        a = np.stack([experts[e] for e in range(len(experts))])
+        w.add_tensor(f"blk.{il}.{V4_EXPERTS[proj]}.weight", blocks(a, "MXFP4"),
+                     raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(out)
+
+
 def tiled(a, axis, cfg, head_dim, inverse=False):
     # Qwen3.5's value heads from grouped (by key head) to tiled order along `axis`, as llama.cpp's
     # converter (_LinearAttentionVReorderBase._reorder_v_heads) reorders them; `inverse`: back
@@ -378,7 +493,9 @@ def dequantized_reference(gguf_path, hf_dir, out_dir):
 
     def values(name):
         w = src.read_weight(name)
-        return dequantize(w) if isinstance(w, QuantWeight) else w.astype(np.float32)
+        if isinstance(w, QuantWeight):
+            return dequantize(w)
+        return w.astype(np.int64) if w.dtype.kind == "i" else w.astype(np.float32)  # (an integer table as transformers')
 
     tensors = {}
     fused = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")

@@ -40,7 +40,7 @@ def greedy(model, ids, n):
 
 
 def logits_of(model, ids):
-    return model.forward(ids, model.new_cache(32), all_logits=True)
+    return model.forward(ids, model.new_cache(len(ids) + 32), all_logits=True)
 
 
 def matches_transformers(model, ref, ids, atol=1e-4):
@@ -394,9 +394,14 @@ def test_an_architecture_colibri_does_not_read_is_named(tmp_path):
 
     for arch, want in (("gemma3", "'gemma3' is not one colibri reads from GGUF \\(it reads deepseek2, .*, qwen3moe"),
                        ("llama", "l.gguf: llama without experts: a dense model"),
-                       ("deepseek2", "l.gguf: deepseek2 with expert gating None \\(DeepSeek-V2's softmax\\)")):
+                       ("deepseek2", "l.gguf: deepseek2 with expert gating None \\(DeepSeek-V2's softmax\\)"),
+                       ("deepseek4", "l.gguf: deepseek4 with swiglu_clamp_exp \\[10.0, 7.0\\]: colibri reads one for"),
+                       ("deepseek4", "l.gguf: deepseek4 with expert gating 3: colibri reads sqrtsoftplus")):
         w = gguf.GGUFWriter(str(tmp_path / "l.gguf"), arch)
         w.add_block_count(1)
+        if arch == "deepseek4":  # a clamp a layer, unlike each other; an unknown gating function
+            w.add_uint32("deepseek4.expert_gating_func", 4 if "clamp" in want else 3)
+            w.add_swiglu_clamp_exp([10.0, 7.0])
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
         _finish(w)
         with pytest.raises(ArchitectureUnsupported, match=want):
@@ -597,3 +602,36 @@ def test_glm_dsa_with_its_indexer_full_and_shared(tmp_path):
     assert model.args.index_topk == 4 and model.args.n_group == 2
     ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
     matches_transformers(model, ref, np.random.default_rng(6).integers(1, 101, 15))
+
+
+def test_deepseek4_with_mxfp4_experts_hash_layers_and_compressed_attention(tmp_path):
+    """deepseek4 (DeepSeek-V4), named by colibri's own table (the gguf package has none): the
+    routed experts in MXFP4 stacked per projection, the rest Q8_0 and F32 as llama.cpp's
+    converter writes the release, tid2eid as I32, hyper-connections of 4, sliding, CSA (rate
+    4, its indexer's top-k below the entries) and HCA (rate 128, a prompt past it) layers,
+    the compressed layers' YaRN: transformers' logits and tokens on the weights the package
+    dequantises, from the file at one slot a layer and from a converted container."""
+    from gguf_models import dequantized_reference, write_deepseek4
+
+    from colibri.storage.convert import ExpertPlan, convert
+
+    csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
+    # (8 indexer heads: with 4, entries' ReLU scores tie at 0 and torch's topk breaks ties its own way)
+    build("deepseek_v4", "all_types_hash_first", tmp_path / "hf", seed=8, hidden_size=64, moe_intermediate_size=32,
+          head_dim=32, q_lora_rank=32, hc_mult=4, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8,
+          index_head_dim=16, index_topk=3, max_position_embeddings=512, compress_rates={csa: 4, hca: 128},
+          rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    path = write_deepseek4(tmp_path / "hf", tmp_path / "v4.gguf", quant=lambda name, a: "Q8_0" if a.shape[-1] % 32 == 0
+                           else None)
+    ck = open_checkpoint(path)
+    assert ck.tensors["blk.2.ffn_gate_exps.weight"].dtype == "MXFP4" and ck.tensors["blk.1.attn_kv.weight"].dtype == "Q8_0"
+    assert ck.tensors["blk.0.ffn_gate_tid2eid.weight"].dtype == "I32" and "blk.0.exp_probs_b.bias" not in ck.tensors
+    model = load_model(path, budget="min")
+    assert model.MODEL_TYPE == "deepseek_v4" and model.args.layer_types == ["sliding_attention", csa, hca, csa]
+    assert model.args.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"] and model.args.hc_mult == 4
+    ref = dequantized_reference(path, tmp_path / "hf", tmp_path / "deq")
+    ids = np.random.default_rng(8).integers(1, 101, 131)  # (past an HCA entry of 128 and YaRN's 64)
+    matches_transformers(model, ref, ids)
+    convert(model.source(ck), str(tmp_path / "c"), ExpertPlan(model.moe_layers, model.n_expert, model.expert_names,
+                                                              model.dense_names()))
+    np.testing.assert_array_equal(logits_of(load_model(str(tmp_path / "c"), budget="min"), ids), logits_of(model, ids))
