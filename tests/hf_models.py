@@ -178,6 +178,25 @@ CASES = {
                                     index_n_heads=8, index_head_dim=8, index_topk=2, qk_rope_head_dim=8,
                                     compress_ratios=[4, 0], num_hash_layers=1)),
     ],
+    "inkling2": [  # past the window and the relative extent, blocks of two layers, log scaling from position 3
+        ("sliding_full_blocks", dict(vocab_size=101, unpadded_vocab_size=97, hidden_size=32, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=16,
+                                     sliding_window_size=5, d_rel=4, rel_extent=7, log_scaling_n_floor=3,
+                                     n_layers_per_attn_res_block=2, moe_intermediate_size=16, n_routed_experts=5,
+                                     num_experts_per_tok=2, conv_kernel_size=3,
+                                     layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"])),
+        ("full_first_sqrtsoftplus_capped", dict(vocab_size=64, unpadded_vocab_size=64, hidden_size=24, num_hidden_layers=3, num_attention_heads=3,
+                                            num_key_value_heads=1, head_dim=8, swa_num_attention_heads=4,
+                                            swa_num_key_value_heads=2, swa_head_dim=6, sliding_window_size=3,
+                                            d_rel=3, rel_extent=4, log_scaling_n_floor=5, log_scaling_alpha=0.5,
+                                            n_layers_per_attn_res_block=6, moe_intermediate_size=12,
+                                            n_routed_experts=4, num_experts_per_tok=3, conv_kernel_size=4,
+                                            scoring_func="sqrtsoftplus", route_scale=2.0, mlp_gate_softcap=1.0,
+                                            mlp_up_softcap=2.0, final_logit_softcapping=5.0,
+                                            qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=0.5,
+                                            layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding"])),
+    ],
     "gpt_oss": [
         ("sinks_sliding_clamped", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
@@ -259,6 +278,7 @@ CLASSES = {
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
+    "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]

@@ -15,7 +15,7 @@ from colibri.engine.prefix import PrefixCache
 
 from hf_models import CASES, build, load_model, read_bytes
 
-HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear") for name, _ in CASES[fam]]
+HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2") for name, _ in CASES[fam]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +88,7 @@ def test_a_saved_conversation_carries_the_state_which_cannot_be_cut_back(tmp_pat
     model = load_model(str(tmp_path))
     ids = np.random.default_rng(1).integers(0, model.args.vocab_size, 7).tolist()
     conv = list(generate(model, ids, SamplingParams(max_tokens=6), keep=True))[-1].conversation
-    assert {k for k in conv.kv if k.startswith("state:")} == {"state:delta", "state:conv"}
+    assert {k for k in conv.kv if k.startswith("state:")} == {"state:" + k for k in model.state_layout()}
     cache = model.new_cache(64)
     with pytest.raises(ValueError, match="recurrent state has seen"):
         cache.restore(conv.kv, len(conv.tokens) - 3)
