@@ -7,6 +7,9 @@
   one scale for the whole matrix.
   DeepSeek's own releases name the scales `X.scale` (`X.weight` -> `X.scale`), e8m0 with
   `scale_fmt: ue8m0`.
+- MXFP8 (Inkling-2): `quant_method: mxfp8`, FP8 E4M3 codes with an e8m0 scale per 32
+  values of a row (`weight_block_size` [1, 32]), the scales stored as uint8 bytes: read as
+  FP8 block-scaled.
 - FP4 experts in an FP8 checkpoint (DeepSeek-V4: `expert_dtype: fp4`): a weight I8 [N, K/2]
   (two e2m1 codes a byte, the even column in the low nibble) with e8m0 scales [N, K/32]
   beside it as above: MXFP4's layout, read as an mxfp4 QuantWeight.
@@ -31,7 +34,7 @@ from .formats import FORMATS, fp8, mxfp4
 from .quant import QuantWeight
 from .safetensors import bf16_to_f32
 
-METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method values colibri reads
+METHODS = ("fp8", "mxfp8", "mxfp4")  # quantization_config.quant_method values colibri reads
 FP8_DTYPES = {f.code_dtype: f.name for f in fp8.FORMATS}  # safetensors dtype -> kind
 SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # what an FP8 weight's scales may be stored as
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv (DeepSeek's name: the factor that undoes the quantization)
@@ -43,6 +46,7 @@ class QuantConfig:
     method: str  # fp8 or mxfp4
     block: tuple[int, int] | None = None  # fp8: (bn, bk); None: one scale per matrix
     fp4_experts: bool = False  # fp8 with expert_dtype fp4: I8 weights are e2m1 pairs, 32 a scale
+    e8m0_bytes: bool = False  # fp8 scales may be uint8 bytes, each an e8m0 exponent (MXFP8's, scale_fmt ue8m0)
 
 
 def quant_config(config: dict, where: str) -> QuantConfig | None:
@@ -56,7 +60,7 @@ def quant_config(config: dict, where: str) -> QuantConfig | None:
     method = qc.get("quant_method")
     if method not in METHODS:
         raise QuantizationUnsupported(f"{where}: quantization method {method!r} is not supported; colibri reads "
-                                      "fp8 (block-scaled FP8 weights) and mxfp4 checkpoints, or bf16/f16/f32 ones")
+                                      "fp8 (block-scaled FP8 weights), mxfp8 and mxfp4 checkpoints, or bf16/f16/f32 ones")
     if method == "mxfp4":
         return QuantConfig("mxfp4")
     fmt = qc.get("fmt", "e4m3")
@@ -65,12 +69,13 @@ def quant_config(config: dict, where: str) -> QuantConfig | None:
     experts = qc.get("expert_dtype", "fp8")
     if experts not in ("fp8", "fp4"):
         raise QuantizationUnsupported(f"{where}: expert_dtype {experts!r} is not supported (fp8, fp4)")
-    block = qc.get("weight_block_size")
+    e8m0 = method == "mxfp8" or qc.get("scale_fmt") == "ue8m0"
+    block = qc.get("weight_block_size", [1, 32] if method == "mxfp8" else None)
     if block is None:
-        return QuantConfig("fp8", None, experts == "fp4")
+        return QuantConfig("fp8", None, experts == "fp4", e8m0)
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ConfigInvalid(f"{where}: quantization_config.weight_block_size must be two positive integers, not {block!r}")
-    return QuantConfig("fp8", (block[0], block[1]), experts == "fp4")
+    return QuantConfig("fp8", (block[0], block[1]), experts == "fp4", e8m0)
 
 
 def scale_name(name: str, ckpt=None) -> str:
@@ -101,20 +106,25 @@ def check_fp8(ckpt, name: str, entry) -> None:
     sname = scale_name(name, ckpt)
     if not ckpt.has(sname):
         raise ScalesMismatch(f"{file}: FP8 tensor {name!r} has no scales ({sname!r} is missing)")
+    check_fp8_scales(ckpt, sname, tuple(entry.shape), fp8_scale_shape(ckpt.quant, entry.shape))
+
+
+def check_fp8_scales(ckpt, sname: str, shape: tuple, want: tuple) -> None:
+    """FP8 scales `sname` for a weight of `shape` are `want`-shaped and of a scale dtype
+    (uint8 e8m0 bytes where the config says so). Raises ScalesMismatch."""
     s = ckpt.entry(sname)
-    want = fp8_scale_shape(ckpt.quant, entry.shape)
-    shape = tuple(s.shape) if s.shape else (1, 1)
-    if s.dtype not in SCALE_DTYPES or shape != want:
-        raise ScalesMismatch(f"{ckpt.file_of(sname)}: {sname!r} is {s.dtype} {list(s.shape)}; weight {list(entry.shape)} "
-                             f"in blocks of {list(ckpt.quant.block or entry.shape)} needs {list(want)} scales "
-                             f"({', '.join(SCALE_DTYPES)})")
+    dtypes = SCALE_DTYPES + (("U8",) if ckpt.quant.e8m0_bytes else ())
+    if s.dtype not in dtypes or (tuple(s.shape) if s.shape else (1, 1)) != tuple(want):
+        raise ScalesMismatch(f"{ckpt.file_of(sname)}: {sname!r} is {s.dtype} {list(s.shape)}; weight {list(shape)} "
+                             f"in blocks of {list(ckpt.quant.block or shape[-2:])} needs {list(want)} scales "
+                             f"({', '.join(dtypes)})")
 
 
 def scales_f32(a: np.ndarray, dtype: str) -> np.ndarray:
-    """Scales as stored (F32, BF16 as uint16, F8_E8M0 as uint8) -> float32, exactly."""
+    """Scales as stored (F32, BF16 as uint16, F8_E8M0 and MXFP8's U8 as uint8) -> float32, exactly."""
     if dtype == "BF16":
         return bf16_to_f32(a)
-    if dtype == "F8_E8M0":
+    if dtype in ("F8_E8M0", "U8"):
         return mxfp4.E8M0_VALUES[a]
     return a.astype(np.float32)
 

@@ -479,6 +479,40 @@ def build_fp8(family: str, case: str, path, seed: int = 0, block=(16, 16), fmt: 
     return ref
 
 
+def build_mxfp8(family: str, case: str, path, seed: int = 0, **overrides):
+    """A checkpoint as Inkling-2's MXFP8 release lays it out: every projection matrix
+    (not the embeddings, the output head, the router, norms or convolutions) and the stacked
+    experts as float8 e4m3 codes with an e8m0 scale byte per 32 values of a row
+    (`X.weight_scale_inv`, the experts' `w13_weight_scale`), quant_method mxfp8. Returns the
+    transformers model with the same values dequantized to float32."""
+    build(family, case, path, seed=seed, **overrides)
+
+    def e8m0(t):  # [..., N, K] -> codes, scale bytes [..., N, K/32], values
+        *lead, n, k = t.shape
+        flat = t.float().reshape(-1, k)
+        q, sc = _fp8_quantize(flat, (1, 32), "e4m3", power_of_two=True)
+        values = _fp8_dequantize(q, sc, (1, 32)).reshape(t.shape)
+        return q.reshape(t.shape), (torch.log2(sc) + 127).to(torch.uint8).reshape(*lead, n, k // 32), values
+
+    def quantize(tensors):
+        out, values = {}, {}
+        for name, t in tensors.items():
+            if name.endswith(("experts.w13_weight", "experts.w2_weight")):
+                out[name], out[name + "_scale"], values[name] = e8m0(t)
+            elif t.ndim == 2 and name.endswith(".weight") and t.shape[1] % 32 == 0 and not name.endswith(
+                    ("embed.weight", "unembed.weight", "gate.weight", "norm.weight")):
+                out[name], out[name + "_scale_inv"], values[name] = e8m0(t)
+            else:
+                out[name] = t
+        return out, values
+
+    ref = _rewrite_weights(path, quantize, family)
+    rewrite_config(path, lambda c: c.update(quantization_config={
+        "quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic"}))
+    return ref
+
+
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
@@ -552,6 +586,21 @@ def build_fp4(family: str, case: str, path, seed: int = 0, block=(16, 16), hub_n
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
         "scale_fmt": "ue8m0", "expert_dtype": "fp4"}))
     return ref
+
+
+def image_text(cls: str, config, path, seed: int = 0):
+    """An image-text model of transformers' class `cls` (config: its config instance), its
+    weights random (norms about 1), saved at `path`; returns it (float32, eval)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1 if name.endswith("norm.weight") else 0) + 0.15 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return model
 
 
 def read_bytes() -> int:

@@ -35,6 +35,9 @@ from functools import partial
 import numba as nb
 import numpy as np
 
+from ...storage.errors import ScalesMismatch, TensorShapeMismatch
+from ...storage.fpformats import FP8_DTYPES, check_finite, check_fp8_scales, fp8_scale_shape, scales_f32
+from ...storage.quant import QuantWeight, dequantize
 from ..attention import AttnSpec
 from ..jit import JIT
 from ..layers import embed_rows, linear, rmsnorm
@@ -127,13 +130,14 @@ NAMES = {  # the hub's, as transformers' save_pretrained writes them too
     "expert_down": EXPERT + "{ie}.down_proj.weight",
 }
 STACKED = {"gate": EXPERT + "w13_weight", "up": EXPERT + "w13_weight", "down": EXPERT + "w2_weight"}
+STACKED_SCALES = "_scale"  # an MXFP8 release's: w13_weight -> w13_weight_scale, e8m0 bytes [E, N, K / 32]
 
 
 class StackedExperts:
     """A checkpoint with each layer's experts stacked (w13 [E, 2I, D], gate and up rows
     interleaved; w2 [E, D, I]) shown one expert at a time under NAMES' per-expert names:
-    `read` takes its rows (exact, in the storage dtype); everything else is the
-    checkpoint's."""
+    `read` takes its rows (exact, in the storage dtype), `read_weight` an MXFP8 release's
+    as an FP8 QuantWeight of its codes and scales; everything else is the checkpoint's."""
 
     def __init__(self, checkpoint, model: "Model"):
         self.ckpt, self.model = checkpoint, model
@@ -147,14 +151,17 @@ class StackedExperts:
     def has(self, name: str) -> bool:
         return name in self.virtual or self.ckpt.has(name)
 
-    def _stacked(self, il: int, which: str) -> np.ndarray:
+    def _stacked(self, il: int, name: str) -> np.ndarray:
+        # a stacked tensor of layer il (its scales too), kept while the layer's experts are read
         if self._layer[0] != il:
             self._layer = (il, {})
         got = self._layer[1]
-        name = STACKED[which].format(il=il)
         if name not in got:
             got[name] = self.ckpt.read(name)
         return got[name]
+
+    def _fp8(self, il: int, which: str) -> bool:
+        return self.ckpt.entry(STACKED[which].format(il=il)).dtype in FP8_DTYPES
 
     def entry(self, name: str):
         if name not in self.virtual:
@@ -168,18 +175,49 @@ class StackedExperts:
             return self.ckpt.expect(name, shape, integer)
         il, _, which = self.virtual[name]
         E, I, D = self.model.n_expert, self.model.args.moe_intermediate_size, self.model.args.hidden_size
-        self.ckpt.expect(STACKED[which].format(il=il), (E, D, I) if which == "down" else (E, 2 * I, D))
+        stacked, full = STACKED[which].format(il=il), (E, D, I) if which == "down" else (E, 2 * I, D)
+        e = self.ckpt.entry(stacked)
+        if e.dtype not in FP8_DTYPES:
+            self.ckpt.expect(stacked, full)
+        elif tuple(e.shape) != full:
+            raise TensorShapeMismatch(f"{self.ckpt.file_of(stacked)}: tensor {stacked!r} has shape {list(e.shape)}, "
+                                      f"config implies {list(full)}")
+        else:  # FP8 codes: their scales per block of each expert's rows
+            if self.ckpt.quant is None or self.ckpt.quant.method != "fp8" or not self.ckpt.has(stacked + STACKED_SCALES):
+                raise ScalesMismatch(f"{self.ckpt.file_of(stacked)}: FP8 tensor {stacked!r} has no scales "
+                                     f"({stacked + STACKED_SCALES!r}) or config.json no fp8/mxfp8 quantization_config")
+            check_fp8_scales(self.ckpt, stacked + STACKED_SCALES, full,
+                             (E, *fp8_scale_shape(self.ckpt.quant, full[1:])))
         return self.entry(name)
+
+    def _rows(self, name: str, suffix: str = "") -> np.ndarray:
+        # expert `name`'s rows of its stacked tensor (suffix: of its scales)
+        il, ie, which = self.virtual[name]
+        w = self._stacked(il, STACKED[which].format(il=il) + suffix)[ie]
+        return np.ascontiguousarray(w if which == "down" else w[0 if which == "gate" else 1 :: 2])
 
     def read(self, name: str) -> np.ndarray:
         if name not in self.virtual:
             return self.ckpt.read(name)
-        il, ie, which = self.virtual[name]
-        w = self._stacked(il, which)[ie]
-        return np.ascontiguousarray(w if which == "down" else w[0 if which == "gate" else 1 :: 2])
+        if self._fp8(*self.virtual[name][::2]):  # the float32 values (exact); read_weight keeps the codes
+            return dequantize(self.read_weight(name))
+        return self._rows(name)
 
     def read_weight(self, name: str):
-        return self.read(name) if name in self.virtual else self.ckpt.read_weight(name)
+        if name not in self.virtual:
+            return self.ckpt.read_weight(name)
+        il, _, which = self.virtual[name]
+        if not self._fp8(il, which):
+            return self._rows(name)
+        e, s = self.ckpt.entry(STACKED[which].format(il=il)), self.ckpt.entry(STACKED[which].format(il=il) + STACKED_SCALES)
+        bn, bk = self.ckpt.quant.block
+        if bn != 1:
+            raise ScalesMismatch(f"{self.ckpt.file_of(e.name)}: stacked experts scaled in blocks of {bn} rows; "
+                                 "colibri reads an expert's gate and up rows apart with one scale row each")
+        q = self._rows(name)
+        check_finite(q, FP8_DTYPES[e.dtype], f"{self.ckpt.file_of(e.name)}: {e.name!r}")
+        return QuantWeight(FP8_DTYPES[e.dtype], q, np.ascontiguousarray(scales_f32(self._rows(name, STACKED_SCALES),
+                                                                                  s.dtype)), bk, bn)
 
 
 def route(logits: np.ndarray, bias: np.ndarray, n_used: int, score, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -278,6 +316,7 @@ class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     ATTENTION = "sliding + full with relative bias and sinks (Inkling-2)"
     CREW_EXPERTS = False  # its soft-capped SwiGLU runs expert by expert (moe's ffn): not the integer job
+    ROTARY = False  # a relative position bias instead: the base class's rotary table is never read
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         a = args

@@ -24,6 +24,10 @@ APART = {
     ("kimi_k25", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
     ("deepseek_v32", "num_key_value_heads"): "MLA has no key/value heads (transformers' 128 is never read)",
     ("kimi_linear", "rope"): "no rotary anywhere (NoPE): colibri's rotary table is never read, transformers has none",
+    **{(mt, "rope"): "no rotary anywhere (a relative position bias): colibri's rotary table is never read"
+       for mt in ("inkling2", "inkling2_text")},
+    **{(mt, "unpadded_vocab_size"): "left out, transformers' 200058 is the published vocabulary's; colibri takes "
+       "vocab_size (a head of more rows than the file's table cannot load)" for mt in ("inkling2", "inkling2_text")},
     ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
     ("qwen3_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
 }

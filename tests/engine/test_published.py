@@ -1,4 +1,4 @@
-"""Checkpoints in their published precisions, FP8 block-scaled and MXFP4, against
+"""Checkpoints in their published precisions, FP8 block-scaled, MXFP8 and MXFP4, against
 transformers on the same values dequantized to float32: from the checkpoint and from a
 container at the minimum expert budget, with the codes computed on as stored."""
 
@@ -18,13 +18,14 @@ from colibri.storage.errors import NonFiniteWeights, QuantizationUnsupported, Sc
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.safetensors import SafetensorsFile
 
-from hf_models import build_fp4, build_fp8, build_mxfp4, load_model, rewrite_config
+from hf_models import build_fp4, build_fp8, build_mxfp4, build_mxfp8, load_model, rewrite_config
 
 N_NEW = 24
 MX_SHAPE = dict(hidden_size=64, intermediate_size=32)  # MXFP4 needs rows of whole 32-value blocks
 
 # (family, case, how): FP8 blocks that divide the matrices and blocks that do not, e5m2, one
-# scale per matrix, the hybrids' small projections left in bf16 as Qwen's releases do; MXFP4 for gpt-oss
+# scale per matrix, the hybrids' small projections left in bf16 as Qwen's releases do; MXFP4 for gpt-oss,
+# MXFP8 (FP8 with e8m0 bytes per 32 values, the experts stacked) for Inkling-2
 CASES = [
     ("deepseek_v3", "q_lora_groups_interleaved", dict(block=(16, 16))),
     ("deepseek_v3", "no_q_lora_yarn_bias_odd", dict(block=(7, 10))),
@@ -41,6 +42,7 @@ CASES = [
     ("deepseek_v4", "odd_sigmoid_hc3_yarn", dict(fp4=True, hub_names=True)),
     ("gpt_oss", "sinks_sliding_clamped", dict(mxfp4=True)),
     ("gpt_oss", "odd_full_and_sliding_tied", dict(mxfp4=True)),
+    ("inkling2", "sliding_full_blocks", dict(mxfp8=True)),
 ]
 IDS = [f"{f}-{c}" for f, c, _ in CASES]
 
@@ -52,6 +54,9 @@ def _init():
 
 def build_published(family, case, path, how, seed=7):
     how = dict(how)
+    if how.pop("mxfp8", False):  # Inkling-2: e4m3 codes, an e8m0 byte per 32 values of a row
+        return build_mxfp8(family, case, path, seed=seed, hidden_size=64, moe_intermediate_size=32, head_dim=16,
+                           swa_head_dim=16)
     if how.pop("mxfp4", False):
         return build_mxfp4(family, case, path, seed=seed, **MX_SHAPE)
     if how.pop("fp4", False):  # DeepSeek-V4: FP4 experts (rows of whole 32-code blocks), FP8 the rest
@@ -153,6 +158,15 @@ def test_scales_that_do_not_match_the_blocks_are_named(tmp_path):
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     _edit_tensor(tmp_path, name, lambda s: s[:, :-1].contiguous())
     with pytest.raises(ScalesMismatch, match="o_proj.weight_scale_inv"):
+        load_model(tmp_path)
+
+
+def test_stacked_mxfp8_experts_with_scales_of_the_wrong_shape_are_named(tmp_path):
+    build_mxfp8("inkling2", "sliding_full_blocks", tmp_path, hidden_size=64, moe_intermediate_size=32, head_dim=16,
+                swa_head_dim=16)
+    name = "model.llm.layers.2.mlp.experts.w13_weight_scale"
+    _edit_tensor(tmp_path, name, lambda s: s[:, :, :-1].contiguous())
+    with pytest.raises(ScalesMismatch, match=r"w13_weight_scale. is U8 \[5, 64, 1\].*needs \[5, 64, 2\]"):
         load_model(tmp_path)
 
 
