@@ -197,6 +197,31 @@ CASES = {
                                             qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=0.5,
                                             layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding"])),
     ],
+    "glm5_next": [  # pools of 2 (topk 4: two of them) past the prompt's first pools, a shared indexer, 2 streams;
+        # (16 indexer heads: with fewer, pools whose every head is ReLU 0 tie, often at the top when other
+        # pools score below 0, and torch's topk breaks ties its own way)
+        ("kda_pools_shared_hc2", dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                      num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2,
+                                      n_routed_experts=5, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=12,
+                                      qk_nope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=8, index_n_heads=16,
+                                      index_kpool=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=3,
+                                      hc_mult=2, swiglu_limit=0.5,
+                                      layer_types=["linear_attention", "indexed_attention", "indexed_attention",
+                                                   "linear_attention", "indexed_attention"],
+                                      indexer_types=["full", "full", "shared", "full", "full"],
+                                      mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])),
+        ("one_stream_groups_no_bound", dict(vocab_size=64, hidden_size=32, intermediate_size=40,
+                                            moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=3,
+                                            num_key_value_heads=3, n_routed_experts=6, num_experts_per_tok=2, n_group=2,
+                                            topk_group=1, n_shared_experts=2, kv_lora_rank=12, q_lora_rank=10,
+                                            qk_nope_head_dim=6, v_head_dim=4, index_topk=6, index_head_dim=6,
+                                            index_n_heads=16, index_kpool=3, linear_head_dim=6, linear_num_heads=3,
+                                            linear_conv_kernel_dim=4, linear_lower_bound=None, hc_mult=1,
+                                            hc_sinkhorn_iters=3, routed_scaling_factor=1.5,
+                                            layer_types=["indexed_attention", "linear_attention", "indexed_attention"],
+                                            indexer_types=["full", "full", "full"],
+                                            mlp_layer_types=["sparse", "dense", "sparse"])),
+    ],
     "gpt_oss": [
         ("sinks_sliding_clamped", dict(vocab_size=101, hidden_size=48, intermediate_size=24, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
@@ -279,13 +304,16 @@ CLASSES = {
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
     "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM"),
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration"),
 }
 
 ALL_CASES = [(fam, name) for fam, cases in CASES.items() for name, _ in cases]
 
 
-def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """Create, randomise and save a model; return the transformers model (float32, eval)."""
+def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32, vision: dict | None = None,
+          **overrides):
+    """Create, randomise and save a model; return the transformers model (float32, eval).
+    An image-text-only family's vision tower: VISION's, or `vision`."""
     import transformers
 
     kwargs = dict(dict(CASES[family])[case])
@@ -294,6 +322,9 @@ def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32,
     kwargs.setdefault("bos_token_id", None)
     kwargs.setdefault("pad_token_id", None)
     cfg_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
+    if family in VISION:  # an image-text model only: the text model's config inside, a tiny vision tower
+        kwargs = dict(text_config=kwargs,
+                      vision_config=(vision or VISION[family]) | {"out_hidden_size": kwargs["hidden_size"]})
     torch.manual_seed(seed)
     # the plain loop-over-experts and eager attention: the reference code path
     model = model_cls(cfg_cls(**kwargs, experts_implementation="eager", attn_implementation="eager")).eval()
@@ -317,6 +348,10 @@ def build(family: str, case: str, path: str, seed: int = 0, dtype=torch.float32,
 
 
 REFERENCE = dict(experts_implementation="eager", attn_implementation="eager")
+# families transformers has as image-text models only: the tests build them with this vision
+# tower (never read by colibri)
+VISION = {"glm5_next": dict(depth=1, hidden_size=32, num_heads=2, projection_intermediate_size=32, patch_size=2,
+                            image_size=4, spatial_merge_size=1)}
 
 
 def rewrite_config(path: str, fn) -> None:

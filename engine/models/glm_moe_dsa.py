@@ -49,14 +49,7 @@ class ModelArgs(deepseek_v3.ModelArgs):  # DeepSeek-V3's fields with GLM-5's def
         super().__post_init__()
         self.rope_interleave = True  # GLM-5 rotates interleaved pairs, in attention and indexer alike
         n = self.num_hidden_layers
-        if self.indexer_types is None:  # as transformers derives it
-            p = self.index_topk_pattern
-            if p is not None:
-                self.indexer_types = [{"F": "full", "S": "shared"}[c] for c in p] if isinstance(p, str) else list(p)
-            else:
-                freq = max(self.index_topk_freq, 1)
-                self.indexer_types = ["full" if max(i - self.index_skip_topk_offset + 1, 0) % freq == 0 else "shared"
-                                      for i in range(n)]
+        self.indexer_types = indexer_types(self)
         if self.mlp_layer_types is None:
             k = min(self.first_k_dense_replace, n)
             self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
@@ -67,6 +60,19 @@ class ModelArgs(deepseek_v3.ModelArgs):  # DeepSeek-V3's fields with GLM-5's def
         require(len(self.mlp_layer_types) == n and set(self.mlp_layer_types) <= {"dense", "sparse"},
                 "mlp_layer_types needs one of dense or sparse per layer")
         require(self.qk_rope_head_dim <= self.index_head_dim, "index_head_dim must hold the rotary dims")
+
+
+def indexer_types(a) -> list:
+    """Each layer's indexer, full or shared: the config's indexer_types, else as transformers
+    derives them from the older index_topk_pattern or index_topk_freq and index_skip_topk_offset."""
+    if a.indexer_types is not None:
+        return a.indexer_types
+    p = a.index_topk_pattern
+    if p is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in p] if isinstance(p, str) else list(p)
+    freq = max(a.index_topk_freq, 1)
+    return ["full" if max(i - a.index_skip_topk_offset + 1, 0) % freq == 0 else "shared"
+            for i in range(a.num_hidden_layers)]
 
 
 INDEXER = "model.layers.{il}.self_attn.indexer."

@@ -128,8 +128,11 @@ class Model(deepseek_v3.Model):
     ROTARY = False
     F32_KEYS = deepseek_v3.Model.F32_KEYS | {"q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm"}
 
+    FULL = "full_attention"  # layer_types' word for an MLA layer
+
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
-        self.slot, self.n_full, self.n_lin = layer_slots(args.layer_types)  # a layer's row in the cache
+        self.slot, self.n_full, self.n_lin = layer_slots(  # a layer's row in the cache
+            ["full_attention" if t == self.FULL else t for t in args.layer_types])
         super().__init__(args, config, where)
 
     def is_moe(self, il: int) -> bool:
@@ -154,7 +157,7 @@ class Model(deepseek_v3.Model):
         Hd = H * d
 
         def per_layer(il):
-            if a.layer_types[il] == "full_attention":
+            if a.layer_types[il] == self.FULL:
                 return attn_layer(il)
             return {"in_norm": (D,), "post_norm": (D,), "q": (Hd, D), "k": (Hd, D), "v": (Hd, D),
                     **{c: (1, Hd, 1, K) if a.gguf_layout else (Hd, 1, K) for c in ("q_conv", "k_conv", "v_conv")},
@@ -174,6 +177,11 @@ class Model(deepseek_v3.Model):
                 L["A" if self.args.gguf_layout else "A_log"] = L.pop("A_log").reshape(-1)  # [H] (a GGUF file's: A)
         return self
 
+    def decay(self, L: dict, f: np.ndarray) -> np.ndarray:
+        # f [T, H, d] forget-gate logits (dt_bias added) -> the log decay per key channel
+        A = L["A"] if "A" in L else -np.exp(L["A_log"])  # [H]
+        return (A[None, :, None] * softplus(f)).astype(np.float32)
+
     def kda(self, L: dict, x: np.ndarray, step, il: int) -> np.ndarray:
         # x [T, D] (normed) -> [T, D]: projections, forget gate, write strength and output gate
         # over the whole step; the convolutions and the delta rule per sequence, on its own state
@@ -183,8 +191,7 @@ class Model(deepseek_v3.Model):
         mixed = np.ascontiguousarray(np.concatenate([linear(x, L["q"]), linear(x, L["k"]), linear(x, L["v"])], axis=1),
                                      dtype=np.float32)  # [T, 3 Hd]
         f = (linear(linear(x, L["f_a"]), L["f_b"]) + L["dt_bias"]).reshape(T, H, d)
-        A = L["A"] if "A" in L else -np.exp(L["A_log"])  # [H]
-        g = (A[None, :, None] * softplus(f)).astype(np.float32)  # [T, H, d] per key channel
+        g = self.decay(L, f)  # [T, H, d] per key channel
         beta = sigmoid(linear(x, L["b_proj"]))  # [T, H]
         gate = linear(linear(x, L["g_a"]), L["g_b"]).reshape(T, H, d)
         conv = np.empty_like(mixed)
@@ -205,7 +212,7 @@ class Model(deepseek_v3.Model):
         # h [T, D] residual stream
         a, L = self.args, self.layers[il]
         x = rmsnorm(h, L["in_norm"], a.rms_norm_eps)
-        if a.layer_types[il] == "full_attention":
+        if a.layer_types[il] == self.FULL:
             h = h + self.attention(il, x, step)
         else:
             h = h + self.kda(L, x, step, il)

@@ -26,11 +26,17 @@ APART = {
     ("kimi_linear", "rope"): "no rotary anywhere (NoPE): colibri's rotary table is never read, transformers has none",
     **{(mt, "rope"): "no rotary anywhere (a relative position bias): colibri's rotary table is never read"
        for mt in ("inkling2", "inkling2_text")},
+    **{(mt, "rope"): "no rotary anywhere (NoPE MLA): colibri's rotary table is never read"
+       for mt in ("glm5_next", "glm5_next_text")},
     **{(mt, "unpadded_vocab_size"): "left out, transformers' 200058 is the published vocabulary's; colibri takes "
        "vocab_size (a head of more rows than the file's table cannot load)" for mt in ("inkling2", "inkling2_text")},
     ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
     ("qwen3_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
 }
+
+
+# what a family's transformers config needs beside REQUIRED to pass its own validation
+VALID = {mt: {"num_key_value_heads": 16} for mt in ("glm5_next", "glm5_next_text")}  # (MLA: as many as the heads)
 
 
 def families() -> list[str]:
@@ -42,7 +48,7 @@ def test_a_config_of_the_required_fields_means_what_transformers_reads(model_typ
     fam = family(model_type)
     required = [f.name for f in dataclasses.fields(fam.ModelArgs)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    config = {"model_type": model_type, **{k: REQUIRED[k] for k in required}}
+    config = {"model_type": model_type, **{k: REQUIRED[k] for k in required}, **VALID.get(model_type, {})}
     cls = CONFIG_MAPPING[model_type]
     wrapper = None
     if hasattr(fam, "text_config"):  # an image-text model: colibri runs its text model, configured by its class

@@ -43,6 +43,7 @@ CASES = [
     ("gpt_oss", "sinks_sliding_clamped", dict(mxfp4=True)),
     ("gpt_oss", "odd_full_and_sliding_tied", dict(mxfp4=True)),
     ("inkling2", "sliding_full_blocks", dict(mxfp8=True)),
+    ("glm5_next", "kda_pools_shared_hc2", dict(block=(16, 16))),
 ]
 IDS = [f"{f}-{c}" for f, c, _ in CASES]
 
@@ -84,7 +85,7 @@ def to_container(hf, dst, **kw):
 @pytest.mark.parametrize("family,case,how", CASES, ids=IDS)
 def test_matches_transformers_at_published_precision(tmp_path, family, case, how):
     ref = build_published(family, case, tmp_path / "hf", how)
-    ids = np.random.default_rng(3).integers(0, ref.config.vocab_size, 9)
+    ids = np.random.default_rng(3).integers(0, ref.config.get_text_config().vocab_size, 9)
     want = hf_greedy(ref, ids, N_NEW)
     kind = "mxfp4" if how.get("mxfp4") or how.get("fp4") else "fp8_" + how.get("fmt", "e4m3")
 
