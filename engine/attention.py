@@ -4,9 +4,11 @@ windows as the family asks."""
 
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 
 from . import crew, kernels
+from .jit import JIT
 from .kernels import NO_SINKS
 from .layers import linear, rmsnorm
 from .sequence import KV_BLOCK, KVCache, Step
@@ -93,3 +95,40 @@ def attend(q, cache: KVCache, il: int, k: str, v: str, window: int, scale, sinks
         kernels.attention_paged_par(*args)
     else:
         kernels.attention_paged(*args)
+
+
+@nb.njit(**JIT)
+def chosen_attention(q, k, v, allowed, scale, out):
+    # one sequence's rows: q [n, H, d], keys k [S, Hkv, d] and values v [S, Hkv, dv], allowed
+    # [n, S] bool (the keys a sparse-attention indexer chose for each row) -> out [n, H, dv]:
+    # each row's softmax over its allowed keys, in position order (its bits the same whichever
+    # rows share its step). A row with none averages every value, as transformers' additive
+    # mask gives it (its minimum added to every score: all equal)
+    n, H, d = q.shape
+    S, G, dv = k.shape[0], H // k.shape[1], v.shape[2]
+    p = np.empty(S, np.float32)
+    for t in range(n):
+        for h in range(H):
+            g = h // G
+            m = -np.inf
+            for s in range(S):
+                if allowed[t, s]:
+                    acc = np.float32(0.0)
+                    for j in range(d):
+                        acc += q[t, h, j] * k[s, g, j]
+                    p[s] = acc * scale
+                    m = max(m, p[s])
+            den = np.float32(0.0)
+            for s in range(S):
+                if m == -np.inf:  # (none allowed)
+                    p[s] = np.float32(1.0)
+                    den += p[s]
+                elif allowed[t, s]:
+                    p[s] = np.float32(np.exp(p[s] - m))
+                    den += p[s]
+            for j in range(dv):
+                acc = np.float32(0.0)
+                for s in range(S):
+                    if m == -np.inf or allowed[t, s]:
+                        acc += p[s] * v[s, g, j]
+                out[t, h, j] = acc / den

@@ -434,7 +434,7 @@ class MoEModel:
         for sg in segments:
             sg.cache.n_pos += sg.n
         rows = np.arange(len(ids)) if all_logits else np.array([sg.start + sg.n - 1 for sg in segments])
-        logits = self.logits(rmsnorm(self.head_input(h[rows]), self.glob["norm"], self.args.rms_norm_eps))  # [R, V]
+        logits = self.logits(self.final_norm(self.head_input(h[rows])))  # [R, V]
         if not all_logits:
             return [logits[i : i + 1] for i in range(len(segments))]
         return [logits[sg.start : sg.start + sg.n] for sg in segments]
@@ -443,6 +443,10 @@ class MoEModel:
         # ids [T] -> the residual stream at the first layer: [T, D], the embeddings in float32
         # (a table in a GGUF block format: just the step's rows decoded)
         return embed_rows(self.glob["embed"], ids)
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        # x [R, D] the head's input -> what the output head takes: the final RMSNorm
+        return rmsnorm(x, self.glob["norm"], self.args.rms_norm_eps)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # x [R, D] after the final norm -> the logits [R, V] (a family may soft-cap them)

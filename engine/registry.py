@@ -10,7 +10,8 @@ from .model import MoEModel, parse_args
 
 # model_type -> family file, where a name shares another's code
 MODEL_REMAPPING: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe",
-                                   "inkling2_text": "inkling2", "glm5_next_text": "glm5_next"}
+                                   "inkling2_text": "inkling2", "glm5_next_text": "glm5_next",
+                                   "qwen4_exp_text": "qwen4_exp"}
 
 
 def supported() -> list[str]:

@@ -27,6 +27,7 @@ from functools import partial
 import numba as nb
 import numpy as np
 
+from ..attention import chosen_attention
 from ..jit import JIT
 from ..layers import embed_rows, linear, rmsnorm
 from ..model import require, text_config, wrapped_names
@@ -156,45 +157,6 @@ def pool_scores(q, keys, w, scale, out):
             out[t, m] = total
 
 
-@nb.njit(**JIT)
-def chosen_attention(q, kv, n_latent, allowed, scale, out):
-    # q [n, H, L] absorbed queries, kv [S, L] cached latent | rotary key, allowed [n, S] bool
-    # -> out [n, H, latent]: softmax over each row's allowed keys, in position order. A row
-    # with none (no complete pool yet, the tail not selected) averages every cached key's
-    # latent, as transformers' mask gives it (its minimum added to every score: all equal)
-    n, H, L = q.shape
-    S = kv.shape[0]
-    p = np.empty(S, np.float32)
-    for t in range(n):
-        if not allowed[t].any():
-            for j in range(n_latent):
-                acc = np.float32(0.0)
-                for s in range(S):
-                    acc += kv[s, j]
-                out[t, :, j] = acc / np.float32(S)
-            continue
-        for h in range(H):
-            m = -np.inf
-            for s in range(S):
-                if allowed[t, s]:
-                    acc = np.float32(0.0)
-                    for j in range(L):
-                        acc += q[t, h, j] * kv[s, j]
-                    p[s] = acc * scale
-                    m = max(m, p[s])
-            den = np.float32(0.0)
-            for s in range(S):
-                if allowed[t, s]:
-                    p[s] = np.float32(np.exp(p[s] - m))
-                    den += p[s]
-            for j in range(n_latent):
-                acc = np.float32(0.0)
-                for s in range(S):
-                    if allowed[t, s]:
-                        acc += p[s] * kv[s, j]
-                out[t, h, j] = acc / den
-
-
 class Model(kimi_linear.Model):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
@@ -301,8 +263,9 @@ class Model(kimi_linear.Model):
         out = np.empty(qa.shape[:2] + (lat,), np.float32)  # [T, H, latent]
         for sg, allowed in zip(step.segments, step.chosen):
             rows, cache, pos0 = slice(sg.start, sg.start + sg.n), sg.cache, sg.cache.n_pos
-            chosen_attention(np.ascontiguousarray(qa[rows]), cache.gather("k", self.kv_row(il), 0, pos0 + sg.n), lat,
-                             allowed, np.float32(self.attn_spec.scale), out[rows])
+            kv = cache.gather("k", self.kv_row(il), 0, pos0 + sg.n)[:, None]  # [S, 1, latent + rope]
+            chosen_attention(np.ascontiguousarray(qa[rows]), kv, np.ascontiguousarray(kv[..., :lat]), allowed,
+                             np.float32(self.attn_spec.scale), out[rows])
         return self.lift(il, out)
 
     def choose(self, il, x, q_resid, step) -> list:

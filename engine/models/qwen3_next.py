@@ -196,6 +196,10 @@ class Model(MoEModel):
         mixed = np.concatenate([qkvz[:, c["q"]], qkvz[:, c["k"]], qkvz[:, c["v"]]], axis=1)
         return mixed, qkvz[:, c["z"]], ba[:, c["b"]], ba[:, c["a"]]
 
+    def output_gate(self, z: np.ndarray) -> np.ndarray:
+        # the gated norm's activation of z: SiLU
+        return z * sigmoid(z)
+
     def gated_delta_net(self, L: dict, x: np.ndarray, step, il: int) -> np.ndarray:
         # x [T, D] (normed) -> [T, D]: the projections over the whole step, the convolution and
         # the delta rule per sequence, on its own state
@@ -221,7 +225,7 @@ class Model(MoEModel):
             v = np.ascontiguousarray(conv[rows, 2 * self.key_dim :].reshape(sg.n, Hv, dv))
             delta_rule(np.ascontiguousarray(q), np.ascontiguousarray(k), v, np.ascontiguousarray(g[rows, :, None]),
                              np.ascontiguousarray(beta[rows]), sg.cache.state["delta"][s], core[rows])
-        out = rmsnorm(core, L["lin_norm"], a.rms_norm_eps) * (z * sigmoid(z))  # the gated norm, per value head
+        out = rmsnorm(core, L["lin_norm"], a.rms_norm_eps) * self.output_gate(z)  # the gated norm, per value head
         return linear(out.reshape(T, Hv * dv), L["lin_out"])
 
     def block(self, il, h, step):

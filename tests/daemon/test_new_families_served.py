@@ -27,7 +27,8 @@ PUBLISHED = {"fp8": lambda f, c, p: build_fp8(f, c, p, seed=13, block=(16, 16), 
     ("deepseek_v3", "q_lora_groups_interleaved", "fp8"), ("gpt_oss", "sinks_sliding_clamped", "mxfp4"),
     ("qwen3_next", "odd_mix_sparse_tied", None), ("qwen3_5_moe", "basic_three_to_one", None),
     ("kimi_linear", "q_lora_groups_mixed", None), ("kimi_k25", "q_lora_groups_interleaved", "image-text"),
-    ("inkling2", "sliding_full_blocks", None), ("glm5_next", "kda_pools_shared_hc2", None)])
+    ("inkling2", "sliding_full_blocks", None), ("glm5_next", "kda_pools_shared_hc2", None),
+    ("qwen4_exp", "ple_qsa_hc2", None)])
 def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precision):
     hf = tmp_path / "hf"
     if precision:  # at its published precision, kept by convert; or an image-text checkpoint as the hub has it
@@ -44,7 +45,7 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
     assert run.returncode == 0, run.stderr
     want = json.loads(run.stdout)
     assert len(want["token_ids"]) == 12
-    hybrid = family in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next")
+    hybrid = family in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next", "qwen4_exp")
     (tmp_path / "c.yaml").write_text("prefill_chunk: auto\n" if hybrid else "{}\n")
     with serving(tmp_path, tmp_path / "c", "--expert-cache", "min", "--config", str(tmp_path / "c.yaml")) as (_, sock):
         got = ctl(sock, "generate", "--json", "--max-tokens", 12, "streamed experts")

@@ -130,7 +130,7 @@ def test_the_auto_chunk_follows_the_measured_steps():
 
 @pytest.mark.parametrize("family,case", [("qwen3_moe", "basic"), ("qwen3_next", "basic_three_to_one"),
                                          ("kimi_linear", "odd_no_q_lora_two_shared"), ("inkling2", "sliding_full_blocks"),
-                                         ("glm5_next", "one_stream_groups_no_bound")])
+                                         ("glm5_next", "one_stream_groups_no_bound"), ("qwen4_exp", "ple_qsa_hc2")])
 def test_auto_chunks_give_the_tokens_of_one_step(tmp_path, family, case):
     # a hybrid's recurrent state advances chunk by chunk, whatever sizes auto picks
     build(family, case, tmp_path / "hf", seed=23)

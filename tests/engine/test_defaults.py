@@ -28,6 +28,8 @@ APART = {
        for mt in ("inkling2", "inkling2_text")},
     **{(mt, "rope"): "no rotary anywhere (NoPE MLA): colibri's rotary table is never read"
        for mt in ("glm5_next", "glm5_next_text")},
+    **{(mt, "layer_types"): "colibri's hybrid code names an indexed_attention layer full_attention (Qwen3.5's "
+       "attention, with QSA)" for mt in ("qwen4_exp", "qwen4_exp_text")},
     **{(mt, "unpadded_vocab_size"): "left out, transformers' 200058 is the published vocabulary's; colibri takes "
        "vocab_size (a head of more rows than the file's table cannot load)" for mt in ("inkling2", "inkling2_text")},
     ("qwen2_moe", "sliding_window"): "read only with use_sliding_window (off), which transformers nulls it for",
@@ -36,7 +38,9 @@ APART = {
 
 
 # what a family's transformers config needs beside REQUIRED to pass its own validation
-VALID = {mt: {"num_key_value_heads": 16} for mt in ("glm5_next", "glm5_next_text")}  # (MLA: as many as the heads)
+VALID = {**{mt: {"num_key_value_heads": 16} for mt in ("glm5_next", "glm5_next_text")},  # (MLA: as many as the heads)
+         **{mt: {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 256, "indexer_budget": 64,
+                 "indexer_compress_ratio": 4} for mt in ("qwen4_exp", "qwen4_exp_text")}}  # (its QSA, unset by default)
 
 
 def families() -> list[str]:

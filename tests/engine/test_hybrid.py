@@ -15,8 +15,8 @@ from colibri.engine.prefix import PrefixCache
 
 from hf_models import CASES, build, image_text, load_model, read_bytes
 
-HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next")
-           for name, _ in CASES[fam]]
+HYBRIDS = [(fam, name) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next",
+                                                  "qwen4_exp") for name, _ in CASES[fam]]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,7 +26,7 @@ def tokens(events):
     ("deepseek_v3", "q_lora_groups_interleaved", True), ("gpt_oss", "sinks_sliding_clamped", True),
     ("glm_moe_dsa", "full_shared_topk4", False), ("deepseek_v32", "odd_topk7_yarn_mlp_types", False),
     ("deepseek_v4", "odd_sigmoid_hc3_yarn", True),
-    *[(fam, case, True) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next")
+    *[(fam, case, True) for fam in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next", "qwen4_exp")
       for case, _ in CASES[fam]]])
 def test_three_turns_equal_one_request_of_the_whole_conversation(tmp_path, family, case, same_bits):
     """Each turn feeds the last sampled token and its new prompt on the restored cache; the

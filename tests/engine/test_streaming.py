@@ -161,7 +161,7 @@ def test_quantized_container_runs_close_to_bf16(tmp_path, dtype):
                                          ("mixtral", "odd_tied_window"), ("deepseek_v3", "q_lora_groups_interleaved"),
                                          ("qwen3_next", "basic_three_to_one"), ("kimi_linear", "q_lora_groups_mixed"),
                                          ("deepseek_v4", "odd_sigmoid_hc3_yarn"), ("inkling2", "sliding_full_blocks"),
-                                         ("glm5_next", "kda_pools_shared_hc2")])
+                                         ("glm5_next", "kda_pools_shared_hc2"), ("qwen4_exp", "ple_qsa_hc2")])
 def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
     build(family, case, tmp_path / "hf", seed=31)
     path = to_container(tmp_path / "hf", tmp_path / "c")
@@ -184,7 +184,8 @@ def test_prefetch_moves_data_never_tokens(tmp_path, family, case):
                                          ("minimax_m2", "odd_full_rotary_tied"), ("qwen3_next", "odd_mix_sparse_tied"),
                                          ("qwen3_5_moe", "basic_three_to_one"), ("kimi_linear", "q_lora_groups_mixed"),
                                          ("deepseek_v4", "all_types_hash_first"),
-                                         ("inkling2", "sliding_full_blocks"), ("glm5_next", "kda_pools_shared_hc2")])
+                                         ("inkling2", "sliding_full_blocks"), ("glm5_next", "kda_pools_shared_hc2"),
+                                         ("qwen4_exp", "ple_qsa_hc2")])
 def test_tokens_identical_with_every_policy(tmp_path, family, case):
     ref = build(family, case, tmp_path / "hf", seed=41)
     path = to_container(tmp_path / "hf", tmp_path / "c")

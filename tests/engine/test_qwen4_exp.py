@@ -1,0 +1,60 @@
+"""Qwen4-Exp (engine/models/qwen4_exp.py) beyond the shared family suites: its n-grams are
+transformers' own (hashed alike, never across an end of sequence), prompts full of ends of
+sequence run as transformers runs them, and the sharded tables read as one table each."""
+
+import numpy as np
+import pytest
+import torch
+from test_families import hf_greedy, our_greedy
+
+from hf_models import build, load_model
+
+
+@pytest.mark.parametrize("case", ["ple_qsa_hc2", "hc3_sigmoid_gate_ngram4"])
+def test_the_ngram_rows_are_transformers_own(tmp_path, case):
+    """Layer by layer, the table rows colibri's hash picks hold the embeddings transformers'
+    NGramEmbedding returns, for a prompt with ends of sequence at its start, inside, twice in
+    a row and at its end, whole and then a token at a time."""
+    from colibri.engine.models.qwen4_exp import NGramHash
+
+    ref = build("qwen4_exp", case, tmp_path, seed=3)
+    ours = load_model(str(tmp_path))
+    eos = ours.args.eos
+    ids = np.array([eos, 7, 9, 11, eos, 13, 17, eos, eos, 19, 23, 29, 31, eos], np.int64)
+    for il, k in ours.ple_rows.items():
+        module = ref.model.layers[il].ple.ple_embedding
+        with torch.no_grad():
+            want = module(torch.tensor(ids)[None], None)[0].numpy()  # [T, E]
+        h = NGramHash(ours.args, k)
+        rows = h.ids(np.concatenate([[eos] * (ours.args.ngram_size - 1), ids]), eos, len(ids))
+        np.testing.assert_array_equal(ours.layers[il]["ple_table"][rows].reshape(len(ids), -1), want)
+        assert h.rows == module.ngram_embedding.weight.shape[0]
+
+
+@pytest.mark.parametrize("case", ["ple_qsa_hc2", "hc3_sigmoid_gate_ngram4"])
+def test_a_prompt_of_several_documents_runs_as_transformers(tmp_path, case):
+    ref = build("qwen4_exp", case, tmp_path, seed=8)
+    ours = load_model(str(tmp_path))
+    eos = ours.args.eos
+    rng = np.random.default_rng(8)
+    ids = np.concatenate([rng.integers(7, 60, 9), [eos], rng.integers(7, 60, 4), [eos, eos], rng.integers(7, 60, 6)])
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(ours.forward(ids, ours.new_cache(64), all_logits=True) - want).max() <= 1e-4
+    assert our_greedy(ours, ids, 24) == hf_greedy(ref, ids, 24)
+
+
+def test_shards_of_the_wrong_size_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from colibri.storage.errors import TensorShapeMismatch
+
+    build("qwen4_exp", "ple_qsa_hc2", tmp_path, seed=1)
+    f = str(tmp_path / "model.safetensors")
+    t = load_file(f)
+    name = "model.layers.2.ple.ple_embedding.ngram_embedding.shard_3.weight"
+    t[name] = t[name][:-1].contiguous()
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(TensorShapeMismatch, match="shards of 'model.layers.2.ple.ple_embedding.ngram_embedding.weight' "
+                                                  "hold 311 rows; the config implies 312"):
+        load_model(str(tmp_path))
