@@ -111,6 +111,9 @@ def resolve_model(model: str | None) -> str:
                    "(default: all that fits in half the available memory)")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="threads reading experts from disk")
+@click.option("--table-cache", "table_budget", metavar="SIZE",
+              help="RAM for a container's streamed embedding tables (Qwen4-Exp's n-gram tables): bytes or "
+                   "KiB/MiB/GiB, their pages read as tokens index them (default: the tables resident)")
 @click.option("--reader", type=click.Choice(["preadv", "io_uring", "auto"]), default="preadv", show_default=True,
               help="expert reads: the preadv pool, io_uring (colibri[uring]), or auto (the faster, measured)")
 @click.option("--drive", "drives", multiple=True, type=click.Path(file_okay=False, exists=True), metavar="DIR",
@@ -137,7 +140,7 @@ def resolve_model(model: str | None) -> str:
 @input_errors_option
 @guarded
 def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_json, prompt, budget, io_threads,
-        reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file,
+        table_budget, reader, drives, threads, mlock, routing_trace, prefetch, policy, history_dir, history_read_only, session_file,
         activations, input_errors):
     """Generate text in this process (no daemon). PROMPT, or stdin when absent or '-'."""
     from ..engine import layers
@@ -159,6 +162,7 @@ def run(model_path, max_tokens, temperature, top_k, top_p, seed, stop, chat, as_
     t0 = time.perf_counter()
     trace = open(routing_trace, "w") if routing_trace else None  # noqa: SIM115 (closed at exit)
     placement = Placement(budget=budget, io_threads=io_threads, reader=reader, drives=drives, mlock=mlock, trace=trace,
+                          table_budget=parse_size(table_budget) if table_budget is not None else None,
                           policy=Policy(name=policy, prefetch_reads=prefetch), state_dir=history_dir,
                           history_read_only=history_read_only, faults=faults_from_env())
     tokenizers = []  # loaded once the files' checks pass, before a weight is read
@@ -349,7 +353,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     from ..engine.registry import build_model
     from ..storage.checkpoint import load_config, open_checkpoint
     from ..storage.container import is_container
-    from ..storage.convert import ConvertError, ExpertPlan
+    from ..storage.convert import ConvertError
     from ..storage.convert import convert as run_convert
 
     if group_size and dtype not in ("int8", "int4"):
@@ -363,8 +367,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     model = build_model(src, cfg)
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
-    plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names(),
-                      model.int_dense_names(), model.CREW_EXPERTS)
+    plan = model.expert_plan(int_dense=model.int_dense_names(), integer_experts=model.CREW_EXPERTS)
     order = None
     if trace_path:
         from ..storage.layout import coactivation_order

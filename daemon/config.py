@@ -29,6 +29,7 @@ class Config:
     operator_group: str | None = None  # group of the operator socket; None: the daemon's own group
     state_dir: str | None = None  # None: $STATE_DIRECTORY, else ~/.local/state/colibri
     expert_cache: str = "all"  # RAM for routed experts of a container: SIZE, min or all
+    table_cache: str = "all"  # RAM for a container's streamed embedding tables (Qwen4-Exp's n-gram tables): SIZE or all
     io_threads: int = 2  # threads reading experts
     compute_threads: int = 0  # 0: every CPU the daemon may run on
     cpus: list = field(default_factory=list)  # CPU affinity, e.g. [0, 1]; empty: leave as started
@@ -82,7 +83,7 @@ class Config:
 
 _KINDS = {  # key -> what a valid value is
     "model": "path", "socket": "socket", "operator_socket": "socket", "socket_group": "group",
-    "operator_group": "group", "state_dir": "path", "expert_cache": "size",
+    "operator_group": "group", "state_dir": "path", "expert_cache": "size", "table_cache": "size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",

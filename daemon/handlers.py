@@ -104,7 +104,8 @@ class Handlers:
         info = s.model.describe()
         return {"path": s.model_path, "type": info["model_type"], "precision": info["precision"],
                 "placement": info["experts"], "n_layer": info["n_layer"], "n_expert": info["n_expert"],
-                "n_ctx": info["n_ctx"], **({"note": info["note"]} if "note" in info else {})}
+                "n_ctx": info["n_ctx"], **({"note": info["note"]} if "note" in info else {}),
+                **({"tables": info["tables"]} if "tables" in info else {})}
 
     def on_hello(self, identity, rid, msg):
         if not P.compatible(msg.get("protocol")):
@@ -133,6 +134,7 @@ class Handlers:
         learned = {"policy": s.control.policy.name, "history": s.history.describe()} \
             if s.control is not None else {"policy": None}
         return {"experts": s.model.experts.stats.as_dict() if s.model is not None else None,
+                "tables": s.model.tables.stats() if getattr(s.model, "tables", None) is not None else None,
                 "kv": s.prefix.describe() if s.prefix is not None else None,
                 "drives": s.control.drives() if s.control is not None else None, "plan": self.plan_vs_measured(),
                 "experts_by_layer": s.model.experts.layer_stats() if s.model is not None else None,

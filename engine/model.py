@@ -142,6 +142,7 @@ class MoEModel:
     # the checkpoint's precision. A family with other small tensors names its own set.
     CREW_EXPERTS = True  # the routed experts are the crew's SwiGLU (or gpt-oss's clamped one): int8 activations take them
     INTEGER_KEYS: frozenset = frozenset()  # keys of integer tables (DeepSeek-V4's tid2eid), not weights
+    TABLE_KEYS: frozenset = frozenset()  # per-layer tables a container may stream by rows (Qwen4-Exp's n-gram tables)
     F32_KEYS = frozenset({"norm", "in_norm", "post_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias",
                           "o_bias", "router", "shared_gate", "sinks"})
 
@@ -225,11 +226,27 @@ class MoEModel:
                     for name, shape in zip(self.expert_names(il, ie), per_expert.values()):
                         src.expect(name, shape)
 
-    def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None):
+    def expert_plan(self, **kw):
+        """What convert writes of this model (storage/convert.py ExpertPlan): its experts, its
+        dense tensors, the tables it may stream; `kw` the plan's other fields."""
+        from ..storage.convert import ExpertPlan
+
+        return ExpertPlan(self.moe_layers, self.n_expert, self.expert_names, self.dense_names(),
+                          tables=self.table_names(), **kw)
+
+    def table_names(self) -> list[str]:
+        """The checkpoint names of the tables (TABLE_KEYS) a container keeps streamable."""
+        _, per_layer, _ = self.shapes()
+        return [self.NAMES[k].format(il=il) for il in range(self.n_layer) for k in self.TABLE_KEYS if k in per_layer(il)]
+
+    def load(self, src, experts: ExpertSource | None = None, progress=None, precision: dict | None = None,
+             tables=None):
         """Read the dense weights from src (checked first: storage/placement.py does);
         routed experts come from `experts`, or, when None, are all read from src into RAM.
-        `precision` is the container's, when the weights come from one. `progress(phase,
-        done, total)` hears each tensor read. Returns self. Raises what src.read raises."""
+        `precision` is the container's, when the weights come from one. `tables` (a
+        storage/tables.py TableCache), when given, streams the TABLE_KEYS tables by rows
+        instead of reading them. `progress(phase, done, total)` hears each tensor read.
+        Returns self. Raises what src.read raises."""
         self.source_precision = precision
         glob, per_layer, _ = self.shapes()
         total = len(glob) + sum(len(per_layer(il)) for il in range(self.n_layer))
@@ -239,6 +256,9 @@ class MoEModel:
             nonlocal done
             if progress:
                 progress("reading dense weights", done, total)
+            if tables is not None and key in self.TABLE_KEYS:
+                done += 1
+                return tables.table(name)  # (its rows read as steps take them)
             a = src.read_weight(name)  # an FP8 matrix as its codes and scales (a QuantWeight)
             done += 1
             return to_f32(a) if key in self.F32_KEYS else a
@@ -249,6 +269,7 @@ class MoEModel:
         ]
         self.lm_head = self.glob["embed"] if self.args.tie_word_embeddings else self.glob["lm_head"]
         self.experts = experts or ResidentExperts(src, self.moe_layers, self.n_expert, self.expert_names)
+        self.tables = tables
         self.set_activations((precision or {}).get("activations", "float32"))
         return self
 
@@ -422,6 +443,7 @@ class MoEModel:
             start += n
         step = Step(segments, np.concatenate([c for c, _ in tables]), np.concatenate([s for _, s in tables]))
         h = self.embed(ids)  # [T, D] (DeepSeek-V4: [T, hc_mult, D])
+        self.begin_layers(step)
         self.experts.begin_step()
         lookahead = self.experts.lookahead
         if lookahead and self.moe_layers:  # the first MoE layer's, from the embeddings
@@ -452,6 +474,11 @@ class MoEModel:
         # x [R, D] after the final norm -> the logits [R, V] (a family may soft-cap them)
         return linear(x, self.lm_head)
 
+    def begin_layers(self, step: Step) -> None:
+        # the step's tokens embedded, before the first layer: what a family starts that early
+        # (Qwen4-Exp: its n-gram tables' rows, read while the first layers compute)
+        return None
+
     def head_input(self, h: np.ndarray) -> np.ndarray:
         # the residual stream's rows after the last layer -> [R, D], what the final norm takes
         return h
@@ -480,6 +507,7 @@ class MoEModel:
             "dense_bytes": int(dense),
             "n_ctx": self.n_ctx,
             "experts": self.experts.describe(),
+            **({"tables": self.tables.stats()} if getattr(self, "tables", None) is not None else {}),
             **({"note": self.note} if isinstance(self.note, str) else {}),
         }
 

@@ -145,6 +145,8 @@ class Container:
                 int_dense={n: (q["kind"], int(q["group_size"])) for q in [m["tensor_classes"]["dense"].get("int")]
                            if q for n in q["names"]} or None,
                 ggml=m["tensor_classes"]["dense"].get("ggml"))
+        self.dense_file = DENSE_FILE
+        self.tables = m.get("tables", {})  # tensors of the dense file a model may stream by rows (storage/tables.py)
         ex = m["experts"]
         self.expert_dtype = m["tensor_classes"]["experts"]["dtype"]
         self.group_size = m["tensor_classes"]["experts"].get("group_size")

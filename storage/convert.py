@@ -59,6 +59,27 @@ class ExpertPlan:
     dense: list[str] | None = None  # the other tensors the model reads (None: every other tensor)
     int_dense: list[str] | None = None  # the dense matrices an int8/int4 dense_dtype quantizes (MoEModel.int_dense_names)
     integer_experts: bool = True  # the family's experts can take int8 activations (MoEModel.CREW_EXPERTS)
+    tables: list[str] | None = None  # dense tensors streamed by rows (MoEModel.table_names): their pages checksummed
+
+
+def table_checksums(tmp: str, names: list[str]) -> dict:
+    """The tables a model streams by rows (storage/tables.py), as the dense file holds them:
+    each one's bytes, shape, dtype and where its pages' crc32s start in tables.crc (written
+    here, one per 4 KiB page of the dense file the table lies on)."""
+    from .safetensors import SafetensorsFile
+    from .tables import CRC_FILE, page_crcs
+
+    if not names:
+        return {}
+    path = os.path.join(tmp, DENSE_FILE)
+    dense, out, crcs = SafetensorsFile(path), {}, []
+    for n in names:
+        e = dense.entries[n]
+        out[n] = {"begin": e.begin, "end": e.end, "shape": list(e.shape), "dtype": e.dtype,
+                  "crc_index": sum(len(c) for c in crcs)}
+        crcs.append(page_crcs(path, e.begin, e.end))
+    np.concatenate(crcs).astype("<u4").tofile(os.path.join(tmp, CRC_FILE))
+    return out
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -296,6 +317,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
     w.close()
     dense_sums = {"file": DENSE_FILE, "checksum": "crc32",
                   "header_crc32": dense_header_crc(os.path.join(tmp, DENSE_FILE)), "tensors": dense_crc}
+    tables = table_checksums(tmp, [n for n in plan.tables or () if n in dense_names])
 
     block, parts = None, []  # a published format's scale block: [rows, columns]; one record's parts
     if blocks:  # (below: a layout a layer)
@@ -385,6 +407,7 @@ def _write(src, tmp, plan, expert_dtype, dense_dtype, group_size, shapes, gate0,
                         **({"block": block} if published else {})},
         },
         "dense": dense_sums,
+        **({"tables": tables} if tables else {}),
         "experts": {
             "n_layer": len(plan.moe_layers),
             "n_expert": plan.n_expert,

@@ -205,7 +205,7 @@ def ensure_demo_container(path: str, build, progress=None) -> str:
     hears each step. Returns the path. Raises OSError."""
     from .checkpoint import load_config, open_checkpoint
     from .container import is_container
-    from .convert import ExpertPlan, convert
+    from .convert import convert
 
     path = os.path.abspath(path)
     with open(os.path.join(DEMO_DIR, "training.json")) as f:
@@ -226,7 +226,7 @@ def ensure_demo_container(path: str, build, progress=None) -> str:
             progress("converting the demo model to a container")
         model = build(src, load_config(src))
         convert(model.source(open_checkpoint(src)), path,
-                ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), force=True)
+                model.expert_plan(), force=True)
         with open(os.path.join(path, "demo-source"), "w") as f:
             f.write(source)
     finally:

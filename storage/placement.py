@@ -97,6 +97,8 @@ class Placement:
     `drives` are directories on other drives with copies of the expert files, which share
     the reads (drives.py).
     `faults` is a COLIBRI_FAULTS drill spec (faults.py). `trace` receives the routing trace.
+    `table_budget` streams a container's tables (Qwen4-Exp's n-gram tables) by pages under
+    that many bytes instead of reading them in (tables.py).
     `coalesce` reads a step's misses that are adjacent in their file as one request.
     """
 
@@ -119,6 +121,7 @@ class Placement:
     queue_depth: int = 32  # io_uring: reads in flight at most
     sqpoll_cpu: int | None = None  # io_uring: a kernel thread on this CPU polls for submissions
     beside_bytes: int = 0  # RAM the daemon's other budgets take (the prefix cache): the experts' budget fits beside
+    table_budget: int | str | None = None  # a container's streamable tables (tables.py): bytes of their pages; None, "all": resident
 
 
 @dataclass
@@ -264,7 +267,12 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
                         queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room_for(c), beside=pl.beside_bytes)
-    model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision)
+    tables = None
+    if pl.table_budget not in (None, "all") and getattr(c, "tables", None):
+        from .tables import TableCache
+
+        tables = TableCache(c, 0 if pl.table_budget == "min" else pl.table_budget, pl.direct)
+    model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision, tables=tables)
     cache.warm_start(progress)
     return Placed(model, cache, history)
 

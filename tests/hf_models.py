@@ -427,12 +427,12 @@ def build_container(root, family: str, case: str, seed: int, convert_kw: dict | 
     from colibri.engine.registry import build_model
     from colibri.storage.checkpoint import load_config, open_checkpoint
     from colibri.storage.container import open_container
-    from colibri.storage.convert import ExpertPlan, convert
+    from colibri.storage.convert import convert
 
     build(family, case, root / "hf", seed=seed, **overrides)
     model = build_model(str(root / "hf"), load_config(str(root / "hf")))
     convert(model.source(open_checkpoint(str(root / "hf"))), root / "c",
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), **(convert_kw or {}))
+            model.expert_plan(), **(convert_kw or {}))
     return open_container(str(root / "c"))
 
 

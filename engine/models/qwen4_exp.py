@@ -34,7 +34,7 @@ import numpy as np
 from .. import kernels
 from ..attention import chosen_attention
 from ..jit import JIT
-from ..layers import linear, rmsnorm, swiglu
+from ..layers import embed_rows, linear, rmsnorm, swiglu
 from ..model import MoEModel, require, text_config, wrapped_names
 from ..moe import moe
 from ..recurrent import sigmoid
@@ -260,6 +260,7 @@ class Model(qwen3_5_moe.Model):
     ATTENTION = "hybrid: Gated DeltaNet + GQA with QSA, hyper-connections, n-gram embeddings"
     F32_KEYS = qwen3_5_moe.Model.F32_KEYS | set(ONE_PLUS) | {"mix_norm", "ple_conv"}
     ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default"}  # (the whole head rotates unless it says)
+    TABLE_KEYS = frozenset({"ple_table"})  # streamable by rows from a container (storage/tables.py)
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         wrapped = text_config(config) is not config
@@ -331,8 +332,20 @@ class Model(qwen3_5_moe.Model):
     # ---- the residual streams: [T, hc_count x D] ----
     def embed(self, ids):
         self.step_ids = np.asarray(ids, np.int64)  # (the PLE layers hash them)
+        self.step_rows = {}  # PLE layer -> its table rows for the step [T, heads], hashed when first asked
         h = super().embed(ids)
         return np.ascontiguousarray(np.tile(h, (1, self.args.hc_count)))
+
+    def begin_layers(self, step) -> None:
+        # the step's token ids are known: every PLE layer's rows hashed now, and a streamed
+        # table's pages asked for, read while the layers before it compute
+        for il in self.ple_rows:
+            self.step_rows[il] = self.ngram_rows(il, step)
+            table = self.layers[il]["ple_table"]
+            if hasattr(table, "prefetch"):
+                table.prefetch(self.step_rows[il])
+        if self.ple_rows:
+            self.end_step(step)
 
     def mix(self, h, norm, down, up, inject=None):
         # h [T, n D] streams -> the mixed input [T, D] (and the injection weights [T, n])
@@ -400,9 +413,8 @@ class Model(qwen3_5_moe.Model):
         # h [T, n D] streams -> what the layer's n-gram embeddings add to them [T, n D]
         a, L = self.args, self.layers[il]
         n, D, T = a.hc_count, a.hidden_size, h.shape[0]
-        emb = L["ple_table"][self.ngram_rows(il, step)].reshape(T, -1).astype(np.float32)  # [T, E]
-        if il == max(self.ple_rows):
-            self.end_step(step)
+        table, rows = L["ple_table"], self.step_rows[il]
+        emb = (table.rows(rows) if hasattr(table, "rows") else embed_rows(table, rows.reshape(-1))).reshape(T, -1)
         key = group_rmsnorm(linear(emb, L["ple_key"]), L["ple_norm_key"], n, a.rms_norm_eps).reshape(T, n, D)
         value = linear(emb, L["ple_value"])  # [T, D]
         query = group_rmsnorm(h, L["ple_norm_query"], n, a.rms_norm_eps).reshape(T, n, D)

@@ -46,13 +46,17 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
     want = json.loads(run.stdout)
     assert len(want["token_ids"]) == 12
     hybrid = family in ("qwen3_next", "qwen3_5_moe", "kimi_linear", "inkling2", "glm5_next", "qwen4_exp")
-    (tmp_path / "c.yaml").write_text("prefill_chunk: auto\n" if hybrid else "{}\n")
+    # (Qwen4-Exp's n-gram tables streamed by pages under a budget of two)
+    (tmp_path / "c.yaml").write_text(("prefill_chunk: auto\n" if hybrid else "{}\n")
+                                     + ("table_cache: 8KiB\n" if family == "qwen4_exp" else ""))
     with serving(tmp_path, tmp_path / "c", "--expert-cache", "min", "--config", str(tmp_path / "c.yaml")) as (_, sock):
         got = ctl(sock, "generate", "--json", "--max-tokens", 12, "streamed experts")
         assert got.returncode == 0, got.stderr
         assert json.loads(got.stdout)["token_ids"] == want["token_ids"]
         status = json.loads(ctl(sock, "status", "--json").stdout)
         assert status["model"]["type"] == family
+        if family == "qwen4_exp":
+            assert json.dumps(status).count('"bytes_read"') and '"budget_bytes": 8192' in json.dumps(status)
         if precision in ("fp8", "mxfp4", "fp4"):  # (FP4 experts are computed as MXFP4)
             assert {"fp4": "mxfp4"}.get(precision, precision) in json.dumps(status["model"])
         if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks

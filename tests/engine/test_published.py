@@ -13,7 +13,7 @@ from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
-from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.convert import convert
 from colibri.storage.errors import NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.safetensors import SafetensorsFile
@@ -79,7 +79,7 @@ def our_greedy(model, ids, n):
 def to_container(hf, dst, **kw):
     model = build_model(str(hf), load_config(str(hf)))
     return convert(model.source(open_checkpoint(str(hf))), dst,
-                   ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), **kw)
+                   model.expert_plan(), **kw)
 
 
 @pytest.mark.parametrize("family,case,how", CASES, ids=IDS)

@@ -58,3 +58,52 @@ def test_shards_of_the_wrong_size_are_named(tmp_path):
     with pytest.raises(TensorShapeMismatch, match="shards of 'model.layers.2.ple.ple_embedding.ngram_embedding.weight' "
                                                   "hold 311 rows; the config implies 312"):
         load_model(str(tmp_path))
+
+
+def test_the_ngram_tables_streamed_under_a_budget_of_a_few_rows_give_the_same_bits(tmp_path):
+    """A container keeps each n-gram table in its dense file with a crc32 per 4 KiB page;
+    placed with a table budget of one page, the tables are never read in: each step reads
+    the pages its tokens' n-grams index (a step ahead of the layers that take them), and the
+    logits and tokens are the resident tables' bits. The bytes read per token are reported."""
+    from test_published import to_container
+
+    from colibri.storage.tables import PAGE, StreamedTable
+
+    build("qwen4_exp", "ple_qsa_hc2", tmp_path / "hf", seed=5, vocab_size=101, ngram_vocab_size_base=5000,
+          ple_embed_dim=64)  # (tables of 20,000 rows x 16 floats: 80 pages each)
+    to_container(tmp_path / "hf", tmp_path / "c")
+    ids = np.random.default_rng(5).integers(4, 101, 21)
+    resident = load_model(str(tmp_path / "c"), budget="min")
+    streamed = load_model(str(tmp_path / "c"), budget="min", table_budget=PAGE)
+    assert isinstance(streamed.layers[0]["ple_table"], StreamedTable) and streamed.tables.budget_pages == 1
+    want = resident.forward(ids, resident.new_cache(64), all_logits=True)
+    np.testing.assert_array_equal(streamed.forward(ids, streamed.new_cache(64), all_logits=True), want)
+    assert our_greedy(streamed, ids, 16) == our_greedy(resident, ids, 16)
+    st = streamed.tables.stats()
+    assert st["resident_bytes"] <= PAGE and st["bytes_read"] > 0
+    per_token = st["bytes_read"] / (2 * len(ids) + 16)
+    assert per_token <= len(streamed.ple_rows) * 4 * 2 * PAGE  # (4 rows a layer: at most two pages each)
+    print(f"table bytes read per token: {per_token:.0f}, hit rate {st['hit_rate']}")
+
+
+def test_a_table_page_that_does_not_match_its_checksum_is_named(tmp_path):
+    import json
+
+    from test_published import to_container
+
+    from colibri.storage.errors import ExpertReadError
+    from colibri.storage.tables import PAGE
+
+    build("qwen4_exp", "ple_qsa_hc2", tmp_path / "hf", seed=5, ngram_vocab_size_base=5000, ple_embed_dim=64)
+    to_container(tmp_path / "hf", tmp_path / "c")
+    spec = json.load(open(tmp_path / "c" / "colibri.json"))["tables"]
+    name = "model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    with open(tmp_path / "c" / "dense.safetensors", "r+b") as f:  # every byte of the table's pages flipped
+        f.seek(spec[name]["begin"])
+        data = bytearray(f.read(spec[name]["end"] - spec[name]["begin"]))
+        f.seek(spec[name]["begin"])
+        f.write(bytes(b ^ 0xFF for b in data))
+    model = load_model(str(tmp_path / "c"), budget="min", table_budget=4 * PAGE, verify="off")
+    with pytest.raises(ExpertReadError, match="of table 'model.layers.0.ple.ple_embedding.ngram_embedding.weight' "
+                                              "does not match its checksum"):
+        model.forward(np.array([5, 6, 7]), model.new_cache(8))

@@ -13,7 +13,7 @@ from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.convert import convert
 from colibri.storage.errors import BudgetInvalid
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.sizes import parse_size
@@ -31,7 +31,7 @@ def _init():
 def to_container(src, dst, **kw):
     model = build_model(str(src), load_config(str(src)))
     convert(model.source(open_checkpoint(str(src))), dst,
-            ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names()), **kw)
+            model.expert_plan(), **kw)
     return str(dst)
 
 
