@@ -207,9 +207,13 @@ def main():
     ap.add_argument("--verify", default="first", choices=("first", "always", "off"),
                     help="checksums of expert reads (colibri's default: each expert's first read)")
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
-                    help="the layers' shape (bench/synthetic.py SHAPES): Qwen3-30B-A3B, DeepSeek-V3, GLM-4.5, gpt-oss-120b")
+                    help="the layers' shape (bench/synthetic.py SHAPES): Qwen3-30B-A3B, DeepSeek-V3, GLM-4.5, gpt-oss-120b, "
+                         "Qwen3.5, DeepSeek-V4-Flash, Qwen3.8-Flash-Next (qwen4_exp, its n-gram tables streamed)")
     ap.add_argument("--precision", default="int4", choices=PRECISIONS,
                     help="the experts' precision: int4 g64, or kept as published (FP8 128 x 128 blocks, MXFP4)")
+    ap.add_argument("--table-budget", type=float, default=None, metavar="FRACTION",
+                    help="Qwen4-Exp's n-gram tables streamed under this fraction of their bytes (default: the "
+                         "expert budget's fraction; 1.0 and more: resident)")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
@@ -243,11 +247,17 @@ def main():
         # the shared disk is noisy: its best of a few measurements, at the run's thread count and at 4
         disk = max(disk_gbs(c, a.io_threads), disk_gbs(c, 4), disk_gbs(c, a.io_threads))
         t0 = time.perf_counter()
-        model = load_model(path, budget=budget, io_threads=a.io_threads,
+        table_frac = a.table_budget if a.table_budget is not None else frac
+        table_bytes = sum(t["end"] - t["begin"] for t in c.tables.values())
+        table_budget = int(table_bytes * table_frac) if table_bytes and table_frac < 1.0 else None
+        model = load_model(path, budget=budget, io_threads=a.io_threads, table_budget=table_budget,
                            policy=Policy(name=a.policy, prefetch_reads=a.prefetch), verify=a.verify)
         load_s = time.perf_counter() - t0
+        tables0 = model.tables.stats() if model.tables is not None else None
         r = run(model, ids, a.tokens)
         st = r["st"]
+        tables1 = model.tables.stats() if model.tables is not None else None
+        table_read = tables1["bytes_read"] - tables0["bytes_read"] if tables0 else 0
         # the disk's limit: the best of the measurements around the run and of what the run
         # itself got (a noisy shared disk makes any one measurement low)
         achieved = st.bytes_read / st.io_wall_s / 1e9 if st.io_wall_s else 0.0
@@ -269,6 +279,13 @@ def main():
             "prefetch": {"reads_per_layer": a.prefetch, "issued": st.prefetch_issued, "used": st.prefetch_used,
                          "wasted": st.prefetch_wasted},
         }
+        if table_bytes:  # the n-gram tables: their own budget, reads and hit rate; the disk floor of both reads
+            row["tables"] = {"table_bytes": table_bytes, "budget_bytes": table_budget, "budget_fraction": table_frac,
+                             "bytes_read_per_token": int(table_read / n_tok),
+                             "expert_bytes_read_per_token": int(st.bytes_read / n_tok),
+                             "hit_rate": tables1["hit_rate"] if tables1 else None,
+                             "io_floor_ratio_with_tables": round((st.bytes_read + table_read) / (disk * 1e9)
+                                                                 / r["wall_s"], 3)}
         if frac >= 1.0:  # warm: everything resident, no reads; how fast do the expert kernels go?
             for il in model.moe_layers:
                 for _ in model.experts.stream(il, list(range(model.n_expert))):

@@ -41,7 +41,7 @@ import zlib
 import numpy as np
 
 from colibri.engine.registry import build_model
-from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.convert import convert
 from colibri.storage.demo import _tokenizer_json
 from colibri.storage.fpformats import QuantConfig
 from colibri.storage.quant import QuantWeight, quantized_shapes
@@ -92,6 +92,20 @@ SHAPES = {
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
         "eos_token_id": None,
     },
+    "qwen4_exp": {  # Qwen3.8-Flash-Next / Qwen4-Exp: 512 experts of 512, top-10, 4 low-rank-mixed streams, QSA,
+        # n-gram tables on two layers (8 hashes per order, orders 2 and 3: 16 rows of 128 a token and layer) of
+        # 16 x ~500k rows (~2 GB bf16 each: the published model's are tens of billions of parameters)
+        "model_type": "qwen4_exp", "vocab_size": 32000, "hidden_size": 2048, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "num_experts": 512, "num_experts_per_tok": 10, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "hc_count": 4,
+        "hc_lowrank": 320, "ple_layer_ids": [1, 3], "ple_embed_dim": 2048, "ple_conv_kernel_size": 4, "ngram_size": 3,
+        "heads_per_ngram": 8, "ngram_vocab_size_base": 500_000, "indexer_n_heads": 16, "indexer_kv_heads": 1,
+        "indexer_head_dim": 128, "indexer_budget": 2048, "indexer_compress_ratio": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10]},
+    },
     "gpt_oss": {  # gpt-oss-120b
         "model_type": "gpt_oss", "vocab_size": 32000, "hidden_size": 2880, "intermediate_size": 2880,
         "moe_intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
@@ -137,6 +151,7 @@ class SyntheticSource:
         self.model = model
         self.expert_names = {n for il in model.moe_layers for ie in range(model.n_expert) for n in model.expert_names(il, ie)}
         self.routers = {model.NAMES["router"].format(il=il) for il in model.moe_layers}  # the family's router names
+        self.tables = set(model.table_names())  # Qwen4-Exp's n-gram tables
         D = cfg["hidden_size"]
         self.u = _unit_rows(1, 1, D)[0]  # [D]
         self.T = _unit_rows(2, recipe["topics"], D)  # [K, D]
@@ -149,9 +164,15 @@ class SyntheticSource:
         rng = np.random.default_rng(self.seeds[name])
         if name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: distinct experts for each token id
             return np.argsort(rng.random((shape[0], self.model.n_expert)), axis=1)[:, : shape[1]].astype(np.int64)
-        x = rng.standard_normal(shape, dtype=np.float32)
+        x = rng.standard_normal(shape, dtype=np.float32) if name not in self.tables else None
         if len(shape) == 1:  # norms around 1; biases and sinks small, as trained ones are
             return f32_to_bf16(0.1 * x if name.endswith(("bias", "sinks")) else 1 + 0.1 * x)
+        if name in self.tables:  # an n-gram table: unit rows, drawn a million rows at a time
+            out = np.empty(shape, np.uint16)
+            for r0 in range(0, shape[0], 1 << 20):
+                part = rng.standard_normal((min(1 << 20, shape[0] - r0), shape[1]), dtype=np.float32)
+                out[r0 : r0 + len(part)] = f32_to_bf16(part * shape[1] ** -0.5)
+            return out
         D = self.config["hidden_size"]
         norm = np.sqrt(1 + r["A"] ** 2 + r["B"] ** 2)  # the embedding's RMS: x = rmsnorm(h) divides by it
         topic = np.arange(self.config["vocab_size"]) % r["topics"]
@@ -253,7 +274,7 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
     with open(os.path.join(src, "tokenizer.json"), "w") as f:
         f.write(_tokenizer_json())
     synth = SyntheticSource(src, cfg, precision=precision)
-    plan = ExpertPlan(synth.model.moe_layers, synth.model.n_expert, synth.model.expert_names)
+    plan = synth.model.expert_plan()
     t0 = time.perf_counter()
     print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
     convert(synth, path, plan, expert_dtype="int4" if precision == "int4" else None,
