@@ -141,7 +141,8 @@ def stats(client, as_json, watch):
         if as_json:
             click.echo(json.dumps({k: r.get(k) for k in ("experts", "kv", "drives", "plan", "boxes", "requests",
                                                          "uptime_s", "policy", "history", "phase", "progress",
-                                                         "experts_by_layer", "latency", "queue", "memory")}))
+                                                         "experts_by_layer", "latency", "queue", "memory",
+                                                         "tables")}))
         elif r.get("experts") is None:
             click.echo(f"colibrid is {phase_line(r)}")
         else:
@@ -156,6 +157,11 @@ def stats(client, as_json, watch):
                 click.echo(f"history: {history_line(r['history'])}")
             if r.get("kv"):
                 click.echo(kv_line(r["kv"]))
+            if r.get("tables"):  # a model's streamed embedding tables
+                t = r["tables"]
+                hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f} %"
+                click.echo(f"tables: {t['bytes_read'] / 2**20:.1f} MiB read, hit rate {hit}, "
+                           f"{t['resident_bytes'] / 2**20:.1f} of {t['budget_bytes'] / 2**20:.1f} MiB held")
             if len(r.get("drives") or []) > 1:
                 for d in r["drives"]:
                     click.echo(drive_line(d))

@@ -202,8 +202,8 @@ class Model(GroupedMoE, MoEModel):
 
         return self.global_shapes(), per_layer, self.expert_shapes(S)
 
-    def load(self, src, experts=None, progress=None, precision=None):
-        super().load(src, experts, progress, precision)
+    def load(self, src, experts=None, progress=None, precision=None, tables=None):
+        super().load(src, experts, progress, precision, tables)
         a = self.args
         H, nope, hv, lat = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         for L in self.layers:

@@ -167,8 +167,8 @@ class Model(deepseek_v3.Model):
 
         return glob, per_layer, expert
 
-    def load(self, src, experts=None, progress=None, precision=None):
-        super().load(src, experts, progress, precision)
+    def load(self, src, experts=None, progress=None, precision=None, tables=None):
+        super().load(src, experts, progress, precision, tables)
         for L in self.layers:
             if "q_conv" in L:  # a KDA layer: its three convolutions as one over q, k, v side by side
                 convs = [L.pop(k) for k in ("q_conv", "k_conv", "v_conv")]

@@ -57,6 +57,7 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         assert status["model"]["type"] == family
         if family == "qwen4_exp":
             assert json.dumps(status).count('"bytes_read"') and '"budget_bytes": 8192' in json.dumps(status)
+            assert "tables: " in ctl(sock, "stats").stdout  # (colictl stats says what they read)
         if precision in ("fp8", "mxfp4", "fp4"):  # (FP4 experts are computed as MXFP4)
             assert {"fp4": "mxfp4"}.get(precision, precision) in json.dumps(status["model"])
         if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks
