@@ -41,7 +41,7 @@ import zlib
 import numpy as np
 
 from colibri.engine.registry import build_model
-from colibri.storage.convert import convert
+from colibri.storage.convert import convert, plan_for
 from colibri.storage.demo import _tokenizer_json
 from colibri.storage.fpformats import QuantConfig
 from colibri.storage.quant import QuantWeight, quantized_shapes
@@ -274,7 +274,7 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
     with open(os.path.join(src, "tokenizer.json"), "w") as f:
         f.write(_tokenizer_json())
     synth = SyntheticSource(src, cfg, precision=precision)
-    plan = synth.model.expert_plan()
+    plan = plan_for(synth.model)
     t0 = time.perf_counter()
     print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
     convert(synth, path, plan, expert_dtype="int4" if precision == "int4" else None,

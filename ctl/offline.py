@@ -353,7 +353,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     from ..engine.registry import build_model
     from ..storage.checkpoint import load_config, open_checkpoint
     from ..storage.container import is_container
-    from ..storage.convert import ConvertError
+    from ..storage.convert import ConvertError, plan_for
     from ..storage.convert import convert as run_convert
 
     if group_size and dtype not in ("int8", "int4"):
@@ -367,7 +367,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     model = build_model(src, cfg)
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
-    plan = model.expert_plan(int_dense=model.int_dense_names(), integer_experts=model.CREW_EXPERTS)
+    plan = plan_for(model, int_dense=model.int_dense_names(), integer_experts=model.CREW_EXPERTS)
     order = None
     if trace_path:
         from ..storage.layout import coactivation_order

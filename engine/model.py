@@ -226,14 +226,6 @@ class MoEModel:
                     for name, shape in zip(self.expert_names(il, ie), per_expert.values()):
                         src.expect(name, shape)
 
-    def expert_plan(self, **kw):
-        """What convert writes of this model (storage/convert.py ExpertPlan): its experts, its
-        dense tensors, the tables it may stream; `kw` the plan's other fields."""
-        from ..storage.convert import ExpertPlan
-
-        return ExpertPlan(self.moe_layers, self.n_expert, self.expert_names, self.dense_names(),
-                          tables=self.table_names(), **kw)
-
     def table_names(self) -> list[str]:
         """The checkpoint names of the tables (TABLE_KEYS) a container keeps streamable."""
         _, per_layer, _ = self.shapes()

@@ -62,6 +62,13 @@ class ExpertPlan:
     tables: list[str] | None = None  # dense tensors streamed by rows (MoEModel.table_names): their pages checksummed
 
 
+def plan_for(model, **kw) -> ExpertPlan:
+    """What convert writes of a model (engine/model.py MoEModel): its experts, its dense
+    tensors, the tables it may stream by rows; `kw` the plan's other fields."""
+    return ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names(),
+                      tables=model.table_names(), **kw)
+
+
 def table_checksums(tmp: str, names: list[str]) -> dict:
     """The tables a model streams by rows (storage/tables.py), as the dense file holds them:
     each one's bytes, shape, dtype and where its pages' crc32s start in tables.crc (written

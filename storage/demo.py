@@ -205,7 +205,7 @@ def ensure_demo_container(path: str, build, progress=None) -> str:
     hears each step. Returns the path. Raises OSError."""
     from .checkpoint import load_config, open_checkpoint
     from .container import is_container
-    from .convert import convert
+    from .convert import convert, plan_for
 
     path = os.path.abspath(path)
     with open(os.path.join(DEMO_DIR, "training.json")) as f:
@@ -226,7 +226,7 @@ def ensure_demo_container(path: str, build, progress=None) -> str:
             progress("converting the demo model to a container")
         model = build(src, load_config(src))
         convert(model.source(open_checkpoint(src)), path,
-                model.expert_plan(), force=True)
+                plan_for(model), force=True)
         with open(os.path.join(path, "demo-source"), "w") as f:
             f.write(source)
     finally:

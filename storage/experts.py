@@ -15,7 +15,16 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from .formats import FORMATS, PLAIN_CODES, fp8, ggml, mxfp4
-from .fpformats import BLOCKS, SCALES, mxfp4_pair
+from .fpformats import (
+    BLOCKS,
+    FP8_DTYPES,
+    SCALES,
+    check_finite,
+    check_fp8_scales,
+    fp8_scale_shape,
+    mxfp4_pair,
+    scales_f32,
+)
 from .quant import Expert, QuantWeight, dequantize, int4_of, take_rows
 from .safetensors import bf16_to_f32
 
@@ -23,7 +32,8 @@ from .safetensors import bf16_to_f32
 __all__ = ["Expert", "ExpertSource", "ExpertStats", "ExpertWeights", "LocalSource", "QuantWeight", "ResidentExperts",
            "TracedSource", "bf16_to_f32", "int4_of", "dequantize", "take_rows", "FORMATS", "PLAIN_CODES", "fp8", "ggml",
            "mxfp4",
-           "BLOCKS", "SCALES", "mxfp4_pair"]
+           "BLOCKS", "SCALES", "mxfp4_pair", "FP8_DTYPES", "check_finite", "check_fp8_scales", "fp8_scale_shape",
+           "scales_f32"]
 
 # (gate [I, D], up [I, D], down [D, I]): arrays in storage precision (bf16 as uint16: see
 # bf16_to_f32), or QuantWeight

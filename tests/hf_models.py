@@ -427,12 +427,12 @@ def build_container(root, family: str, case: str, seed: int, convert_kw: dict | 
     from colibri.engine.registry import build_model
     from colibri.storage.checkpoint import load_config, open_checkpoint
     from colibri.storage.container import open_container
-    from colibri.storage.convert import convert
+    from colibri.storage.convert import convert, plan_for
 
     build(family, case, root / "hf", seed=seed, **overrides)
     model = build_model(str(root / "hf"), load_config(str(root / "hf")))
     convert(model.source(open_checkpoint(str(root / "hf"))), root / "c",
-            model.expert_plan(), **(convert_kw or {}))
+            plan_for(model), **(convert_kw or {}))
     return open_container(str(root / "c"))
 
 
@@ -463,7 +463,8 @@ def load_model(path, **placement):
 
 # ---- the published precisions: FP8 block-scaled, MXFP4 ---------------------------------------
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-NOT_FP8 = ("embed_tokens", "lm_head", ".gate.weight", "norm")  # kept in bf16 by the FP8 releases (routers: `*.gate`)
+NOT_FP8 = ("embed_tokens", "lm_head", ".gate.weight", "norm",  # kept in bf16 by the FP8 releases (routers: `*.gate`)
+           "ngram_embedding")  # (Qwen4-Exp's n-gram tables: embeddings too)
 
 
 def _fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, fmt: str, power_of_two: bool = False):

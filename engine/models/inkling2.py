@@ -36,8 +36,15 @@ import numba as nb
 import numpy as np
 
 from ...storage.errors import ScalesMismatch, TensorShapeMismatch
-from ...storage.fpformats import FP8_DTYPES, check_finite, check_fp8_scales, fp8_scale_shape, scales_f32
-from ...storage.quant import QuantWeight, dequantize
+from ...storage.experts import (
+    FP8_DTYPES,
+    QuantWeight,
+    check_finite,
+    check_fp8_scales,
+    dequantize,
+    fp8_scale_shape,
+    scales_f32,
+)
 from ..attention import AttnSpec
 from ..jit import JIT
 from ..layers import embed_rows, linear, rmsnorm

@@ -13,7 +13,7 @@ from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
 from colibri.storage.container import open_container
-from colibri.storage.convert import convert
+from colibri.storage.convert import convert, plan_for
 from colibri.storage.errors import NonFiniteWeights, QuantizationUnsupported, ScalesMismatch
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.safetensors import SafetensorsFile
@@ -44,6 +44,7 @@ CASES = [
     ("gpt_oss", "odd_full_and_sliding_tied", dict(mxfp4=True)),
     ("inkling2", "sliding_full_blocks", dict(mxfp8=True)),
     ("glm5_next", "kda_pools_shared_hc2", dict(block=(16, 16))),
+    ("qwen4_exp", "ple_qsa_hc2", dict(block=(16, 16))),
 ]
 IDS = [f"{f}-{c}" for f, c, _ in CASES]
 
@@ -79,7 +80,7 @@ def our_greedy(model, ids, n):
 def to_container(hf, dst, **kw):
     model = build_model(str(hf), load_config(str(hf)))
     return convert(model.source(open_checkpoint(str(hf))), dst,
-                   model.expert_plan(), **kw)
+                   plan_for(model), **kw)
 
 
 @pytest.mark.parametrize("family,case,how", CASES, ids=IDS)

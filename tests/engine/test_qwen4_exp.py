@@ -107,3 +107,28 @@ def test_a_table_page_that_does_not_match_its_checksum_is_named(tmp_path):
     with pytest.raises(ExpertReadError, match="of table 'model.layers.0.ple.ple_embedding.ngram_embedding.weight' "
                                               "does not match its checksum"):
         model.forward(np.array([5, 6, 7]), model.new_cache(8))
+
+
+def test_the_image_text_checkpoint_runs_its_text_model_and_never_reads_the_vision_tower(tmp_path):
+    """Qwen4ExpForConditionalGeneration saved by transformers: the text model under
+    model.language_model.* (its tables sharded there too), the vision tower under
+    model.visual.*: colibri's logits are the image-text model's on text, reading far less
+    than the vision tower's bytes."""
+    import transformers
+
+    from hf_models import CASES, image_text, read_bytes
+
+    text = dict(dict(CASES["qwen4_exp"])["ple_qsa_hc2"], bos_token_id=None, pad_token_id=None)
+    vision = dict(depth=2, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=text["hidden_size"],
+                  num_position_embeddings=16, patch_size=4, temporal_patch_size=2)
+    ref = image_text("Qwen4ExpForConditionalGeneration", transformers.Qwen4ExpConfig(
+        text_config=text, vision_config=vision), tmp_path / "hf")
+    visual = sum(p.numel() * 4 for n, p in ref.named_parameters() if "visual" in n)
+    assert visual > 5 << 20
+    before = read_bytes()
+    ours = load_model(str(tmp_path / "hf"))
+    assert ours.MODEL_TYPE == "qwen4_exp" and read_bytes() - before < visual // 4
+    ids = np.random.default_rng(2).integers(4, 101, 19)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(ours.forward(ids, ours.new_cache(32), all_logits=True) - want).max() <= 1e-4

@@ -13,7 +13,7 @@ from colibri.engine import layers
 from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.convert import convert
+from colibri.storage.convert import convert, plan_for
 from colibri.storage.errors import BudgetInvalid
 from colibri.storage.policy import POLICIES, Policy
 from colibri.storage.sizes import parse_size
@@ -31,7 +31,7 @@ def _init():
 def to_container(src, dst, **kw):
     model = build_model(str(src), load_config(str(src)))
     convert(model.source(open_checkpoint(str(src))), dst,
-            model.expert_plan(), **kw)
+            plan_for(model), **kw)
     return str(dst)
 
 
