@@ -9,6 +9,7 @@ rows. A page that does not match its checksum is read again once, then named
 (ExpertReadError). A token reads (ngram_size - 1) x heads_per_ngram rows a PLE layer; the
 cache's hit rate and bytes read are in stats()."""
 
+import mmap
 import os
 import threading
 import zlib
@@ -111,14 +112,12 @@ class TableCache:
         self.pending: dict[int, Future] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="colibri-tables")
         self.lock = threading.Lock()
-        self.hits = self.misses = self.bytes_read = self.rows_taken = 0
+        self.hits = self.misses = self.bytes_read = 0
 
     def table(self, name: str) -> StreamedTable:
         return self.tables[name]
 
     def _read(self, table: StreamedTable, page: int) -> np.ndarray:
-        import mmap
-
         buf = mmap.mmap(-1, PAGE)  # page aligned, as O_DIRECT wants
         for _ in range(2):
             n = os.preadv(self.fd, [buf], page * PAGE)
@@ -147,9 +146,9 @@ class TableCache:
                     self.pages.move_to_end(p)
                     self.hits += 1
             if got is None:
-                self.misses += 1
                 got = fut.result() if fut is not None else self._read(table, p)
                 with self.lock:
+                    self.misses += 1
                     self.pages[p] = got
             out[p] = got
         with self.lock:

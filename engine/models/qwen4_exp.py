@@ -131,22 +131,29 @@ def is_prime(n: int) -> bool:
     return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
 
 
+def primes_after(start: int, count: int) -> list[int]:
+    """The first `count` primes above `start` (the n-gram heads' table sizes)."""
+    out, p = [], start
+    while len(out) < count:
+        p += 1
+        if is_prime(p):
+            out.append(p)
+    return out
+
+
 class NGramHash:
     """The n-gram ids of one PLE layer (the `ple_index`-th), as transformers hashes them: per
     order g, token (t - s) times an odd multiplier XOR'd over s < g, modulo a prime per head
     (the (i+1)-th prime from ngram_vocab_size_base on, i the head's index over all PLE
     layers), plus the head's offset in the layer's table."""
 
-    def __init__(self, a: ModelArgs, ple_index: int):
+    def __init__(self, a: ModelArgs, ple_index: int, primes: list[int] | None = None):
+        # primes: the first primes after the base for every PLE layer's heads in turn (found
+        # once for all layers: primes_after), else found here up to this layer's
         self.n, self.per = a.ngram_size, a.heads_per_ngram
         heads = (self.n - 1) * self.per
-        sizes, p = [], a.ngram_vocab_size_base - 1
-        for _ in range(ple_index * heads + heads):  # the primes after the base, the layer's last `heads`
-            p += 1
-            while not is_prime(p):
-                p += 1
-            sizes.append(p)
-        self.sizes = np.array(sizes[-heads:], np.int64)
+        primes = primes or primes_after(a.ngram_vocab_size_base - 1, (ple_index + 1) * heads)
+        self.sizes = np.array(primes[ple_index * heads : (ple_index + 1) * heads], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.rows = -(-int(self.sizes.sum()) // a.make_ngram_vocab_size_divisible_by) * a.make_ngram_vocab_size_divisible_by
         half = max(1, ((1 << 63) - 1) // max(a.vocab_size, 1) // 2)
@@ -267,7 +274,9 @@ class Model(qwen3_5_moe.Model):
         super().__init__(args, config, where)
         self.NAMES = wrapped_names(TEXT, {"model.": qwen3_5_moe.LANGUAGE_MODEL}) if wrapped else TEXT
         self.ple_rows = {i - 1: k for k, i in enumerate(args.ple_layer_ids)}  # layer -> its PLE row
-        self.hashes = {il: NGramHash(args, k) for il, k in self.ple_rows.items()}
+        heads = (args.ngram_size - 1) * args.heads_per_ngram
+        primes = primes_after(args.ngram_vocab_size_base - 1, len(self.ple_rows) * heads)  # (once, for every layer)
+        self.hashes = {il: NGramHash(args, k, primes) for il, k in self.ple_rows.items()}
 
     def source(self, checkpoint):
         self.spell(checkpoint)
