@@ -398,11 +398,13 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
 
 
 def with_copy_bar(c, label: str, job):
-    """job(progress) under a progress bar over the container's expert bytes, on stderr when
+    """job(progress) under a progress bar over the bytes a drive's copy holds, on stderr when
     it is a terminal; job's result."""
     if not sys.stderr.isatty():
         return job(None)
-    total = sum(os.path.getsize(f) for f in {r.file for r in c.records.values()})
+    from ..storage.staging import file_bytes, staged_files
+
+    total = sum(file_bytes(c, f) for f in staged_files(c))
     with click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True, width=36) as bar:
         return job(bar.update)
 
@@ -422,14 +424,14 @@ def open_model_container(model_path: str | None):
 @click.argument("dest")
 @guarded
 def drives_stage(model_path, dest):
-    """Copy the container's expert files to DEST on another drive (resumable; every record
-    checked against the manifest, the copy read back from the drive). Then add DEST to
+    """Copy the container's expert files (and streamed tables) to DEST on another drive
+    (resumable; every record checked against the manifest, the copy read back from the drive). Then add DEST to
     `drives:` in colibri.yaml and the daemon shares its reads with it."""
     from ..storage.staging import stage
 
     c = open_model_container(model_path)
     got = with_copy_bar(c, f"staging into {dest}", lambda progress: stage(c, dest, progress))
-    click.echo(f"[colibri] {dest}: {len(got['copied'])} expert files copied and read back, {len(got['kept'])} "
+    click.echo(f"[colibri] {dest}: {len(got['copied'])} files copied and read back, {len(got['kept'])} "
                f"already there, in {got['seconds']:.1f} s; add it to drives: in colibri.yaml", err=True)
 
 
@@ -439,7 +441,7 @@ def drives_stage(model_path, dest):
 @click.argument("dest")
 @guarded
 def drives_verify(model_path, as_json, dest):
-    """Check the copies of the expert files in DEST against the container's manifest, every
+    """Check the copies of the expert files (and streamed tables) in DEST against the container's manifest, every
     record read from the drive. Exit 7 when one does not match."""
     from ..storage.staging import verify
 
@@ -452,7 +454,7 @@ def drives_verify(model_path, as_json, dest):
             for line in what if isinstance(what, list) else [what]:
                 click.echo(f"{name}: {line}")
         staged = sum(v != "missing" for v in got["files"].values())
-        click.echo(f"{dest}: {staged} of {len(got['files'])} expert files staged, {got['bad']} damaged")
+        click.echo(f"{dest}: {staged} of {len(got['files'])} files staged, {got['bad']} damaged")
     if got["bad"]:
         raise SystemExit(exitcodes.CHECK_FAILED)
 

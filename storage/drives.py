@@ -2,7 +2,8 @@
 
 The container's own directory is drive 0; `drives:` (colibri.yaml) names directories on
 other drives holding copies of the expert files, all of them or some (`colictl drives
-stage` makes them). A copy of a file is used when it has the container's size, safetensors
+stage` makes them), and of the dense file's streamed table pages (tables.py), which are
+read the same way. A copy of a file is used when it has the container's size, safetensors
 header and first page of expert bytes; a stale copy of another model, or one still being
 staged, is left out with the reason. (Every record read from a copy is still checked
 against the manifest on its first read from that drive.)
@@ -40,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .container import Container, ExpertRecord
+from .tables import streamed_tables_file
 
 log = logging.getLogger("colibri.storage")
 STRIPE_BYTES = 2 << 20  # the unit a drive is chosen for: at least one record
@@ -109,7 +111,11 @@ class DriveSet:
         for r in container.records.values():
             for x in r.spans:
                 first[x.file] = min(first.get(x.file, x.offset), x.offset)
-        files = sorted(first)
+        heads = {f: at + 4096 for f, at in first.items()}
+        table_file = streamed_tables_file(container)
+        if table_file:  # (its copy holds the header and the tables' pages: the header must match)
+            heads[table_file[0]] = table_file[1]
+        files = sorted(heads)
         self.drives: list[Drive] = []
         for i, root in enumerate([container.path, *copies]):
             pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"colibri-io{i}")
@@ -119,7 +125,7 @@ class DriveSet:
                 if i == 0:
                     d.fds[file] = open_fd(path)
                     continue
-                why = self._copy_problem(file, path, first[file] + 4096)
+                why = self._copy_problem(file, path, heads[file])
                 if why is None:
                     try:
                         d.fds[file] = open_fd(path)

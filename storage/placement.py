@@ -271,7 +271,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     if pl.table_budget not in (None, "all") and getattr(c, "tables", None):
         from .tables import TableCache
 
-        tables = TableCache(c, 0 if pl.table_budget == "min" else pl.table_budget, pl.direct)
+        tables = TableCache(c, 0 if pl.table_budget == "min" else pl.table_budget, cache.reader)
     model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision, tables=tables)
     cache.warm_start(progress)
     return Placed(model, cache, history)

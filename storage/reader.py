@@ -31,6 +31,7 @@ log = logging.getLogger("colibri.storage")
 MAX_RUN_BYTES = 8 << 20  # the largest run of adjacent records read as one request
 READERS = ("preadv", "io_uring", "auto")  # auto: io_uring where it works and reads faster, measured at start
 AUTO_PROBE_RECORDS = 32
+TABLE_LAYER = -1  # the drive hash's layer for a streamed table's pages (tables.py)
 VERIFY_MODES = ("first", "always", "off")  # checksum each expert's first read per start, every read, or none
 
 
@@ -40,6 +41,12 @@ def pace_steps(n: int) -> int:
     for i in range(n):
         x += i & 7
     return n
+
+
+def tries(failed: list[str]) -> str:
+    """The reasons reads failed, each said once (with how many tries it was)."""
+    said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]
+    return "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said)
 
 
 class ExpertReader:
@@ -296,9 +303,8 @@ class ExpertReader:
                 return time.monotonic() - t0
             self.stats.read_errors += 1
             failed.append(f"{self.where(d)} {os.path.join(d.root, os.path.basename(rec.file))}: {why}")
-        said = [(w, failed.count(w)) for i, w in enumerate(failed) if w not in failed[:i]]  # the same twice: once
         msg = (f"cannot read layer {rec.layer} expert {rec.expert} from {rec.file} at offset {rec.offset}: "
-               + "; ".join(w + (f" ({n} tries)" if n > 1 else "") for w, n in said))
+               + tries(failed))
         self.bad[key] = msg
         log.error("%s", msg)
         raise ExpertReadError(msg)
@@ -348,6 +354,54 @@ class ExpertReader:
                 return f"checksum mismatch (crc32 {crc:08x}, the manifest says {rec.crc32:08x})"
             self.verified.add(key)
         return None
+
+    # ---- pages of the streamed tables (tables.py) ------------------------------------------
+
+    def submit_page(self, file: str, offset: int, length: int, crc: int, what: str) -> Future:
+        """Start reading `length` bytes at `offset` of `file` (a streamed table's page of the
+        dense file) on the threads of the drive its stripe unit hashes to, as read_page
+        reads them; the future gives the bytes or raises ExpertReadError."""
+        rec = ExpertRecord(TABLE_LAYER, offset // length, file, offset, length, crc)
+        d = self.drives.pick(rec, length)
+        return d.pool.submit(self._page_counted, rec, what, d)
+
+    def _page_counted(self, rec: ExpertRecord, what: str, d: Drive) -> np.ndarray:
+        try:
+            return self._read_page(rec, what, d)
+        finally:
+            self.drives.done(d, rec.length)
+
+    def read_page(self, file: str, offset: int, length: int, crc: int, what: str) -> np.ndarray:
+        """`length` bytes at `offset` of `file` (fewer at the file's end) into an aligned
+        buffer, read now on the calling thread: from the drive the page's stripe unit hashes
+        to, always checked against `crc`, tried once more, then on each other drive holding a
+        copy of the file. Raises ExpertReadError naming `what`."""
+        return self._read_page(ExpertRecord(TABLE_LAYER, offset // length, file, offset, length, crc), what)
+
+    def _read_page(self, rec: ExpertRecord, what: str, first: Drive | None = None) -> np.ndarray:
+        import mmap
+
+        order = self.drives.order(rec)
+        if first is not None and first in order:
+            order = [first, *(d for d in order if d is not first)]
+        buf = np.frombuffer(mmap.mmap(-1, rec.length), np.uint8)  # page aligned, as O_DIRECT wants
+        failed = []
+        for d in [order[0], *order]:  # as read(): the first choice twice, then each other copy
+            t0 = self.drives.begin(d)
+            try:
+                n, why = os.preadv(d.fds[rec.file], [buf], rec.offset), None
+            except OSError as e:
+                n, why = 0, e.strerror or str(e)
+            self.drives.end(d, t0, n, why or (None if n > 0 else "short read, 0 bytes"))
+            if why is None and n > 0:
+                if crc32(buf[:n]) == rec.crc32:
+                    return buf[:n]
+                why = "checksum mismatch"
+                self.drives.bad_copy(d)
+            failed.append(f"{self.where(d)}: {why or 'short read, 0 bytes'}")
+        msg = f"{what} cannot be read: {tries(failed)}"
+        log.error("%s", msg)
+        raise ExpertReadError(msg)
 
     def describe(self) -> dict:
         return {"verify": self.verify if self.c.checksums else "off", "checksums": self.c.checksums, "drives": [d.root for d in self.drives.drives[1:]],

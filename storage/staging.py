@@ -1,6 +1,9 @@
 """Copies of a container's expert files on another drive: staged (resumable, every record
 checked against the manifest on the way and the copy read back from the drive) and
-verified. The reader uses a copy as one of its drives (drives.py).
+verified. The reader uses a copy as one of its drives (drives.py). A container with
+streamed tables (tables.py) has its dense file staged too, as a sparse copy: the header
+and the tables' pages, each checked against tables.crc; the dense weights between are
+holes, since the dense weights are never read from a copy.
 
 A copy in progress is NAME.part; a finished one is renamed to NAME once read back whole
 and right. DEST/colibri-drive.json records whose container the copies are (its
@@ -19,6 +22,7 @@ import numpy as np
 from .checksum import crc32
 from .container import Container, ExpertRecord
 from .errors import ColibriError
+from .tables import TablePages, streamed_tables_file
 
 STATE = "colibri-drive.json"
 CHUNK_BYTES = 8 << 20  # copied and read back this much at a time (whole records)
@@ -38,6 +42,21 @@ def expert_files(c: Container) -> dict[str, list[ExpertRecord]]:
     for r in c.records.values():
         files.setdefault(r.file, []).append(r)
     return {f: sorted(rs, key=lambda r: r.offset) for f, rs in sorted(files.items())}
+
+
+def staged_files(c: Container) -> list[str]:
+    """The container's files a drive's copy holds: its expert files, and its dense file
+    when it has streamed tables."""
+    tables = streamed_tables_file(c)
+    return [*expert_files(c), *([tables[0]] if tables else [])]
+
+
+def file_bytes(c: Container, file: str) -> int:
+    """The bytes staging copies of one of staged_files (what its progress counts)."""
+    tables = streamed_tables_file(c)
+    if tables and file == tables[0]:
+        return tables[1] + sum(n for _, n in table_chunks(TablePages(c), os.path.getsize(file)))
+    return os.path.getsize(file)
 
 
 def _read_state(dest: str, c: Container) -> dict:
@@ -69,10 +88,12 @@ def _aligned(n: int) -> np.ndarray:
 
 
 def check_copy(c: Container, file: str, copy: str, progress: Progress | None = None) -> list[str]:
-    """What is wrong with `copy` of the container's expert file `file` (empty: nothing):
-    its size, the bytes before the records, and every record's crc32 against the manifest,
-    read from the drive itself (O_DIRECT where the file system allows it)."""
-    records = expert_files(c)[file]
+    """What is wrong with `copy` of the container's file `file` (empty: nothing): its size,
+    its header, and every expert record's crc32 against the manifest (or every table page's
+    against tables.crc), read from the drive itself (O_DIRECT where the file system allows it)."""
+    tables = streamed_tables_file(c)
+    is_tables = tables is not None and file == tables[0]
+    records = [] if is_tables else expert_files(c)[file]
     try:
         size = os.path.getsize(copy)
     except OSError as e:
@@ -81,7 +102,7 @@ def check_copy(c: Container, file: str, copy: str, progress: Progress | None = N
         return [f"{copy}: {size} bytes, the container's file has {os.path.getsize(file)}"]
     problems = []
     with open(file, "rb") as a, open(copy, "rb") as b:
-        head = records[0].offset
+        head = tables[1] if is_tables else records[0].offset
         if a.read(head) != b.read(head):
             problems.append(f"{copy}: the header differs from the container's")
     try:
@@ -89,6 +110,8 @@ def check_copy(c: Container, file: str, copy: str, progress: Progress | None = N
     except OSError:
         fd = os.open(copy, os.O_RDONLY)
     try:
+        if is_tables:
+            return problems + _check_tables(TablePages(c), fd, size, progress)
         per = max(1, CHUNK_BYTES // c.record_bytes)
         buf = _aligned(per * c.record_bytes)
         for i in range(0, len(records), per):
@@ -108,8 +131,53 @@ def check_copy(c: Container, file: str, copy: str, progress: Progress | None = N
     return problems
 
 
+def table_chunks(pages: TablePages, size: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of the dense file a tables copy holds beyond its header, in chunks
+    of at most CHUNK_BYTES (page aligned; the last ends at the file's end)."""
+    return [(at, min(CHUNK_BYTES, min(b, size) - at)) for a, b in pages.spans() for at in range(a, min(b, size),
+                                                                                              CHUNK_BYTES)]
+
+
+def _check_tables(pages: TablePages, fd: int, size: int, progress: Progress | None) -> list[str]:
+    buf = _aligned(CHUNK_BYTES)
+    problems = []
+    for at, n in table_chunks(pages, size):
+        got = os.preadv(fd, [memoryview(buf[:-(-n // 4096) * 4096])], at)
+        problems += [f"short read at offset {at}"] if got < n else pages.problems(buf[:n], at)
+        if progress:
+            progress(n)
+    return problems
+
+
+def _copy_tables(c: Container, file: str, part: str, progress: Progress | None) -> None:
+    """Copy the dense file's header and its tables' pages into `part` (the weights between
+    left as holes), from the first chunk an earlier copy did not finish, checking each page
+    against tables.crc as it is read."""
+    pages, head = TablePages(c), streamed_tables_file(c)[1]
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    size = os.path.getsize(file)
+    with open(file, "rb") as src, open(part, "r+b" if have else "wb") as out:
+        out.write(src.read(head))  # (small: always copied again)
+        if progress:
+            progress(head)
+        for at, n in table_chunks(pages, size):
+            if at + n > have:  # (the chunks before the copy's end were written whole)
+                src.seek(at)
+                data = src.read(n)
+                bad = pages.problems(np.frombuffer(data, np.uint8), at)
+                if bad:
+                    raise StageError(f"{file}: {bad[0]}: the container itself is damaged (colictl doctor --deep)")
+                out.seek(at)
+                out.write(data)
+            if progress:
+                progress(n)
+        out.truncate(size)
+        out.flush()
+        os.fsync(out.fileno())
+
+
 def stage(c: Container, dest: str, progress: Progress | None = None) -> dict:
-    """Copy the container's expert files into `dest` (made if missing), resuming what an
+    """Copy the container's expert files (and its streamed tables) into `dest` (made if missing), resuming what an
     earlier stage left; returns {"copied": [names], "kept": [names], "seconds": s}.
     Raises StageError (another container's directory, a damaged record in the container,
     a copy that reads back wrong) and OSError."""
@@ -117,16 +185,20 @@ def stage(c: Container, dest: str, progress: Progress | None = None) -> dict:
     os.makedirs(dest, exist_ok=True)
     state = _read_state(dest, c)
     copied, kept = [], []
-    for file, records in expert_files(c).items():
+    records, tables = expert_files(c), streamed_tables_file(c)
+    for file in staged_files(c):
         name = os.path.basename(file)
         final, part = os.path.join(dest, name), os.path.join(dest, name + ".part")
         size = os.path.getsize(file)
         if state["files"].get(name) == "done" and os.path.exists(final) and os.path.getsize(final) == size:
             kept.append(name)
             if progress:
-                progress(size)
+                progress(file_bytes(c, file))
             continue
-        _copy(c, file, records, part, progress)
+        if tables and file == tables[0]:
+            _copy_tables(c, file, part, progress)
+        else:
+            _copy(c, file, records[file], part, progress)
         problems = check_copy(c, file, part)
         if problems:
             raise StageError(f"{part} reads back wrong ({'; '.join(problems[:3])}): the drive may be failing")
@@ -187,13 +259,13 @@ def verify(c: Container, dest: str, progress: Progress | None = None) -> dict:
     container's copies."""
     state = _read_state(dest, c)
     report: dict = {}
-    for file in expert_files(c):
+    for file in staged_files(c):
         name = os.path.basename(file)
         copy = os.path.join(dest, name)
         if not os.path.exists(copy):
             report[name] = "missing"
             if progress:
-                progress(os.path.getsize(file))
+                progress(file_bytes(c, file))
             continue
         problems = check_copy(c, file, copy, progress)
         report[name] = problems or "ok"

@@ -3,23 +3,25 @@ streams beside the experts. A table stays in the container's dense file, where c
 wrote it, and its 4 KiB pages are checksummed apart (`tables.crc`, one crc32 per page,
 listed in the manifest's `tables`), so a table never has to be resident: a step reads the
 pages holding the rows its tokens index, under a byte budget of its own (TableCache: least
-recently used pages go first), with aligned O_DIRECT reads on a thread of its own, started
-as soon as the step's token ids are known (prefetch) and waited for when a layer takes its
-rows. A page that does not match its checksum is read again once, then named
+recently used pages go first). The pages are read by the experts' reader (reader.py): on
+its drives' threads, O_DIRECT, each page from the drive its stripe unit hashes to when
+`drives:` copies hold the tables too (`colictl drives stage` copies the dense file's
+header and table pages), started as soon as the step's token ids are known (prefetch) and
+waited for when a layer takes its rows. Every page read is checked against its crc32
+(whatever `verify` says: a page is small and read again as often as it is evicted); a
+page that does not match is read again, then from each other drive, then named
 (ExpertReadError). A token reads (ngram_size - 1) x heads_per_ngram rows a PLE layer; the
 cache's hit rate and bytes read are in stats()."""
 
-import mmap
 import os
 import threading
-import zlib
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
+from .checksum import crc32
 from .container import ContainerInvalid
-from .errors import ExpertReadError
 from .safetensors import bf16_to_f32
 
 PAGE = 4096
@@ -39,8 +41,62 @@ def page_crcs(path: str, begin: int, end: int) -> np.ndarray:
     with open(path, "rb") as f:
         f.seek(first * PAGE)
         for i in range(stop - first):
-            out[i] = zlib.crc32(f.read(PAGE))
+            out[i] = crc32(f.read(PAGE))
     return out
+
+
+def streamed_tables_file(container) -> tuple[str, int] | None:
+    """(path, header bytes) of the dense file when the container has streamed tables: the
+    reader opens it on every drive holding a copy, whose header must be the container's."""
+    if not getattr(container, "tables", None):
+        return None
+    path = os.path.join(container.path, container.dense_file)
+    with open(path, "rb") as f:
+        return path, 8 + int.from_bytes(f.read(8), "little")
+
+
+class TablePages:
+    """Where a container's streamed tables lie in its dense file (`path`) and their pages'
+    checksums: {name: (spec, first page, crcs [pages])}. Raises ContainerInvalid when
+    tables.crc is missing or short."""
+
+    def __init__(self, container):
+        self.path = os.path.join(container.path, container.dense_file)
+        crc_path = os.path.join(container.path, CRC_FILE)
+        try:
+            all_crcs = np.fromfile(crc_path, dtype="<u4")
+        except OSError as e:
+            raise ContainerInvalid(f"{crc_path}: {e.strerror or e}") from None
+        self.tables: dict[str, tuple[dict, int, np.ndarray]] = {}
+        for name, spec in container.tables.items():
+            first, stop = page_span(int(spec["begin"]), int(spec["end"]))
+            i = int(spec["crc_index"])
+            if i + stop - first > len(all_crcs):
+                raise ContainerInvalid(f"{crc_path}: {name!r}'s page checksums run past the file's end")
+            self.tables[name] = (spec, first, all_crcs[i:i + stop - first])
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The byte ranges [begin, end) of the dense file its tables' pages cover, merged, in order."""
+        out: list[list[int]] = []
+        for _, first, crcs in sorted(self.tables.values(), key=lambda t: t[1]):
+            a, b = first * PAGE, (first + len(crcs)) * PAGE
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return [(a, b) for a, b in out]
+
+    def problems(self, data: np.ndarray, at: int) -> list[str]:
+        """The table pages wholly inside `data` (the file's bytes from `at`, a page boundary;
+        the file's last page may be short) that do not match their checksum, named."""
+        out = []
+        lo, hi = at // PAGE, (at + len(data) + PAGE - 1) // PAGE
+        for name, (_, first, crcs) in self.tables.items():
+            for p in range(max(lo, first), min(hi, first + len(crcs))):
+                o = p * PAGE - at
+                if crc32(data[o:o + PAGE]) != int(crcs[p - first]):
+                    out.append(f"page {p} of table {name!r} does not match its checksum")
+        return out
 
 
 class StreamedTable:
@@ -85,55 +141,44 @@ class StreamedTable:
 
 class TableCache:
     """The streamed tables' pages, under one byte budget (at least a step's pages are held
-    while it takes them); reads on a thread of its own, O_DIRECT where the file system
-    allows it."""
+    while it takes them), read by the expert reader `reader` (reader.py ExpertReader: its
+    drives and their threads)."""
 
-    def __init__(self, container, budget: int, direct: bool = True):
+    def __init__(self, container, budget: int, reader):
         self.budget_pages = max(0, int(budget) // PAGE)
-        self.path = os.path.join(container.path, container.dense_file)
-        crc_path = os.path.join(container.path, CRC_FILE)
-        try:
-            all_crcs = np.fromfile(crc_path, dtype="<u4")
-        except OSError as e:
-            raise ContainerInvalid(f"{crc_path}: {e.strerror or e}") from None
-        self.tables = {}
-        for name, spec in container.tables.items():
-            first, stop = page_span(int(spec["begin"]), int(spec["end"]))
-            i = int(spec["crc_index"])
-            if i + stop - first > len(all_crcs):
-                raise ContainerInvalid(f"{crc_path}: {name!r}'s page checksums run past the file's end")
-            self.tables[name] = StreamedTable(self, name, spec, all_crcs[i : i + stop - first])
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        try:
-            self.fd = os.open(self.path, flags)
-        except OSError:  # (a file system without O_DIRECT: through the page cache)
-            self.fd = os.open(self.path, os.O_RDONLY)
+        self.reader = reader
+        self.index = TablePages(container)
+        self.path = self.index.path
+        self.tables = {name: StreamedTable(self, name, spec, crcs)
+                       for name, (spec, _, crcs) in self.index.tables.items()}
         self.pages: OrderedDict = OrderedDict()  # page -> bytes, least recently used first
         self.pending: dict[int, Future] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="colibri-tables")
         self.lock = threading.Lock()
         self.hits = self.misses = self.bytes_read = 0
 
     def table(self, name: str) -> StreamedTable:
         return self.tables[name]
 
+    def _what(self, table: StreamedTable, page: int) -> str:
+        return f"{self.path}: page {page} of table {table.name!r}"
+
     def _read(self, table: StreamedTable, page: int) -> np.ndarray:
-        buf = mmap.mmap(-1, PAGE)  # page aligned, as O_DIRECT wants
-        for _ in range(2):
-            n = os.preadv(self.fd, [buf], page * PAGE)
-            data = np.frombuffer(buf, np.uint8, n).copy()
-            if zlib.crc32(data) == int(table.crcs[page - table.first_page]):
-                with self.lock:
-                    self.bytes_read += PAGE
-                return np.concatenate([data, np.zeros(PAGE - n, np.uint8)]) if n < PAGE else data
-        raise ExpertReadError(f"{self.path}: page {page} of table {table.name!r} does not match its checksum "
-                              "(read twice)")
+        """The page read now, on the calling thread (PAGE bytes, zeros past the file's end)."""
+        data = self.reader.read_page(self.path, page * PAGE, PAGE, int(table.crcs[page - table.first_page]),
+                                     self._what(table, page))
+        return self._landed(data)
+
+    def _landed(self, data: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.bytes_read += PAGE
+        return np.concatenate([data, np.zeros(PAGE - len(data), np.uint8)]) if len(data) < PAGE else data
 
     def prefetch(self, table: StreamedTable, pages: np.ndarray) -> None:
         with self.lock:
             todo = [int(p) for p in pages if p not in self.pages and p not in self.pending]
             for p in todo:
-                self.pending[p] = self.pool.submit(self._read, table, p)
+                self.pending[p] = self.reader.submit_page(self.path, p * PAGE, PAGE,
+                                                          int(table.crcs[p - table.first_page]), self._what(table, p))
 
     def take(self, table: StreamedTable, pages: np.ndarray) -> dict:
         """The pages' bytes (read now those neither cached nor pending), then the cache cut
@@ -146,7 +191,7 @@ class TableCache:
                     self.pages.move_to_end(p)
                     self.hits += 1
             if got is None:
-                got = fut.result() if fut is not None else self._read(table, p)
+                got = self._landed(fut.result()) if fut is not None else self._read(table, p)
                 with self.lock:
                     self.misses += 1
                     self.pages[p] = got
@@ -161,7 +206,3 @@ class TableCache:
         return {"budget_bytes": self.budget_pages * PAGE, "resident_bytes": len(self.pages) * PAGE,
                 "bytes_read": self.bytes_read, "hit_rate": round(self.hits / taken, 4) if taken else None,
                 "pages_taken": taken}
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        os.close(self.fd)

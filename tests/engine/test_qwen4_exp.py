@@ -105,8 +105,70 @@ def test_a_table_page_that_does_not_match_its_checksum_is_named(tmp_path):
         f.write(bytes(b ^ 0xFF for b in data))
     model = load_model(str(tmp_path / "c"), budget="min", table_budget=4 * PAGE, verify="off")
     with pytest.raises(ExpertReadError, match="of table 'model.layers.0.ple.ple_embedding.ngram_embedding.weight' "
-                                              "does not match its checksum"):
+                                              r"cannot be read: primary: checksum mismatch \(2 tries\)"):
         model.forward(np.array([5, 6, 7]), model.new_cache(8))
+
+
+def test_the_tables_share_the_experts_drives_and_a_damaged_page_is_read_from_the_copy(tmp_path, monkeypatch):
+    """`colictl drives stage` copies the dense file's header and table pages too (the dense
+    weights between stay holes) and `drives verify` reads them back; with the copy as a
+    second drive, the table pages are read by the experts' reader, each page from the drive
+    its unit hashes to (both drives get some), and pages damaged on the container's own
+    drive are read from the copy: the resident tables' bits. A damaged page on the copy is
+    what verify names."""
+    import os
+
+    from test_published import to_container
+
+    from colibri.storage import drives as drives_module
+    from colibri.storage.container import ExpertRecord, open_container
+    from colibri.storage.reader import TABLE_LAYER
+    from colibri.storage.staging import stage, verify
+    from colibri.storage.tables import PAGE, TablePages
+
+    monkeypatch.setattr(drives_module, "STRIPE_BYTES", 1)  # (a unit of one record: the table pages spread)
+    build("qwen4_exp", "ple_qsa_hc2", tmp_path / "hf", seed=5, vocab_size=101, ngram_vocab_size_base=5000,
+          ple_embed_dim=64)
+    to_container(tmp_path / "hf", tmp_path / "c")
+    c = open_container(str(tmp_path / "c"))
+    assert "dense.safetensors" in stage(c, str(tmp_path / "d1"))["copied"]
+    assert verify(c, str(tmp_path / "d1"))["bad"] == 0
+    source, copy = tmp_path / "c" / "dense.safetensors", tmp_path / "d1" / "dense.safetensors"
+    spans = TablePages(c).spans()
+    with open(source, "rb") as a, open(copy, "rb") as b:  # the tables' pages copied, a weight between not
+        for begin, end in spans:
+            a.seek(begin), b.seek(begin)
+            assert a.read(end - begin) == b.read(end - begin)
+        gap = spans[0][0] - PAGE
+        a.seek(gap), b.seek(gap)
+        assert b.read(PAGE) == bytes(PAGE) != a.read(PAGE)
+
+    ids = np.random.default_rng(5).integers(4, 101, 21)
+    resident = load_model(str(tmp_path / "c"), budget="min")
+    want = resident.forward(ids, resident.new_cache(64), all_logits=True)
+    streamed = load_model(str(tmp_path / "c"), budget="min", table_budget=PAGE, drives=(str(tmp_path / "d1"),))
+    reader = streamed.tables.reader
+    assert reader is streamed.experts.reader  # (one reader: the experts' drives and threads)
+    pages = [p for begin, end in spans for p in range(begin // PAGE, end // PAGE)]
+    firsts = {reader.drives.first(ExpertRecord(TABLE_LAYER, p, str(source), p * PAGE, PAGE, 0)).index for p in pages}
+    assert firsts == {0, 1}
+    with open(source, "r+b") as f:  # every table page on the container's own drive damaged
+        for begin, end in spans:
+            f.seek(begin)
+            data = f.read(end - begin)
+            f.seek(begin)
+            f.write(bytes(x ^ 0x5A for x in data))
+    np.testing.assert_array_equal(streamed.forward(ids, streamed.new_cache(64), all_logits=True), want)
+    d0, d1 = reader.drives.describe()
+    assert d0["errors"] > 0 and d1["bytes"] > 0 and d1["errors"] == 0
+
+    with open(copy, "r+b") as f:  # a page damaged on the copy: verify names it
+        f.seek(spans[-1][0])
+        f.write(b"\xff" * 16)
+    got = verify(c, str(tmp_path / "d1"))
+    assert got["bad"] == 1 and "does not match its checksum" in got["files"]["dense.safetensors"][0]
+    os.remove(copy)
+    assert verify(c, str(tmp_path / "d1"))["files"]["dense.safetensors"] == "missing"
 
 
 def test_the_image_text_checkpoint_runs_its_text_model_and_never_reads_the_vision_tower(tmp_path):
