@@ -249,7 +249,7 @@ def main():
         t0 = time.perf_counter()
         table_frac = a.table_budget if a.table_budget is not None else frac
         table_bytes = sum(t["end"] - t["begin"] for t in c.tables.values())
-        table_budget = int(table_bytes * table_frac) if table_bytes and table_frac < 1.0 else None
+        table_budget = int(table_bytes * table_frac) if table_bytes and table_frac < 1.0 else "all"
         model = load_model(path, budget=budget, io_threads=a.io_threads, table_budget=table_budget,
                            policy=Policy(name=a.policy, prefetch_reads=a.prefetch), verify=a.verify)
         load_s = time.perf_counter() - t0

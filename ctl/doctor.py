@@ -71,8 +71,9 @@ def check_model(r: Report, path: str, deep: bool) -> dict:
             r.add(SKIP, "checksums", "a plain checkpoint carries no checksums to verify (a container made by "
                                      "colictl convert has a crc32 per expert record and per dense tensor)")
         return facts
-    facts.update(dense=store.dense_bytes, experts=store.expert_bytes,
-                 record_bytes=store.record_bytes, probe=next(iter(store.records.values())).file)
+    streamed = placement.streamed_table_bytes(store)  # (not resident: their cache is counted apart)
+    facts.update(dense=store.dense_bytes - streamed, experts=store.expert_bytes, record_bytes=store.record_bytes,
+                 probe=next(iter(store.records.values())).file, tables=streamed)
     if deep:
         check_checksums(r, store)
     return facts
@@ -169,6 +170,7 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
     from ..daemon import protocol as P
     from ..daemon.config import state_dir
     from ..storage.arena import meminfo
+    from ..storage.placement import table_cache_bytes
     from ..storage.sizes import fmt_bytes, parse_size
 
     if facts.get("probe"):
@@ -192,10 +194,13 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
     if facts.get("experts"):
         b = parse_size(cfg.expert_cache)
         budget = facts["experts"] if b == "all" else (facts["record_bytes"] if b == "min" else min(b, facts["experts"]))
-    need = facts.get("dense", 0) + budget
+    tables = table_cache_bytes(facts.get("tables", 0), cfg.table_budget())
+    need = facts.get("dense", 0) + budget + tables
     if need:
         line = (f"{fmt_bytes(need)} needed (dense {fmt_bytes(facts.get('dense', 0))} + expert cache "
-                f"{fmt_bytes(budget)}, expert_cache: {cfg.expert_cache}), {fmt_bytes(avail)} available")
+                f"{fmt_bytes(budget)}, expert_cache: {cfg.expert_cache}"
+                + (f" + embedding tables {fmt_bytes(tables)}, table_cache: {cfg.table_cache}" if tables else "")
+                + f"), {fmt_bytes(avail)} available")
         r.add(OK if need < 0.9 * avail else WARN if need < avail else FAIL, "memory", line)
     free_huge = meminfo("HugePages_Free") * 2 * 2**20  # free 2 MiB pages, in bytes
     if cfg.hugepages:

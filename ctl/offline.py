@@ -113,7 +113,8 @@ def resolve_model(model: str | None) -> str:
               help="threads reading experts from disk")
 @click.option("--table-cache", "table_budget", metavar="SIZE",
               help="RAM for a container's streamed embedding tables (Qwen4-Exp's n-gram tables): bytes or "
-                   "KiB/MiB/GiB, their pages read as tokens index them (default: the tables resident)")
+                   "KiB/MiB/GiB, min or all (read in), their pages read as tokens index them (default: all of "
+                   "them if that fits in a quarter of the available memory, else that quarter)")
 @click.option("--reader", type=click.Choice(["preadv", "io_uring", "auto"]), default="preadv", show_default=True,
               help="expert reads: the preadv pool, io_uring (colibri[uring]), or auto (the faster, measured)")
 @click.option("--drive", "drives", multiple=True, type=click.Path(file_okay=False, exists=True), metavar="DIR",
@@ -497,7 +498,8 @@ def plan_for(model_path, memory, trace_path, drives, config_path, threads, preci
 def show_plan(p: dict) -> None:
     s = p["shape"]
     click.echo(f"model   {p['model_type']} at {p['model']}: {s['moe_layers']} MoE layers x {s['n_expert']} experts, "
-               f"top-{s['top_k']}; dense {fmt_bytes(p['dense_bytes'])}")
+               f"top-{s['top_k']}; dense {fmt_bytes(p['dense_bytes'])}"
+               + (f", embedding tables {fmt_bytes(p['table_bytes'])} (streamed)" if p.get("table_bytes") else ""))
     click.echo(f"box     {p['threads']} compute threads, memory {p['memory_gbs']:.1f} GB/s a core, "
                f"{fmt_bytes(p['memory_bytes'])} for the model")
     for d in p["drives"]:
@@ -521,7 +523,8 @@ def show_plan(p: dict) -> None:
     if not rec["fits"]:
         click.echo(f"does not fit: {rec['why']}")
     click.echo(f"recommended: expert_cache: {rec['expert_cache']}"
-               + (f", kv_cache: {rec['kv_cache']}" if "kv_cache" in rec else "") + f", io_threads: {rec['io_threads']}"
+               + (f", kv_cache: {rec['kv_cache']}" if "kv_cache" in rec else "")
+               + (f", table_cache: {rec['table_cache']}" if "table_cache" in rec else "") + f", io_threads: {rec['io_threads']}"
                + (f", reader: {rec['reader']}" if "reader" in rec else "")
                + f", precision {rec['precision']} (the model's own): {rec['predicted_tok_s']} tok/s, "
                  f"{rec['bound']}-bound" + (" (* = what fits in memory)" if any(
@@ -568,7 +571,7 @@ def write_checked_fragment(out: str, text: str, config_path: str | None, model: 
     try:
         # the configuration as the daemon will read it, with this fragment in its place
         cfg = load(config_path, fragment=(out, tmp)) if config_path else load(tmp)
-        check_budgets(model, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache), build_model)
+        check_budgets(model, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache), build_model, cfg.table_budget())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -594,7 +597,7 @@ def tune(model_path, memory, trace_path, drives, config_path, threads, out):
     rec = p["recommend"]
     if not rec["fits"]:
         raise BudgetInvalid(f"nothing written: {rec['why']}")
-    keys = {k: rec[k] for k in ("expert_cache", "kv_cache", "io_threads", "reader") if k in rec}
+    keys = {k: rec[k] for k in ("expert_cache", "kv_cache", "table_cache", "io_threads", "reader") if k in rec}
     text = "".join([f"# colictl tune, {p['made']}: {p['model']}\n",
                     f"# predicted {rec['predicted_tok_s']} tok/s ({rec['bound']}-bound), drives "
                     + ", ".join(f"{d['gbs']:.2f} GB/s" for d in p["drives"]) + "\n",

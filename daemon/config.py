@@ -29,7 +29,7 @@ class Config:
     operator_group: str | None = None  # group of the operator socket; None: the daemon's own group
     state_dir: str | None = None  # None: $STATE_DIRECTORY, else ~/.local/state/colibri
     expert_cache: str = "all"  # RAM for routed experts of a container: SIZE, min or all
-    table_cache: str = "all"  # RAM for a container's streamed embedding tables (Qwen4-Exp's n-gram tables): SIZE or all
+    table_cache: str = "auto"  # RAM for a container's streamed embedding tables (Qwen4-Exp's n-gram tables): SIZE, min, all or auto
     io_threads: int = 2  # threads reading experts
     compute_threads: int = 0  # 0: every CPU the daemon may run on
     cpus: list = field(default_factory=list)  # CPU affinity, e.g. [0, 1]; empty: leave as started
@@ -73,6 +73,12 @@ class Config:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def table_budget(self) -> int | str | None:
+        """The table cache's budget for Placement (None: auto, storage/placement.py's default)."""
+        from ..storage.sizes import parse_size
+
+        return None if self.table_cache == "auto" else parse_size(self.table_cache)
+
     def cache_policy(self):
         """The expert cache policy these settings describe (storage/policy.py)."""
         from ..storage.policy import Policy
@@ -83,7 +89,7 @@ class Config:
 
 _KINDS = {  # key -> what a valid value is
     "model": "path", "socket": "socket", "operator_socket": "socket", "socket_group": "group",
-    "operator_group": "group", "state_dir": "path", "expert_cache": "size", "table_cache": "size",
+    "operator_group": "group", "state_dir": "path", "expert_cache": "size", "table_cache": "table_size",
     "io_threads": "positive", "compute_threads": "count", "cpus": "cpus", "mlock": "bool",
     "numa_node": "node", "hugepages": "bool", "prefetch_reads": "count", "policy": "policy",
     "hot_set": "fraction", "repin_every": "count", "repin_margin": "seconds",
@@ -116,14 +122,16 @@ def _valid(kind: str, v) -> str | None:
         from .protocol import socket_path_problem
 
         return None if v is None else socket_path_problem(v)
-    if kind == "size":
+    if kind == "table_size" and v == "auto":
+        return None
+    if kind in ("size", "table_size"):
         from ..storage.errors import BudgetInvalid
         from ..storage.sizes import parse_size
 
         try:
             size = parse_size(str(v)) if isinstance(v, str | int) and not isinstance(v, bool) else parse_size("?")
         except BudgetInvalid:
-            return "a size: bytes, KiB/MiB/GiB, min or all"
+            return "a size: bytes, KiB/MiB/GiB, " + ("min, all or auto" if kind == "table_size" else "min or all")
         return _above_ram(size)
     if kind in ("bytes", "disk"):  # disk: a size on disk, not held in RAM
         from ..storage.errors import BudgetInvalid

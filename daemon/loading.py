@@ -67,7 +67,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
                           verify=cfg.verify, drives=tuple(cfg.drives), faults=faults_from_env(),
                           coalesce=cfg.coalesce_reads, reader=cfg.reader,
                           queue_depth=cfg.queue_depth, sqpoll_cpu=cfg.sqpoll_cpu,
-                          table_budget=parse_size(cfg.table_cache))
+                          table_budget=cfg.table_budget())
     try:
         placed = open_model(path, placement, build_model, progress=phase)
     except BudgetInvalid as e:  # say where the budget was set: a fragment `colictl tune` wrote, a flag, ...

@@ -39,7 +39,7 @@ from ..storage.container import ALIGN, round_up
 from ..storage.errors import ColibriError
 from ..storage.experts import ExpertStats, LocalSource, QuantWeight, int4_of
 from ..storage.memory import PROCESS_BYTES
-from ..storage.placement import quant_group, resident_cache, sample_experts
+from ..storage.placement import quant_group, resident_cache, sample_experts, streamed_table_bytes
 from ..storage.sizes import fmt_bytes
 from ..storage.slots import min_budget_bytes
 
@@ -380,7 +380,13 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     first = next(iter(samples))
     sample = samples[first]()
     say("loading the dense weights")
-    model.load(dense_src, sample, precision=precision)
+    table_bytes, tables = streamed_table_bytes(c) if c is not None else 0, None
+    if table_bytes:  # (streamed, never read in: a step's pages read as the daemon reads them)
+        from ..storage.reader import ExpertReader
+        from ..storage.tables import TableCache
+
+        tables = TableCache(c, table_bytes, ExpertReader(c, ExpertStats()))
+    model.load(dense_src, sample, precision=precision, tables=tables)
     layers.init(threads)
     dense_bytes = sum(_nbytes(a) for a in model.glob.values()) + sum(_nbytes(a) for L in model.layers
                                                                      for a in L.values())
@@ -420,7 +426,7 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
             s.close()  # (the real cache's reader threads)
         shape = Shape(n_moe, k, model.n_expert, s.record_bytes)
         least = min_budget_bytes(n_moe, s.record_bytes)
-        split = split_memory(avail, dense_bytes, kv_bytes, least, shape.expert_bytes)
+        split = split_memory(avail, dense_bytes, kv_bytes, least, shape.expert_bytes, table_bytes)
         fit = split["experts"] / shape.expert_bytes if shape.expert_bytes else 1.0
         table = [{"budget_fraction": f, "budget_bytes": int(f * shape.expert_bytes),
                   **predict(shape, compute_s, disk, hit_at(routing, f), routing["waste"])}
@@ -434,27 +440,34 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
     plan = {"version": PLAN_VERSION, "model": os.path.abspath(path), "container": fingerprint,
             "model_type": model.MODEL_TYPE, "precision": own if own in rows else next(iter(rows)), "made": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "shape": {"moe_layers": n_moe, "top_k": k, "n_expert": model.n_expert},
-            "dense_bytes": dense_bytes, "memory_bytes": int(avail), "kv_bytes": kv_bytes, "memory_gbs": mem, "drives": disks,
+            "dense_bytes": dense_bytes, "table_bytes": table_bytes, "memory_bytes": int(avail), "kv_bytes": kv_bytes,
+            "memory_gbs": mem, "drives": disks,
             "disk_gbs": round(disk, 3), "threads": threads or len(os.sched_getaffinity(0)),
             "routing": routing | {"hits": {str(f): h for f, h in routing["hits"].items()}},
             "precisions": rows}
+    if tables is not None:
+        tables.reader.close()
     plan["recommend"] = recommend(plan, c, disks)
     plan["seconds"] = round(time.perf_counter() - t_start, 2)
     return plan
 
 
-def split_memory(memory: int, dense_bytes: int, kv_bytes: int, least: int, expert_bytes: int) -> dict:
+def split_memory(memory: int, dense_bytes: int, kv_bytes: int, least: int, expert_bytes: int,
+                 table_bytes: int = 0) -> dict:
     """How `memory` bytes are shared out: the dense weights and the process (PROCESS_BYTES)
-    first, the experts' minimum budget (`least`) next; of the rest the prefix cache takes
-    at most a quarter (up to its budget, `kv_bytes`), the experts what they can use (at
-    most all of them, `expert_bytes`), and the prefix cache what the experts leave.
-    {"experts", "kv", "short"}: the budgets, and the bytes missing for the minimum (0
-    when it fits)."""
+    first, the experts' minimum budget (`least`) next; of the rest streamed embedding
+    tables take at most a quarter (up to all their `table_bytes`), then of what remains the
+    prefix cache at most a quarter (up to its budget, `kv_bytes`), the experts what they
+    can use (at most all of them, `expert_bytes`), and the prefix cache what the experts
+    leave. {"experts", "kv", "tables", "short"}: the budgets, and the bytes missing for
+    the minimum (0 when it fits)."""
     free = memory - dense_bytes - PROCESS_BYTES
     if free < least:
-        return {"experts": least, "kv": 0, "short": least - free}
+        return {"experts": least, "kv": 0, "tables": 0, "short": least - free}
+    tables = min(table_bytes, (free - least) // 4)
+    free -= tables
     experts = max(least, min(expert_bytes, free - min(kv_bytes, (free - least) // 4)))
-    return {"experts": experts, "kv": min(kv_bytes, free - experts), "short": 0}
+    return {"experts": experts, "kv": min(kv_bytes, free - experts), "tables": tables, "short": 0}
 
 
 def budget_text(n: int, least: int) -> str:
@@ -484,6 +497,8 @@ def recommend(plan: dict, container, disks: list[dict]) -> dict:
             "expert_cache": "all" if fit >= 1.0 else budget_text(own["at_fit"]["budget_bytes"], own["min_budget_bytes"]),
             "io_threads": max(d["io_threads"] for d in disks), "predicted_tok_s": own["at_fit"]["tok_s"],
             "bound": own["at_fit"]["bound"]}
+    if plan.get("table_bytes"):  # a page's worth at least: one step's pages are held while it takes them
+        out["table_cache"] = budget_text(split["tables"], 4096) if split["tables"] else "min"
     if split["kv"] < plan["kv_bytes"]:  # the prefix cache gives up what the experts' minimum needs
         out["kv_cache"] = budget_text(split["kv"], 0) if split["kv"] else "0"
     faster = [(p, r) for p, r in plan["precisions"].items() if r["lossy"] and r["at_fit"]["tok_s"]

@@ -62,10 +62,11 @@ def ram_bytes() -> int:
 
 @dataclass(frozen=True)
 class MemoryRoom:
-    """The RAM budgets may share: `ram` less `dense_bytes` and PROCESS_BYTES."""
+    """The RAM budgets may share: `ram` less `dense_bytes`, `table_bytes` and PROCESS_BYTES."""
 
     dense_bytes: int
     ram: int = 0  # 0: ram_bytes()
+    table_bytes: int = 0  # a container's streamed tables: their cache's budget (tables.py), all of them when resident
 
     @property
     def total(self) -> int:
@@ -73,7 +74,7 @@ class MemoryRoom:
 
     @property
     def bytes(self) -> int:
-        return max(0, self.total - self.dense_bytes - PROCESS_BYTES)
+        return max(0, self.total - self.dense_bytes - self.table_bytes - PROCESS_BYTES)
 
     def check(self, what: str, asked: int, beside: int = 0, beside_what: str = "") -> None:
         """Raises BudgetInvalid when `asked` bytes for `what` do not fit beside `beside`
@@ -83,5 +84,6 @@ class MemoryRoom:
             other = f", less {fmt_bytes(beside)} for {beside_what}" if beside else ""
             raise BudgetInvalid(
                 f"{what} of {fmt_bytes(asked)} is above this box's limit of {fmt_bytes(room)} ({room} bytes: "
-                f"{fmt_bytes(self.total)} of RAM less {fmt_bytes(self.dense_bytes)} of dense weights and "
+                f"{fmt_bytes(self.total)} of RAM less {fmt_bytes(self.dense_bytes)} of dense weights"
+                f"{f', {fmt_bytes(self.table_bytes)} for the embedding tables' if self.table_bytes else ''} and "
                 f"{fmt_bytes(PROCESS_BYTES)} for the process{other})")

@@ -98,7 +98,7 @@ class Placement:
     the reads (drives.py).
     `faults` is a COLIBRI_FAULTS drill spec (faults.py). `trace` receives the routing trace.
     `table_budget` streams a container's tables (Qwen4-Exp's n-gram tables) by pages under
-    that many bytes instead of reading them in (tables.py).
+    that many bytes (tables.py; None: table_cache_bytes's default, "all": read in).
     `coalesce` reads a step's misses that are adjacent in their file as one request.
     """
 
@@ -121,7 +121,7 @@ class Placement:
     queue_depth: int = 32  # io_uring: reads in flight at most
     sqpoll_cpu: int | None = None  # io_uring: a kernel thread on this CPU polls for submissions
     beside_bytes: int = 0  # RAM the daemon's other budgets take (the prefix cache): the experts' budget fits beside
-    table_budget: int | str | None = None  # a container's streamable tables (tables.py): bytes of their pages; None, "all": resident
+    table_budget: int | str | None = None  # a container's streamed tables (tables.py): bytes, min, all (resident); None: default
 
 
 @dataclass
@@ -185,15 +185,37 @@ def check_model(path: str, build: Build, report=None):
     return model, store
 
 
-def room_for(container) -> MemoryRoom:
+def room_for(container, table_budget: int | str | None = None) -> MemoryRoom:
     """The RAM a container's (or a GGUF file's) budgets may take: the box's, less its dense
-    weights and the process."""
-    return MemoryRoom(container.dense_bytes)
+    weights (its streamed tables apart) and the process, and its tables' `table_budget`
+    (table_cache_bytes)."""
+    streamed = streamed_table_bytes(container)
+    return MemoryRoom(container.dense_bytes - streamed, table_bytes=table_cache_bytes(streamed, table_budget))
 
 
-def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, build: Build | None = None) -> None:
+def streamed_table_bytes(container) -> int:
+    """The bytes of the dense file's tables a container may stream (tables.py); 0 for none."""
+    return sum(int(t["end"]) - int(t["begin"]) for t in (getattr(container, "tables", None) or {}).values())
+
+
+def table_cache_bytes(total: int, budget: int | str | None) -> int:
+    """The RAM streamed tables of `total` bytes take under `budget`: all of them for "all"
+    (read in), 0 for "min" (a step's pages at a time), that many bytes for a size, and by
+    default every table page if that fits in a quarter of the available memory, else that
+    quarter (beside the experts' default half). 0 without tables."""
+    import psutil
+
+    if not total or budget == "min":
+        return 0
+    if budget == "all":
+        return total
+    return int(budget) if budget is not None else min(total, psutil.virtual_memory().available // 4)
+
+
+def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, build: Build | None = None,
+                  table_budget: int | str | None = None) -> None:
     """Whether a model would be placed with an expert `budget` beside `beside_bytes` of
-    other budgets (the prefix cache), as open_model checks it, without reading a weight
+    other budgets (the prefix cache) and its tables' `table_budget`, as open_model checks it, without reading a weight
     (a GGUF file's experts are found through the family `build` gives).
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
@@ -206,7 +228,7 @@ def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, bu
     else:
         c = open_container(path)
     budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert, c.record_bytes,
-                 room_for(c), beside_bytes)
+                 room_for(c, table_budget), beside_bytes)
 
 
 def check_resident(path: str, checkpoint, budget, beside_bytes: int) -> None:
@@ -263,15 +285,18 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     faults = FaultPlan.parse(pl.faults)
     if faults:
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
+    room = room_for(c, pl.table_budget)
+    replace(room, table_bytes=0).check("the embedding tables' cache (table_cache)" if pl.table_budget != "all" else
+                                       "the embedding tables, resident (table_cache all),", room.table_bytes)
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
-                        queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room_for(c), beside=pl.beside_bytes)
+                        queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room, beside=pl.beside_bytes)
     tables = None
-    if pl.table_budget not in (None, "all") and getattr(c, "tables", None):
+    if pl.table_budget != "all" and streamed_table_bytes(c):
         from .tables import TableCache
 
-        tables = TableCache(c, 0 if pl.table_budget == "min" else pl.table_budget, cache.reader)
+        tables = TableCache(c, room.table_bytes, cache.reader)
     model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision, tables=tables)
     cache.warm_start(progress)
     return Placed(model, cache, history)

@@ -104,3 +104,24 @@ def test_missing_files_and_models_fail(container, tmp_path):
     conf.write_text("expert_cache: lots\n")
     r = colictl("doctor", "--config", conf, "--model", container)
     assert r.returncode == exitcodes.USAGE and r.stderr.count("\n") == 1 and "expert_cache" in r.stderr
+
+
+def test_the_memory_check_counts_streamed_tables_by_their_cache_not_their_size(tmp_path):
+    """A Qwen4-Exp container's n-gram tables are streamed: the memory line counts the dense
+    weights without them and the table cache the configuration gives them."""
+    from colibri.storage.demo import _tokenizer_json
+    from colibri.storage.placement import streamed_table_bytes
+    from colibri.storage.sizes import fmt_bytes
+
+    from hf_models import build_container
+
+    c = build_container(tmp_path, "qwen4_exp", "ple_qsa_hc2", seed=5, vocab_size=101, ngram_vocab_size_base=5000,
+                        ple_embed_dim=64)
+    (tmp_path / "c" / "tokenizer.json").write_text(_tokenizer_json())
+    cfg = tmp_path / "colibri.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\ntable_cache: 64KiB\n")
+    r = colictl("doctor", "--model", c.path, "--config", cfg, "--deep")
+    line = next((ln for ln in r.stdout.splitlines() if ln.split()[1] == "memory"), r.stdout)
+    assert f"dense {fmt_bytes(c.dense_bytes - streamed_table_bytes(c))} +" in line, line
+    assert "embedding tables 64.0 KiB, table_cache: 64KiB" in line, line
+    assert "dense tensors match" in r.stdout  # (--deep: the tables' bytes checked as dense tensors)

@@ -295,7 +295,11 @@ def test_bad_config_names_the_key(tmp_path, demo):
     assert r.returncode == 2 and "io_thread" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     out = subprocess.run([sys.executable, "-m", "colibri.daemon", "--config", os.path.join(ROOT, "etc/colibri.yaml"),
                           "--print-config"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "expert_cache: all" in out.stdout
+    assert out.returncode == 0 and "expert_cache: all" in out.stdout and "table_cache: auto" in out.stdout
+    cfg.write_text("table_cache: some\n")
+    r = subprocess.run([sys.executable, "-m", "colibri.daemon", "--config", str(cfg), "--print-config"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "table_cache" in r.stderr and "min, all or auto" in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")

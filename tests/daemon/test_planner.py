@@ -155,7 +155,29 @@ def test_the_plan_never_shows_or_recommends_a_budget_below_the_minimum(container
         else:  # the dense weights and the minimum do not fit: said, with what is missing
             assert "short" in rec["why"] and extra < least + p["dense_bytes"]
     assert split_memory(1 << 30, 0, 64 << 20, 100, 1 << 40)["kv"] == 64 << 20  # a quarter of the rest at most
-    assert split_memory(PROCESS_BYTES + 1000, 0, 64 << 20, 100, 500) == {"experts": 500, "kv": 500, "short": 0}
+    assert split_memory(PROCESS_BYTES + 1000, 0, 64 << 20, 100, 500) == {"experts": 500, "kv": 500, "tables": 0,
+                                                                          "short": 0}
+    # streamed tables: a quarter of what the experts' minimum leaves at most, before the others
+    assert split_memory(PROCESS_BYTES + 1100, 0, 0, 100, 1 << 40, 1 << 40) == {"experts": 850, "kv": 0,
+                                                                              "tables": 250, "short": 0}
+    assert split_memory(PROCESS_BYTES + 1100, 0, 0, 100, 1 << 40, 40)["tables"] == 40
+
+
+def test_a_model_with_streamed_tables_is_planned_with_them_streamed(tmp_path):
+    """A Qwen4-Exp container's n-gram tables are not read in to plan it: the plan's dense
+    bytes leave them out, their bytes are said apart, and the recommendation gives them a
+    table_cache (all their bytes when memory is plenty, a quarter of what is left when not)."""
+    from colibri.storage.placement import streamed_table_bytes
+
+    c = build_container(tmp_path, "qwen4_exp", "ple_qsa_hc2", seed=5, vocab_size=101, ngram_vocab_size_base=5000,
+                        ple_embed_dim=64)
+    tables = streamed_table_bytes(c)
+    p = make_plan(c.path, build_model, memory=4 << 30, seconds=0.1)
+    assert p["table_bytes"] == tables and p["dense_bytes"] < c.dense_bytes - tables + 4096
+    assert parse_size(p["recommend"]["table_cache"]) >= tables // 2**10 * 2**10
+    least = min_budget_bytes(len(c.moe_layers), c.record_bytes)
+    tight = make_plan(c.path, build_model, memory=p["dense_bytes"] + PROCESS_BYTES + least + tables, seconds=0.1)
+    assert parse_size(tight["recommend"]["table_cache"]) <= tables // 4 + 1024
 
 
 def test_a_checkpoint_is_planned_before_it_is_converted(tmp_path):

@@ -73,7 +73,7 @@ def test_the_ngram_tables_streamed_under_a_budget_of_a_few_rows_give_the_same_bi
           ple_embed_dim=64)  # (tables of 20,000 rows x 16 floats: 80 pages each)
     to_container(tmp_path / "hf", tmp_path / "c")
     ids = np.random.default_rng(5).integers(4, 101, 21)
-    resident = load_model(str(tmp_path / "c"), budget="min")
+    resident = load_model(str(tmp_path / "c"), budget="min", table_budget="all")
     streamed = load_model(str(tmp_path / "c"), budget="min", table_budget=PAGE)
     assert isinstance(streamed.layers[0]["ple_table"], StreamedTable) and streamed.tables.budget_pages == 1
     want = resident.forward(ids, resident.new_cache(64), all_logits=True)
@@ -84,6 +84,42 @@ def test_the_ngram_tables_streamed_under_a_budget_of_a_few_rows_give_the_same_bi
     per_token = st["bytes_read"] / (2 * len(ids) + 16)
     assert per_token <= len(streamed.ple_rows) * 4 * 2 * PAGE  # (4 rows a layer: at most two pages each)
     print(f"table bytes read per token: {per_token:.0f}, hit rate {st['hit_rate']}")
+
+
+def test_by_default_the_tables_stream_and_a_table_budget_must_fit_the_box(tmp_path):
+    """Without a table budget the tables are never read in at start: their cache may grow
+    to all their pages (these fit in a quarter of the available memory), read as tokens
+    index them; `all` reads them in. A table budget above this box's RAM is refused naming
+    the tables, and an expert budget that does not fit beside the table cache says that it
+    is the tables that take the room."""
+    from test_published import to_container
+
+    from colibri.storage.container import open_container
+    from colibri.storage.errors import BudgetInvalid
+    from colibri.storage.memory import ram_bytes
+    from colibri.storage.placement import streamed_table_bytes
+    from colibri.storage.tables import StreamedTable
+
+    build("qwen4_exp", "ple_qsa_hc2", tmp_path / "hf", seed=5, vocab_size=101, ngram_vocab_size_base=5000,
+          ple_embed_dim=64)
+    to_container(tmp_path / "hf", tmp_path / "c")
+    total = streamed_table_bytes(open_container(str(tmp_path / "c")))
+    assert total >= 2 * 20000 * 16 * 2
+    model = load_model(str(tmp_path / "c"), budget="min")
+    assert isinstance(model.layers[0]["ple_table"], StreamedTable)
+    st = model.tables.stats()
+    assert st["budget_bytes"] == total // 4096 * 4096 and st["bytes_read"] == 0
+    ids = np.random.default_rng(6).integers(4, 101, 9)
+    resident = load_model(str(tmp_path / "c"), budget="min", table_budget="all")
+    assert resident.tables is None and not isinstance(resident.layers[0]["ple_table"], StreamedTable)
+    assert our_greedy(model, ids, 8) == our_greedy(resident, ids, 8)
+    assert 0 < model.tables.stats()["bytes_read"] <= total + 4096 * len(model.tables.tables)
+    with pytest.raises(BudgetInvalid, match="the embedding tables' cache"):
+        load_model(str(tmp_path / "c"), budget="min", table_budget=2 * ram_bytes())
+    big = int(0.6 * ram_bytes())  # (fits the box alone: a budget, not memory taken at start)
+    assert load_model(str(tmp_path / "c"), budget="min", table_budget=big).tables.stats()["budget_bytes"] > 0
+    with pytest.raises(BudgetInvalid, match="for the embedding tables"):
+        load_model(str(tmp_path / "c"), budget=ram_bytes() // 2, table_budget=big)
 
 
 def test_a_table_page_that_does_not_match_its_checksum_is_named(tmp_path):
@@ -144,7 +180,7 @@ def test_the_tables_share_the_experts_drives_and_a_damaged_page_is_read_from_the
         assert b.read(PAGE) == bytes(PAGE) != a.read(PAGE)
 
     ids = np.random.default_rng(5).integers(4, 101, 21)
-    resident = load_model(str(tmp_path / "c"), budget="min")
+    resident = load_model(str(tmp_path / "c"), budget="min", table_budget="all")
     want = resident.forward(ids, resident.new_cache(64), all_logits=True)
     streamed = load_model(str(tmp_path / "c"), budget="min", table_budget=PAGE, drives=(str(tmp_path / "d1"),))
     reader = streamed.tables.reader
