@@ -214,12 +214,15 @@ def main():
     ap.add_argument("--table-budget", type=float, default=None, metavar="FRACTION",
                     help="Qwen4-Exp's n-gram tables streamed under this fraction of their bytes (default: the "
                          "expert budget's fraction; 1.0 and more: resident)")
+    ap.add_argument("--dense-dtype", choices=("int8", "int4"), default=None,
+                    help="the dense matrices computed by linear() quantized (convert --dense-dtype; lossy, on int8 "
+                         "activations; default: bf16 as built)")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     layers.init()
-    path = build(a.workdir, a.expert_gb, family=a.family, precision=a.precision)
+    path = build(a.workdir, a.expert_gb, family=a.family, precision=a.precision, dense_dtype=a.dense_dtype)
     if a.ab:
         print(provenance.dumps(ab(a, path), indent=2))
         return
@@ -319,7 +322,8 @@ def main():
         del model
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision, "container": path,
+    print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision,
+                            "dense_dtype": a.dense_dtype or "bf16", "container": path,
                       "n_layer": len(c.moe_layers),
                       "kv_bytes_per_token": kv_bytes, "state_bytes_per_sequence": state_bytes, "attention": attention,
                       "context_bytes": context,

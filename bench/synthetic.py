@@ -241,11 +241,12 @@ def prompt(rng: np.random.Generator, n: int, recipe: dict = RECIPE, vocab: int =
 
 
 def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: str = "qwen3_moe",
-          precision: str = "int4", overrides: dict | None = None) -> str:
+          precision: str = "int4", overrides: dict | None = None, dense_dtype: str | None = None) -> str:
     """The container's path, built into workdir unless it is there already: as many
     layers as give `expert_gb` of experts and fit in half the free disk (or n_layer), in
     the shape SHAPES[family] says (with `overrides` of its config), the experts in
-    `precision` (PRECISIONS)."""
+    `precision` (PRECISIONS), the dense matrices the family computes by linear() in
+    `dense_dtype` (int8, int4: convert --dense-dtype, lossy; None: as built, bf16)."""
     shape = SHAPES[family] | (overrides or {})
     n_expert = shape.get("num_experts") or shape.get("num_local_experts") or shape["n_routed_experts"]
     D, I = shape["hidden_size"], shape["moe_intermediate_size"]
@@ -257,7 +258,7 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
     name = "qwen3-30b-a3b" if family == "qwen3_moe" else family
     if overrides:
         name += "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
-    path = os.path.join(workdir, f"{name}-shaped-{precision}-{n_layer}l")
+    path = os.path.join(workdir, f"{name}-shaped-{precision}{'-d' + dense_dtype if dense_dtype else ''}-{n_layer}l")
     cfg = shape | {"num_hidden_layers": n_layer}
     if family == "deepseek_v4" and "layer_types" not in cfg:  # every kind of layer in a few: a sliding one,
         # then compressed sparse and heavily compressed in turn; hash routing on the first layers, one moe at least
@@ -278,7 +279,7 @@ def build(workdir: str, expert_gb: float, n_layer: int | None = None, family: st
     t0 = time.perf_counter()
     print(f"building {n_layer} layers ({n_layer * one_layer / 1e9:.1f} GB of experts) in {path}", file=sys.stderr)
     convert(synth, path, plan, expert_dtype="int4" if precision == "int4" else None,
-            group_size=GROUP if precision == "int4" else None, force=True,
+            group_size=GROUP if precision == "int4" else None, force=True, dense_dtype=dense_dtype,
             progress=lambda d, t: print(f"\r{d}/{t}", end="", file=sys.stderr) if d % 512 == 0 else None)
     with open(stamp, "w") as f:
         json.dump(cfg | {"recipe": RECIPE}, f)

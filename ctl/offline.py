@@ -368,7 +368,7 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     model = build_model(src, cfg)
     ckpt = model.source(open_checkpoint(src))
     model.check(ckpt)
-    plan = plan_for(model, int_dense=model.int_dense_names(), integer_experts=model.CREW_EXPERTS)
+    plan = plan_for(model)
     order = None
     if trace_path:
         from ..storage.layout import coactivation_order

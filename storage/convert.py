@@ -64,9 +64,11 @@ class ExpertPlan:
 
 def plan_for(model, **kw) -> ExpertPlan:
     """What convert writes of a model (engine/model.py MoEModel): its experts, its dense
-    tensors, the tables it may stream by rows; `kw` the plan's other fields."""
+    tensors, the matrices --dense-dtype may quantize, whether its experts take int8
+    activations, the tables it may stream by rows; `kw` overrides."""
     return ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names(),
-                      tables=model.table_names(), **kw)
+                      **{"int_dense": model.int_dense_names(), "integer_experts": model.CREW_EXPERTS,
+                         "tables": model.table_names()} | kw)
 
 
 def table_checksums(tmp: str, names: list[str]) -> dict:

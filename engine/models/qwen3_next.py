@@ -100,6 +100,10 @@ class Model(MoEModel):
     ATTENTION = "hybrid: Gated DeltaNet + GQA"
     ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25}
     F32_KEYS = MoEModel.F32_KEYS | {"conv", "dt_bias", "A_log", "lin_norm"}
+    # the matrices only linear() reads (swiglu's too, for the dense and shared experts' MLPs):
+    # what --dense-dtype int8/int4 quantizes; the Gated DeltaNet's projections are most of them
+    INT_DENSE_KEYS = ("q", "k", "v", "o", "lin_qkvz", "lin_ba", "lin_qkv", "lin_z", "lin_b", "lin_a", "lin_out",
+                      "gate", "up", "down", "shared_gate_proj", "shared_up", "shared_down")
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):
         self.attn_spec = AttnSpec(args.num_attention_heads, args.num_key_value_heads, args.head_dim,

@@ -266,6 +266,10 @@ class Model(qwen3_5_moe.Model):
     MODEL_TYPE = MODEL_TYPE
     ATTENTION = "hybrid: Gated DeltaNet + GQA with QSA, hyper-connections, n-gram embeddings"
     F32_KEYS = qwen3_5_moe.Model.F32_KEYS | set(ONE_PLUS) | {"mix_norm", "ple_conv"}
+    # beside Qwen3.5's: the hyper-connection mixers, the per-layer embeddings' projections and the QSA indexer's
+    INT_DENSE_KEYS = qwen3_5_moe.Model.INT_DENSE_KEYS + ("hc_attn_down", "hc_attn_up", "hc_attn_inject",
+                                                         "hc_mlp_down", "hc_mlp_up", "hc_mlp_inject", "ple_key",
+                                                         "ple_value", "ix_qk")
     ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default"}  # (the whole head rotates unless it says)
     TABLE_KEYS = frozenset({"ple_table"})  # streamable by rows from a container (storage/tables.py)
 

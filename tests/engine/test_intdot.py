@@ -309,6 +309,17 @@ def test_the_crews_dense_job_equals_the_kernel(kind):
     np.testing.assert_array_equal(got, want)
 
 
+def alone_batched_streamed(model, container, seqs, n_ctx):
+    """Each sequence's logits alone; asserts they are the same batched together, and the
+    first's the same at the minimum expert budget."""
+    ref = [model.forward(s, model.new_cache(n_ctx), all_logits=True) for s in seqs]
+    for want, got in zip(ref, model.forward_batch([(s, model.new_cache(n_ctx)) for s in seqs], all_logits=True)):
+        np.testing.assert_array_equal(got, want)
+    streamed = load_model(str(container), budget="min")
+    np.testing.assert_array_equal(streamed.forward(seqs[0], streamed.new_cache(n_ctx), all_logits=True), ref[0])
+    return ref
+
+
 @pytest.mark.parametrize("dense", ["int8", "int4"])
 def test_dense_matrices_in_int8_or_int4(tmp_path, dense, monkeypatch):
     """convert --dense-dtype int8/int4: the attention matrices and the untied LM head stored
@@ -333,11 +344,7 @@ def test_dense_matrices_in_int8_or_int4(tmp_path, dense, monkeypatch):
     assert f"(matrices {dense} g32)" in precision_text(p)
     assert model.layers[0]["q"].integer and model.lm_head.integer and model.lm_head.kind == dense
     seqs = [np.arange(3, 12), np.array([40]), np.arange(20, 26)]
-    ref = [model.forward(s, model.new_cache(16), all_logits=True) for s in seqs]
-    for want, got in zip(ref, model.forward_batch([(s, model.new_cache(16)) for s in seqs], all_logits=True)):
-        np.testing.assert_array_equal(got, want)
-    streamed = load_model(str(tmp_path / "c"), budget="min")
-    np.testing.assert_array_equal(streamed.forward(seqs[0], streamed.new_cache(16), all_logits=True), ref[0])
+    ref = alone_batched_streamed(model, tmp_path / "c", seqs, 16)
     exact = load_model(str(tmp_path / "hf")).forward(seqs[0], load_model(str(tmp_path / "hf")).new_cache(16),
                                                        all_logits=True)
     corr = np.corrcoef(ref[0].ravel(), exact.ravel())[0, 1]  # lossy by name, not broken (a wrong layout: ~0)
@@ -369,3 +376,37 @@ def test_dense_matrices_in_int8_or_int4(tmp_path, dense, monkeypatch):
         convert(open_checkpoint(str(tmp_path / "ds")), tmp_path / "d",
                 ExpertPlan(d.moe_layers, d.n_expert, d.expert_names, d.dense_names(), d.int_dense_names()),
                 dense_dtype=dense)
+
+
+@pytest.mark.parametrize("family,case", [("qwen3_next", "odd_mix_sparse_tied"), ("qwen4_exp", "ple_qsa_hc2")])
+def test_hybrid_families_dense_matrices_in_int8(tmp_path, family, case):
+    """--dense-dtype int8 on the hybrid families: the Gated DeltaNet's projections, the
+    attention's, the dense and shared MLPs' (and Qwen4-Exp's mixers, per-layer embedding
+    projections and QSA indexer) stored int8 and computed on int8 activations; batched =
+    alone, streamed = resident, close to the exact model (lossy by name, not broken)."""
+    from colibri.storage.container import open_container
+
+    shape = dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16,
+                 linear_num_value_heads=4, linear_value_head_dim=8, linear_key_head_dim=16)
+    if family == "qwen3_next":
+        shape |= dict(intermediate_size=32, num_attention_heads=4, linear_num_key_heads=2)
+    else:
+        shape |= dict(hc_lowrank=32, ple_embed_dim=32)
+    build(family, case, tmp_path / "hf", seed=4, **shape)
+    m = build_model(str(tmp_path / "hf"), load_config(str(tmp_path / "hf")))
+    names = m.int_dense_names()
+    assert any(".linear_attn.in_proj" in n for n in names) and any("shared_expert.down_proj" in n for n in names)
+    if family == "qwen4_exp":
+        assert any("input_mix_weight_down" in n for n in names) and any("indexer.index_qk_proj" in n for n in names)
+    plan = ExpertPlan(m.moe_layers, m.n_expert, m.expert_names, m.dense_names(), names, tables=m.table_names())
+    convert(m.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c", plan, dense_dtype="int8")
+    q = open_container(str(tmp_path / "c")).manifest["tensor_classes"]["dense"]["int"]
+    assert q["kind"] == "int8" and set(q["names"]) == set(names)
+    model = load_model(str(tmp_path / "c"), budget="all")
+    assert model.precision()["dense_int"] == "int8 g32" and model.precision()["lossy"]
+    seqs = [np.arange(3, 40), np.array([40]), np.arange(20, 26)]
+    ref = alone_batched_streamed(model, tmp_path / "c", seqs, 64)
+    exact = load_model(str(tmp_path / "hf"))
+    want = exact.forward(seqs[0], exact.new_cache(64), all_logits=True)
+    corr = np.corrcoef(ref[0].ravel(), want.ravel())[0, 1]  # (int8 activations on a tiny random model: ~0.92-0.97;
+    assert corr > 0.9, corr  # a wrong layout or scale gives ~0)
