@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import provenance  # noqa: E402
 from synthetic import PRECISIONS, SHAPES, build, load_model, prompt  # noqa: E402
 
@@ -217,6 +218,9 @@ def main():
     ap.add_argument("--dense-dtype", choices=("int8", "int4"), default=None,
                     help="the dense matrices computed by linear() quantized (convert --dense-dtype; lossy, on int8 "
                          "activations; default: bf16 as built)")
+    ap.add_argument("--throttle-mbs", type=float, default=None, metavar="MB/S",
+                    help="read the workdir's disk at most this fast (a cgroup v1 blkio throttle, as root): a slower "
+                         "drive, where the disk is the limit")
     ap.add_argument("--ab", action="store_true", help="compare the cache policies instead (see above)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="with --ab: the policies to compare")
     a = ap.parse_args()
@@ -226,6 +230,19 @@ def main():
     if a.ab:
         print(provenance.dumps(ab(a, path), indent=2))
         return
+    if a.throttle_mbs:  # a slower drive: the disk the workdir is on, read at most this fast by this process
+        from loopdrives import disk_of, throttled
+
+        with throttled({disk_of(a.workdir): int(a.throttle_mbs * 1e6)}):
+            out = measure(a, path)
+        out["throttle_mbs"] = a.throttle_mbs
+    else:
+        out = measure(a, path)
+    print(provenance.dumps(out, indent=2))
+
+
+def measure(a, path: str) -> dict:
+    """The runs at each budget of a.budgets on the container at `path`: the benchmark's JSON."""
     results = []
     ids = prompt(np.random.default_rng(7), a.prompt_tokens)
     mem = memory_gbs()
@@ -322,14 +339,12 @@ def main():
         del model
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(provenance.dumps({"benchmark": "decode", "family": a.family, "precision": a.precision,
-                            "dense_dtype": a.dense_dtype or "bf16", "container": path,
-                      "n_layer": len(c.moe_layers),
-                      "kv_bytes_per_token": kv_bytes, "state_bytes_per_sequence": state_bytes, "attention": attention,
-                      "context_bytes": context,
-                      "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,
-                      "io_threads": a.io_threads, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
-                      "memory_gbs": round(mem, 3), "results": results}, indent=2))
+    return {"benchmark": "decode", "family": a.family, "precision": a.precision, "dense_dtype": a.dense_dtype or "bf16",
+            "container": path, "n_layer": len(c.moe_layers),
+            "kv_bytes_per_token": kv_bytes, "state_bytes_per_sequence": state_bytes, "attention": attention,
+            "context_bytes": context, "expert_bytes": c.expert_bytes, "record_bytes": c.record_bytes,
+            "io_threads": a.io_threads, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens,
+            "memory_gbs": round(mem, 3), "results": results}
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def fail_device(dev: str, image: str) -> None:
     subprocess.run(["losetup", "--set-capacity", dev], check=True)
 
 
+def disk_of(path: str) -> str:
+    """The whole disk (/dev/NAME) the file system holding `path` is on (a partition's disk)."""
+    st = os.stat(path)
+    block = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if os.path.exists(os.path.join(block, "partition")):
+        block = os.path.dirname(block)
+    return "/dev/" + os.path.basename(block)
+
+
 def device_number(dev: str) -> str:
     with open(f"/sys/block/{os.path.basename(dev)}/dev") as f:
         return f.read().strip()
