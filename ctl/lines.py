@@ -73,6 +73,13 @@ def kv_line(kv: dict) -> str:
             + (f", {kv['state_snapshots']} recurrent-state snapshots kept" if kv.get("state_snapshots") else ""))
 
 
+def tables_line(t: dict) -> str:
+    """A model's streamed embedding tables' cache (TableCache.stats)."""
+    hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f} %"
+    return (f"tables: {t['bytes_read'] / 2**20:.1f} MiB read, hit rate {hit}, "
+            f"{t['resident_bytes'] / 2**20:.1f} of {t['budget_bytes'] / 2**20:.1f} MiB held")
+
+
 def session_line(info: dict) -> str:
     kept = (f"turn {info['turns']} kept, {info['tokens']} tokens" if info.get("saved")
             else "this turn was NOT kept (see colibrid's log)")

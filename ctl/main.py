@@ -23,6 +23,7 @@ from .lines import (
     phase_line,
     plan_line,
     session_line,
+    tables_line,
 )
 from .options import (
     BadInput,
@@ -158,10 +159,7 @@ def stats(client, as_json, watch):
             if r.get("kv"):
                 click.echo(kv_line(r["kv"]))
             if r.get("tables"):  # a model's streamed embedding tables
-                t = r["tables"]
-                hit = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f} %"
-                click.echo(f"tables: {t['bytes_read'] / 2**20:.1f} MiB read, hit rate {hit}, "
-                           f"{t['resident_bytes'] / 2**20:.1f} of {t['budget_bytes'] / 2**20:.1f} MiB held")
+                click.echo(tables_line(r["tables"]))
             if len(r.get("drives") or []) > 1:
                 for d in r["drives"]:
                     click.echo(drive_line(d))

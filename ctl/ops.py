@@ -7,7 +7,7 @@ import click
 
 from . import exitcodes
 from .connect import fail, with_client
-from .lines import history_line, kv_line
+from .lines import history_line, kv_line, tables_line
 from .options import text_arg
 
 
@@ -20,6 +20,8 @@ def show_placement(r: dict) -> None:
     p, e = r["placement"], r["experts"]
     if r.get("kv"):
         click.echo(kv_line(r["kv"]))
+    if r.get("tables"):
+        click.echo(tables_line(r["tables"]))
     if "slots" not in p:
         click.echo(f"experts all resident ({p.get('expert_bytes', 0) / 2**20:.1f} MiB)")
         return
@@ -42,7 +44,8 @@ def cache_show(client, as_json):
     """The budget, the arena and the counters."""
     r = client.call("cache", action="show")
     if as_json:
-        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"], "kv": r.get("kv")}))
+        click.echo(json.dumps({"placement": r["placement"], "experts": r["experts"], "kv": r.get("kv"),
+                               "tables": r.get("tables")}))
     else:
         show_placement(r)
 
@@ -68,16 +71,18 @@ def say_kept(r: dict, persist: bool) -> None:
                                              "set takes (default: unchanged)")
 @click.option("--kv", metavar="SIZE", help="the prefix cache (KV blocks of computed prompts): bytes, KiB/MiB/GiB; "
                                          "0: off")
+@click.option("--tables", metavar="SIZE", help="the streamed embedding tables' cache (Qwen4-Exp's n-gram tables): "
+                                             "bytes, KiB/MiB/GiB or min")
 @persist_option
 @with_client(operator=True)
-def cache_set(client, size, pinned, kv, persist):
-    """Resize the expert cache or the prefix cache now: no restart, no request dropped.
-    Lost at a restart unless --persist."""
-    if size is None and kv is None:
-        fail("cache set needs --experts SIZE or --kv SIZE", exitcodes.USAGE)
+def cache_set(client, size, pinned, kv, tables, persist):
+    """Resize the expert cache, the prefix cache or the embedding tables' cache now: no
+    restart, no request dropped. Lost at a restart unless --persist."""
+    if size is None and kv is None and tables is None:
+        fail("cache set needs --experts SIZE, --kv SIZE or --tables SIZE", exitcodes.USAGE)
     if pinned is not None and size is None:
         fail("--pinned is the part of --experts: give both", exitcodes.USAGE)
-    fields = {k: v for k, v in (("experts", size), ("pinned", pinned), ("kv", kv)) if v is not None}
+    fields = {k: v for k, v in (("experts", size), ("pinned", pinned), ("kv", kv), ("tables", tables)) if v is not None}
     r = client.call("cache", timeout_ms=None, action="set", persist=persist, **fields)
     show_placement(r)
     say_kept(r, persist)

@@ -265,16 +265,27 @@ class Handlers:
         action = msg.get("action")
         if action == "show":
             return {"placement": s.model.experts.describe(), "experts": s.model.experts.stats.as_dict(),
-                    "kv": s.prefix.describe()}
+                    "kv": s.prefix.describe(), "tables": s.model.tables.stats() if getattr(s.model, "tables", None)
+                    else None}
         if action != "set":
             raise ProtocolError("BAD_MESSAGE", "'action' must be \"show\" or \"set\"")
-        size, kv = msg.get("experts"), msg.get("kv")
-        if size is None and kv is None:
-            raise ProtocolError("BAD_MESSAGE", "a cache set needs 'experts' or 'kv' (or both)")
-        for name, value in (("experts", size), ("kv", kv)):
+        size, kv, tables = msg.get("experts"), msg.get("kv"), msg.get("tables")
+        if size is None and kv is None and tables is None:
+            raise ProtocolError("BAD_MESSAGE", "a cache set needs 'experts', 'kv' or 'tables'")
+        for name, value in (("experts", size), ("kv", kv), ("tables", tables)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
                 raise ProtocolError("BAD_MESSAGE", f"'{name}' must be a size: bytes, KiB/MiB/GiB"
-                                    + (", min or all" if name == "experts" else ""))
+                                    + {"experts": ", min or all", "kv": "", "tables": " or min"}[name])
+        if tables is not None:
+            tables = size_arg(tables, "tables: ")
+            if tables == "min":
+                tables = 0
+            if not isinstance(tables, int):
+                raise ProtocolError("INVALID_REQUEST", "tables must be a size in bytes, KiB, MiB or GiB, or min "
+                                    "(reading them all in, table_cache: all, needs a restart)")
+            if getattr(s.model, "tables", None) is None:
+                raise ProtocolError("INVALID_REQUEST", "this model streams no embedding tables (none, or read in: "
+                                    "table_cache: all)")
         budget = size_arg(size) if size is not None else None
         if kv is not None:
             kv = size_arg(kv, "kv: ")
@@ -289,7 +300,7 @@ class Handlers:
                 raise ProtocolError("INVALID_REQUEST", "pinned must be a size in bytes, KiB, MiB or GiB")
         if s.control is None and budget is not None:
             raise ProtocolError("INVALID_REQUEST", RESIDENT)
-        s.inbox.put(Resize((identity, rid), budget, pinned, kv, persist_arg(msg)))  # applied between two steps
+        s.inbox.put(Resize((identity, rid), budget, pinned, kv, persist_arg(msg), tables))  # applied between two steps
         return None
 
     def on_pin(self, identity, rid, msg):

@@ -71,6 +71,7 @@ class Resize:
     pinned: int | str | None  # bytes, "auto", or None: as before
     kv: int | None = None  # the prefix cache's bytes; None: as before
     persist: bool = False  # keep the change for the next start (STATE_DIR/runtime.yaml)
+    tables: int | None = None  # the streamed embedding tables' cache, bytes; None: as before
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,8 @@ class Scheduler:
                     except BudgetInvalid:
                         d.control.beside = beside
                         raise
+                if m.tables is not None:  # beside both caches as they are now (or are asked to be)
+                    d.resize_tables(m.tables, d.prefix.budget if m.kv is None else m.kv)
             except BudgetInvalid as e:
                 raise ProtocolError("INVALID_REQUEST", str(e)) from None
             if m.budget is not None:
@@ -358,9 +361,11 @@ class Scheduler:
                     d.control.beside = m.kv
                 d.prefix.resize(m.kv)
                 log.info("prefix cache budget: %d bytes (%d blocks kept)", m.kv, len(d.prefix.blocks))
-            changed = {k: size_text(v) for k, v in (("expert_cache", m.budget), ("kv_cache", m.kv)) if v is not None}
+            changed = {k: size_text(v) for k, v in (("expert_cache", m.budget), ("kv_cache", m.kv),
+                                                    ("table_cache", m.tables)) if v is not None}
             return {"placement": d.model.experts.describe(), "experts": d.model.experts.stats.as_dict(),
-                    "kv": d.prefix.describe(), **d.changed_at_runtime(changed, m.persist, m.reply_to is not None)}
+                    "kv": d.prefix.describe(), "tables": d.model.tables.stats() if d.model.tables else None,
+                    **d.changed_at_runtime(changed, m.persist, m.reply_to is not None)}
 
         self.reply("cache", m.reply_to, resize)
 

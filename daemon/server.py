@@ -33,6 +33,7 @@ import queue
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import zmq
 
@@ -154,6 +155,18 @@ class Server:
         self.model = got.model  # the I/O thread serves requests that need it from here on
         self.phase, self.progress = "serving", None
         log.info("model %s placed in %.2f s", got.path, self.boot["load_s"])
+
+    def resize_tables(self, budget: int, kv: int) -> None:
+        """The streamed embedding tables' cache to `budget` bytes, now: within this box's RAM
+        beside the expert cache's arena and `kv` bytes of prefix cache. Raises BudgetInvalid."""
+        arena = self.control.arena_bytes if self.control is not None else 0
+        replace(self.room, table_bytes=0).check("the embedding tables' cache (table_cache)", budget, arena + kv,
+                                                "the expert and prefix caches")
+        self.room = replace(self.room, table_bytes=budget)
+        if self.control is not None:
+            self.control.room = self.room  # (the experts' next resize fits beside it)
+        self.model.tables.resize(budget)
+        log.info("embedding tables' cache: %d bytes", budget)
 
     def changed_at_runtime(self, keys: dict, persist: bool, by_operator: bool) -> dict:
         """Note settings an operator changed while running (a reload's changes are the
@@ -358,7 +371,8 @@ class Server:
 
     POLICY_KEYS = ("policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
     RUNTIME_KEYS = ("expert_cache", "max_queue", "max_active", "batch_window_ms", "prefill_chunk", "max_tokens_limit",
-                    "log_level", "watchdog_s", "history_save_s", "kv_cache", "state_snapshot_tokens", "sessions_bytes", "sessions_age_days",
+                    "log_level", "watchdog_s", "history_save_s", "kv_cache", "table_cache", "state_snapshot_tokens",
+                    "sessions_bytes", "sessions_age_days",
                     *POLICY_KEYS)
 
     def reload(self) -> dict:
@@ -368,8 +382,11 @@ class Server:
         new = load(self.config_path, self.overrides)
         old = self.cfg
         changed = [k for k in new.as_dict() if getattr(new, k) != getattr(old, k)]
-        applied = [k for k in changed if k in self.RUNTIME_KEYS]
-        restart = [k for k in changed if k not in self.RUNTIME_KEYS]
+        # (the tables' cache resizes while running; reading them in, or a model without streamed tables, restarts)
+        runtime = [k for k in self.RUNTIME_KEYS if k != "table_cache" or (
+            getattr(self.model, "tables", None) is not None and new.table_cache != "all")]
+        applied = [k for k in changed if k in runtime]
+        restart = [k for k in changed if k not in runtime]
         self.cfg = new
         if "log_level" in applied:
             setup_logging(new.log_level)
@@ -382,6 +399,11 @@ class Server:
             self.inbox.put(Resize(None, parse_size(new.expert_cache), None))
         if "kv_cache" in applied and self.prefix is not None:
             self.inbox.put(Resize(None, None, None, parse_size(new.kv_cache)))
+        if "table_cache" in applied:
+            from ..storage.placement import table_cache_bytes
+
+            self.inbox.put(Resize(None, None, None, tables=table_cache_bytes(self.model.tables.table_bytes,
+                                                                            new.table_budget())))
         if "state_snapshot_tokens" in applied and self.prefix is not None:
             self.prefix.set_snapshot_tokens(snapshot_interval(new.state_snapshot_tokens, self.model))  # (read per request)
         log.info("configuration reloaded: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")

@@ -159,6 +159,11 @@ class TableCache:
     def table(self, name: str) -> StreamedTable:
         return self.tables[name]
 
+    @property
+    def table_bytes(self) -> int:
+        """The streamed tables' own bytes (all of them: what `table_cache: all` reads in)."""
+        return sum(int(spec["end"]) - int(spec["begin"]) for spec, _, _ in self.index.tables.values())
+
     def _what(self, table: StreamedTable, page: int) -> str:
         return f"{self.path}: page {page} of table {table.name!r}"
 
@@ -200,6 +205,13 @@ class TableCache:
             while len(self.pages) > self.budget_pages:
                 self.pages.popitem(last=False)
         return out
+
+    def resize(self, budget: int) -> None:
+        """A new byte budget, now: the least recently used pages beyond it go."""
+        with self.lock:
+            self.budget_pages = max(0, int(budget) // PAGE)
+            while len(self.pages) > self.budget_pages:
+                self.pages.popitem(last=False)
 
     def stats(self) -> dict:
         taken = self.hits + self.misses

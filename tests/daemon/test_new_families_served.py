@@ -5,6 +5,7 @@ tokens colictl run gives in-process (which the engine tests tie to transformers)
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from test_daemon import ctl, serving
@@ -58,6 +59,26 @@ def test_a_frontier_family_converts_and_is_served(tmp_path, family, case, precis
         if family == "qwen4_exp":
             assert json.dumps(status).count('"bytes_read"') and '"budget_bytes": 8192' in json.dumps(status)
             assert "tables: " in ctl(sock, "stats").stdout  # (colictl stats says what they read)
+            # the tables' cache retuned while serving: the same tokens; above the box's RAM refused, nothing changed
+            r = ctl(sock, "cache", "set", "--tables", "64KiB")
+            assert r.returncode == 0 and "tables: " in r.stdout, r.stderr
+            assert json.loads(ctl(sock, "cache", "show", "--json").stdout)["tables"]["budget_bytes"] == 65536
+            assert json.loads(ctl(sock, "generate", "--json", "--max-tokens", 12, "streamed experts").stdout)[
+                "token_ids"] == want["token_ids"]
+            r = ctl(sock, "cache", "set", "--tables", "100TiB")
+            assert r.returncode == 4 and "the embedding tables' cache" in r.stderr, r.stderr
+            assert json.loads(ctl(sock, "cache", "show", "--json").stdout)["tables"]["budget_bytes"] == 65536
+            (tmp_path / "c.yaml").write_text("prefill_chunk: auto\ntable_cache: 16KiB\n")  # a reload applies it
+            assert ctl(sock, "reload").returncode == 0
+            for _ in range(50):  # (applied between two steps, by the engine's thread)
+                if json.loads(ctl(sock, "cache", "show", "--json").stdout)["tables"]["budget_bytes"] == 16384:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the reloaded table_cache was not applied")
+        elif hybrid:
+            r = ctl(sock, "cache", "set", "--tables", "1MiB")
+            assert r.returncode == 4 and "streams no embedding tables" in r.stderr, r.stderr
         if precision in ("fp8", "mxfp4", "fp4"):  # (FP4 experts are computed as MXFP4)
             assert {"fp4": "mxfp4"}.get(precision, precision) in json.dumps(status["model"])
         if hybrid:  # requests of different lengths at once, each its own state, prompts in auto-sized chunks
