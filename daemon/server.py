@@ -159,10 +159,11 @@ class Server:
     def resize_tables(self, budget: int, kv: int) -> None:
         """The streamed embedding tables' cache to `budget` bytes, now: within this box's RAM
         beside the expert cache's arena and `kv` bytes of prefix cache. Raises BudgetInvalid."""
-        arena = self.control.arena_bytes if self.control is not None else 0
-        replace(self.room, table_bytes=0).check("the embedding tables' cache (table_cache)", budget, arena + kv,
-                                                "the expert and prefix caches")
-        self.room = replace(self.room, table_bytes=budget)
+        room = replace(self.room, table_bytes=budget)
+        room.check_tables("the embedding tables' cache (table_cache)",
+                          (self.control.arena_bytes if self.control is not None else 0) + kv,
+                          "the expert and prefix caches")
+        self.room = room
         if self.control is not None:
             self.control.room = self.room  # (the experts' next resize fits beside it)
         self.model.tables.resize(budget)

@@ -87,3 +87,8 @@ class MemoryRoom:
                 f"{fmt_bytes(self.total)} of RAM less {fmt_bytes(self.dense_bytes)} of dense weights"
                 f"{f', {fmt_bytes(self.table_bytes)} for the embedding tables' if self.table_bytes else ''} and "
                 f"{fmt_bytes(PROCESS_BYTES)} for the process{other})")
+
+    def check_tables(self, what: str, beside: int = 0, beside_what: str = "") -> None:
+        """Raises BudgetInvalid when its `table_bytes` (named by `what`) do not fit beside
+        `beside` bytes of other budgets."""
+        MemoryRoom(self.dense_bytes, self.ram).check(what, self.table_bytes, beside, beside_what)

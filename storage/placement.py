@@ -40,6 +40,7 @@ from .policy import Policy
 from .quant import from_record
 from .sizes import fmt_bytes
 from .slots import budget_bytes
+from .tables import TableCache, streamed_table_bytes
 
 log = logging.getLogger("colibri.storage")
 
@@ -193,11 +194,6 @@ def room_for(container, table_budget: int | str | None = None) -> MemoryRoom:
     return MemoryRoom(container.dense_bytes - streamed, table_bytes=table_cache_bytes(streamed, table_budget))
 
 
-def streamed_table_bytes(container) -> int:
-    """The bytes of the dense file's tables a container may stream (tables.py); 0 for none."""
-    return sum(int(t["end"]) - int(t["begin"]) for t in (getattr(container, "tables", None) or {}).values())
-
-
 def table_cache_bytes(total: int, budget: int | str | None) -> int:
     """The RAM streamed tables of `total` bytes take under `budget`: all of them for "all"
     (read in), 0 for "min" (a step's pages at a time), that many bytes for a size, and by
@@ -286,16 +282,14 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     if faults:
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
     room = room_for(c, pl.table_budget)
-    replace(room, table_bytes=0).check("the embedding tables' cache (table_cache)" if pl.table_budget != "all" else
-                                       "the embedding tables, resident (table_cache all),", room.table_bytes)
+    room.check_tables("the embedding tables' cache (table_cache)" if pl.table_budget != "all" else
+                      "the embedding tables, resident (table_cache all),")
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
                         queue_depth=pl.queue_depth, sqpoll_cpu=pl.sqpoll_cpu, room=room, beside=pl.beside_bytes)
     tables = None
     if pl.table_budget != "all" and streamed_table_bytes(c):
-        from .tables import TableCache
-
         tables = TableCache(c, room.table_bytes, cache.reader)
     model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision, tables=tables)
     cache.warm_start(progress)

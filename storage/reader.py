@@ -14,6 +14,7 @@ expert, file and offset. COLIBRI_FAULTS drills (faults.py) make chosen reads fai
 """
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -138,8 +139,6 @@ class ExpertReader:
         (no checks, retries or drills, and a failed read only counts as no bytes: measuring
         never fails a start). The pace: Python steps the calling thread makes meanwhile,
         as a fraction of its pace alone (the engine thread's share of the interpreter)."""
-        import mmap
-
         drive = drive or self.drives.drives[0]
         fds = drive.fds
         recs = sorted((r for r in self.c.records.values() if r.file in fds), key=lambda r: (r.file, r.offset))
@@ -289,9 +288,7 @@ class ExpertReader:
         the seconds it took."""
         t0 = time.monotonic()
         key = (rec.layer, rec.expert)
-        order = self.drives.order(rec)
-        if first is not None and first in order:
-            order = [first, *(d for d in order if d is not first)]
+        order = self._order(rec, first)
         failed = []
         for d in [order[0], *order]:  # the first choice twice (an error may pass), then each other copy
             why = self._read_once(rec, buf, d)
@@ -357,51 +354,45 @@ class ExpertReader:
 
     # ---- pages of the streamed tables (tables.py) ------------------------------------------
 
+    def _order(self, rec: ExpertRecord, first: Drive | None) -> list[Drive]:
+        """The drives to read rec from in turn: `first` first (when it holds a copy), then
+        the others in drives.order's."""
+        order = self.drives.order(rec)
+        return order if first is None or first not in order else [first, *(d for d in order if d is not first)]
+
     def submit_page(self, file: str, offset: int, length: int, crc: int, what: str) -> Future:
         """Start reading `length` bytes at `offset` of `file` (a streamed table's page of the
-        dense file) on the threads of the drive its stripe unit hashes to, as read_page
-        reads them; the future gives the bytes or raises ExpertReadError."""
+        dense file; fewer at the file's end) into an aligned buffer, on the threads of the
+        drive its stripe unit hashes to: always checked against `crc`, tried once more, then
+        on each other drive holding a copy of the file. The future gives the bytes or raises
+        ExpertReadError naming `what`."""
         rec = ExpertRecord(TABLE_LAYER, offset // length, file, offset, length, crc)
         d = self.drives.pick(rec, length)
-        return d.pool.submit(self._page_counted, rec, what, d)
+        return d.pool.submit(self._read_page, rec, what, d)
 
-    def _page_counted(self, rec: ExpertRecord, what: str, d: Drive) -> np.ndarray:
+    def _read_page(self, rec: ExpertRecord, what: str, first: Drive) -> np.ndarray:
         try:
-            return self._read_page(rec, what, d)
+            buf = np.frombuffer(mmap.mmap(-1, rec.length), np.uint8)  # page aligned, as O_DIRECT wants
+            order, failed = self._order(rec, first), []
+            for d in [order[0], *order]:  # as read(): the first choice twice, then each other copy
+                t0 = self.drives.begin(d)
+                try:
+                    n, why = os.preadv(d.fds[rec.file], [buf], rec.offset), None
+                except OSError as e:
+                    n, why = 0, e.strerror or str(e)
+                why = why or (None if n > 0 else "short read, 0 bytes")
+                self.drives.end(d, t0, n, why)
+                if why is None:
+                    if crc32(buf[:n]) == rec.crc32:
+                        return buf[:n]
+                    why = "checksum mismatch"
+                    self.drives.bad_copy(d)
+                failed.append(f"{self.where(d)}: {why}")
+            msg = f"{what} cannot be read: {tries(failed)}"
+            log.error("%s", msg)
+            raise ExpertReadError(msg)
         finally:
-            self.drives.done(d, rec.length)
-
-    def read_page(self, file: str, offset: int, length: int, crc: int, what: str) -> np.ndarray:
-        """`length` bytes at `offset` of `file` (fewer at the file's end) into an aligned
-        buffer, read now on the calling thread: from the drive the page's stripe unit hashes
-        to, always checked against `crc`, tried once more, then on each other drive holding a
-        copy of the file. Raises ExpertReadError naming `what`."""
-        return self._read_page(ExpertRecord(TABLE_LAYER, offset // length, file, offset, length, crc), what)
-
-    def _read_page(self, rec: ExpertRecord, what: str, first: Drive | None = None) -> np.ndarray:
-        import mmap
-
-        order = self.drives.order(rec)
-        if first is not None and first in order:
-            order = [first, *(d for d in order if d is not first)]
-        buf = np.frombuffer(mmap.mmap(-1, rec.length), np.uint8)  # page aligned, as O_DIRECT wants
-        failed = []
-        for d in [order[0], *order]:  # as read(): the first choice twice, then each other copy
-            t0 = self.drives.begin(d)
-            try:
-                n, why = os.preadv(d.fds[rec.file], [buf], rec.offset), None
-            except OSError as e:
-                n, why = 0, e.strerror or str(e)
-            self.drives.end(d, t0, n, why or (None if n > 0 else "short read, 0 bytes"))
-            if why is None and n > 0:
-                if crc32(buf[:n]) == rec.crc32:
-                    return buf[:n]
-                why = "checksum mismatch"
-                self.drives.bad_copy(d)
-            failed.append(f"{self.where(d)}: {why or 'short read, 0 bytes'}")
-        msg = f"{what} cannot be read: {tries(failed)}"
-        log.error("%s", msg)
-        raise ExpertReadError(msg)
+            self.drives.done(first, rec.length)  # (pick() counted it as queued there)
 
     def describe(self) -> dict:
         return {"verify": self.verify if self.c.checksums else "off", "checksums": self.c.checksums, "drives": [d.root for d in self.drives.drives[1:]],

@@ -45,6 +45,11 @@ def page_crcs(path: str, begin: int, end: int) -> np.ndarray:
     return out
 
 
+def streamed_table_bytes(container) -> int:
+    """The bytes of the dense file's tables a container streams; 0 for none."""
+    return sum(int(t["end"]) - int(t["begin"]) for t in (getattr(container, "tables", None) or {}).values())
+
+
 def streamed_tables_file(container) -> tuple[str, int] | None:
     """(path, header bytes) of the dense file when the container has streamed tables: the
     reader opens it on every drive holding a copy, whose header must be the container's."""
@@ -149,6 +154,7 @@ class TableCache:
         self.reader = reader
         self.index = TablePages(container)
         self.path = self.index.path
+        self.table_bytes = streamed_table_bytes(container)  # (all of them: what `table_cache: all` reads in)
         self.tables = {name: StreamedTable(self, name, spec, crcs)
                        for name, (spec, _, crcs) in self.index.tables.items()}
         self.pages: OrderedDict = OrderedDict()  # page -> bytes, least recently used first
@@ -159,21 +165,13 @@ class TableCache:
     def table(self, name: str) -> StreamedTable:
         return self.tables[name]
 
-    @property
-    def table_bytes(self) -> int:
-        """The streamed tables' own bytes (all of them: what `table_cache: all` reads in)."""
-        return sum(int(spec["end"]) - int(spec["begin"]) for spec, _, _ in self.index.tables.values())
 
-    def _what(self, table: StreamedTable, page: int) -> str:
-        return f"{self.path}: page {page} of table {table.name!r}"
-
-    def _read(self, table: StreamedTable, page: int) -> np.ndarray:
-        """The page read now, on the calling thread (PAGE bytes, zeros past the file's end)."""
-        data = self.reader.read_page(self.path, page * PAGE, PAGE, int(table.crcs[page - table.first_page]),
-                                     self._what(table, page))
-        return self._landed(data)
+    def _submit(self, table: StreamedTable, page: int) -> Future:
+        return self.reader.submit_page(self.path, page * PAGE, PAGE, int(table.crcs[page - table.first_page]),
+                                       f"{self.path}: page {page} of table {table.name!r}")
 
     def _landed(self, data: np.ndarray) -> np.ndarray:
+        """A page read (PAGE bytes, zeros past the file's end), counted."""
         with self.lock:
             self.bytes_read += PAGE
         return np.concatenate([data, np.zeros(PAGE - len(data), np.uint8)]) if len(data) < PAGE else data
@@ -182,8 +180,7 @@ class TableCache:
         with self.lock:
             todo = [int(p) for p in pages if p not in self.pages and p not in self.pending]
             for p in todo:
-                self.pending[p] = self.reader.submit_page(self.path, p * PAGE, PAGE,
-                                                          int(table.crcs[p - table.first_page]), self._what(table, p))
+                self.pending[p] = self._submit(table, p)
 
     def take(self, table: StreamedTable, pages: np.ndarray) -> dict:
         """The pages' bytes (read now those neither cached nor pending), then the cache cut
@@ -196,18 +193,16 @@ class TableCache:
                     self.pages.move_to_end(p)
                     self.hits += 1
             if got is None:
-                got = self._landed(fut.result()) if fut is not None else self._read(table, p)
+                got = self._landed((fut or self._submit(table, p)).result())
                 with self.lock:
                     self.misses += 1
                     self.pages[p] = got
             out[p] = got
-        with self.lock:
-            while len(self.pages) > self.budget_pages:
-                self.pages.popitem(last=False)
+        self.resize(self.budget_pages * PAGE)
         return out
 
     def resize(self, budget: int) -> None:
-        """A new byte budget, now: the least recently used pages beyond it go."""
+        """A (new) byte budget, now: the least recently used pages beyond it go."""
         with self.lock:
             self.budget_pages = max(0, int(budget) // PAGE)
             while len(self.pages) > self.budget_pages:

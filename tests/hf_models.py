@@ -677,6 +677,23 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
+def runs_its_text_model(ref, path, family: str, vision: str, min_vision: int, ids):
+    """`ref`, transformers' image-text model saved at `path`: asserts colibri loads `path` as
+    `family` reading less than a quarter of the vision tower's bytes (the parameters named
+    with `vision`, more than `min_vision` of them) and gives ref's logits on the text `ids`
+    within 1e-4; returns colibri's logits."""
+    visual = sum(p.numel() * 4 for n, p in ref.named_parameters() if vision in n)
+    assert visual > min_vision
+    before = read_bytes()
+    ours = load_model(str(path))
+    assert ours.MODEL_TYPE == family and read_bytes() - before < visual // 4
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
+    got = ours.forward(ids, ours.new_cache(32), all_logits=True)
+    assert got.shape == want.shape and abs(got - want).max() <= 1e-4
+    return got
+
+
 # ---- image-text checkpoints ------------------------------------------------------------------
 K25_VISION = dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2, num_attention_heads=2,
               num_hidden_layers=2, hidden_size=256, intermediate_size=1024, merge_kernel_size=[2, 2])

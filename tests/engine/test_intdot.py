@@ -15,7 +15,7 @@ from colibri.engine.formats import intdot
 from colibri.engine.generate import SamplingParams, generate
 from colibri.engine.registry import build_model
 from colibri.storage.checkpoint import load_config, open_checkpoint
-from colibri.storage.convert import ExpertPlan, convert
+from colibri.storage.convert import ExpertPlan, convert, plan_for
 from colibri.storage.experts import QuantWeight
 from colibri.storage.formats import int4 as s4
 from colibri.storage.formats import int8 as s8
@@ -398,8 +398,7 @@ def test_hybrid_families_dense_matrices_in_int8(tmp_path, family, case):
     assert any(".linear_attn.in_proj" in n for n in names) and any("shared_expert.down_proj" in n for n in names)
     if family == "qwen4_exp":
         assert any("input_mix_weight_down" in n for n in names) and any("indexer.index_qk_proj" in n for n in names)
-    plan = ExpertPlan(m.moe_layers, m.n_expert, m.expert_names, m.dense_names(), names, tables=m.table_names())
-    convert(m.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c", plan, dense_dtype="int8")
+    convert(m.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c", plan_for(m), dense_dtype="int8")
     q = open_container(str(tmp_path / "c")).manifest["tensor_classes"]["dense"]["int"]
     assert q["kind"] == "int8" and set(q["names"]) == set(names)
     model = load_model(str(tmp_path / "c"), budget="all")

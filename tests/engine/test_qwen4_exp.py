@@ -214,19 +214,12 @@ def test_the_image_text_checkpoint_runs_its_text_model_and_never_reads_the_visio
     than the vision tower's bytes."""
     import transformers
 
-    from hf_models import CASES, image_text, read_bytes
+    from hf_models import CASES, image_text, runs_its_text_model
 
     text = dict(dict(CASES["qwen4_exp"])["ple_qsa_hc2"], bos_token_id=None, pad_token_id=None)
     vision = dict(depth=2, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=text["hidden_size"],
                   num_position_embeddings=16, patch_size=4, temporal_patch_size=2)
     ref = image_text("Qwen4ExpForConditionalGeneration", transformers.Qwen4ExpConfig(
         text_config=text, vision_config=vision), tmp_path / "hf")
-    visual = sum(p.numel() * 4 for n, p in ref.named_parameters() if "visual" in n)
-    assert visual > 5 << 20
-    before = read_bytes()
-    ours = load_model(str(tmp_path / "hf"))
-    assert ours.MODEL_TYPE == "qwen4_exp" and read_bytes() - before < visual // 4
-    ids = np.random.default_rng(2).integers(4, 101, 19)
-    with torch.no_grad():
-        want = ref(input_ids=torch.tensor(ids)[None]).logits[0].numpy()
-    assert np.abs(ours.forward(ids, ours.new_cache(32), all_logits=True) - want).max() <= 1e-4
+    runs_its_text_model(ref, tmp_path / "hf", "qwen4_exp", "visual", 5 << 20,
+                        np.random.default_rng(2).integers(4, 101, 19))
