@@ -55,11 +55,13 @@ def main(ctx, config_path, model, socket_path, operator_path, expert_cache, prin
 
     try:
         code = Server(cfg, config_path, overrides).run()
-    except ColibriError as e:
-        click.echo(f"colibrid: {e}", err=True)
-        raise SystemExit(EXIT_START) from None
-    except OSError as e:
-        click.echo(f"colibrid: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", err=True)
+    except (ColibriError, OSError) as e:
+        from .notify import notify
+
+        text = str(e) if isinstance(e, ColibriError) else \
+            f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}"
+        notify(f"STATUS=cannot start: {text}")  # (systemd shows it beside the exit status)
+        click.echo(f"colibrid: {text}", err=True)
         raise SystemExit(EXIT_START) from None
     except Exception as e:  # a bug: one line for the user, the traceback in the log at debug level
         logging.getLogger("colibri.daemon").debug("start-up failed", exc_info=True)

@@ -55,6 +55,7 @@ log = logging.getLogger("colibri.daemon")
 
 EVENTS = "inproc://colibri-events"
 EXIT_STUCK = 1
+IPC_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path less its NUL)
 EXIT_ENGINE_FAILED = 1  # non-zero, so systemd's Restart=on-failure restarts the daemon
 
 
@@ -238,20 +239,42 @@ class Server:
         return plan
 
     def bind(self, ctx: zmq.Context, path: str, group: str | None) -> zmq.Socket:
-        """A ROUTER on `path`, mode 0660, of `group` (None: the daemon's). Raises
-        ColibriError when another daemon serves the path or the group cannot be set."""
-        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
+        """A ROUTER on `path`, mode 0660, of `group` (None: the daemon's). Its directory is
+        made when only that last level is missing (a runtime directory). Raises
+        ColibriError naming the path and the reason: a path too long for a Unix socket, a
+        directory that is missing or not writable, another daemon on it, a group that
+        cannot be set."""
+        if len(os.fsencode(path)) > IPC_PATH_MAX:
+            raise ColibriError(f"cannot listen on {path}: the path is {len(os.fsencode(path))} bytes, a Unix socket's "
+                               f"holds at most {IPC_PATH_MAX} (choose a shorter socket path)")
+        where = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where):
+            if not os.path.isdir(os.path.dirname(where)):
+                raise ColibriError(f"cannot listen on {path}: the directory {os.path.dirname(where)} does not exist")
+            try:
+                os.mkdir(where, 0o750)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise ColibriError(f"cannot listen on {path}: cannot make {where}: {e.strerror}") from None
         if os.path.exists(path):  # a stale file from a killed daemon, unless one still answers
             if self._answers(ctx, path):
-                raise ColibriError(f"another colibrid already serves {path}")
-            os.unlink(path)
+                raise ColibriError(f"cannot listen on {path}: another colibrid already serves it")
+            try:
+                os.unlink(path)
+            except OSError as e:
+                raise ColibriError(f"cannot listen on {path}: cannot remove the old socket file: {e.strerror}") from None
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
         # a hard bound on what a peer can make us buffer; up to it, an oversized request gets TOO_LARGE
         router.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_message_bytes + 4096)
-        router.bind(P.endpoint(path))
-        os.chmod(path, 0o660)
+        try:
+            router.bind(P.endpoint(path))
+            os.chmod(path, 0o660)
+        except (zmq.ZMQError, OSError) as e:
+            router.close(0)  # (an open socket would keep the context's termination waiting forever)
+            raise ColibriError(f"cannot listen on {path}: {os.strerror(e.errno) if e.errno else e}") from None
         if group:
             try:
                 os.chown(path, -1, grp.getgrnam(group).gr_gid)
@@ -260,6 +283,19 @@ class Server:
                 why = "no such group" if isinstance(e, KeyError) else "colibrid is not a member of it"
                 raise ColibriError(f"cannot give {path} to group {group!r}: {why}") from None
         return router
+
+    def check_dirs(self) -> None:
+        """The state directory and its sessions directory, made if missing and writable,
+        before anything is bound or loaded. Raises ColibriError naming the directory."""
+        state = state_dir(self.cfg)
+        for d in (state, os.path.join(state, "sessions")):
+            try:
+                os.makedirs(d, mode=0o750, exist_ok=True)
+            except OSError as e:
+                raise ColibriError(f"cannot use the state directory {d}: {e.strerror}") from None
+            if not os.access(d, os.W_OK | os.X_OK):
+                why = "a read-only file system" if os.statvfs(d).f_flag & os.ST_RDONLY else "not writable by colibrid"
+                raise ColibriError(f"cannot use the state directory {d}: {why}")
 
     @staticmethod
     def _answers(ctx, path) -> bool:
@@ -282,6 +318,7 @@ class Server:
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_hup)
         notify("STATUS=starting")
+        self.check_dirs()
         ctx = zmq.Context()
         try:
             self.routers = {b"U": self.bind(ctx, self.socket_path, self.cfg.socket_group)}
