@@ -96,3 +96,4 @@ def drive_line(d: dict) -> str:
     return (f"drive {d['drive']}: {d['path']}, {d['files']}/{d['of_files']} expert files{left}, {state}, {measured}; "
             f"{d['bytes'] / 2**20:.1f} MiB in {d['reads']} reads ({100 * d['share']:.1f} % of the bytes){lat}, "
             f"{d['errors']} errors, out of rotation {d['times_out']} times")
+

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from ..daemon.protocol import precision_text
+from ..daemon.protocol import kept_note, precision_text
 from . import exitcodes, ops
 from .connect import fail, with_client
 from .lines import (
@@ -128,6 +128,10 @@ def status(client, as_json):
                        "them)")
     if rt and rt["hand_pins"]:
         click.echo(f"runtime   pins {' '.join(rt['hand_pins'])}: LOST at a restart (pin them again after one)")
+    for n in (rt or {}).get("kept_at_start") or []:
+        click.echo(f"kept      {kept_note(n)}")
+    if rt and rt.get("restart_needed"):
+        click.echo(f"config    changed since the start, applied at the next one: {', '.join(rt['restart_needed'])}")
 
 
 @cli.command()

@@ -1,5 +1,5 @@
 """colictl's operator commands, on the operator socket: cache (show, set), pin, unpin, policy
-(show, set), reload and shutdown. Registered on colictl in main.py (COMMANDS)."""
+(show, set), reload, kept (list, drop) and shutdown. Registered on colictl in main.py (COMMANDS)."""
 
 import json
 
@@ -168,6 +168,45 @@ def reload(client):
                f"{', '.join(r['restart_needed']) or 'nothing'}")
 
 
+@click.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object")
+@click.pass_context
+def kept(ctx, as_json):
+    """The settings kept with --persist (every model's; the running model's apply at its
+    starts unless a flag or a later edit of the configuration sets the key)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    kept_list(as_json)
+
+
+@with_client(operator=True)
+def kept_list(client, as_json):
+    r = client.call("kept", action="list")
+    if as_json:
+        click.echo(json.dumps({"kept": r["kept"], "file": r["file"]}))
+        return
+    if not r["kept"]:
+        click.echo(f"nothing kept ({r['file']})")
+    for k in r["kept"]:
+        whose = "this model" if k["this_model"] else f"another model ({k['model']}, {k['fingerprint']})"
+        click.echo(f"{k['key']:<15} {k['value']!s:<12} kept by `{k['by']}` at {k['at']}, for {whose}")
+
+
+@kept.command("drop")
+@click.argument("keys", nargs=-1, metavar="[KEY...]")
+@click.option("--all-models", is_flag=True, help="drop them for every model, not only the running one")
+@with_client(operator=True)
+def kept_drop(client, keys, all_models):
+    """Drop kept values (every key without KEY): the next start, or a reload, takes the
+    configuration's value again."""
+    r = client.call("kept", action="drop", keys=list(keys) or None, all_models=all_models)
+    if not r["dropped"]:
+        fail(f"nothing kept for {', '.join(keys) if keys else 'this model'} ({r['file']})", exitcodes.BAD_REQUEST)
+    for g in r["dropped"]:
+        click.echo(f"dropped {g['key']} {g['value']} (model {g['model']})")
+    click.echo("[colibri] the running values stay until a reload or a restart takes the configuration's", err=True)
+
+
 @click.command()
 @with_client(operator=True)
 def shutdown(client):
@@ -176,4 +215,4 @@ def shutdown(client):
     click.echo("colibrid is stopping", err=True)
 
 
-COMMANDS = (cache, pin, unpin, policy, reload, shutdown)
+COMMANDS = (cache, pin, unpin, policy, reload, kept, shutdown)

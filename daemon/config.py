@@ -106,8 +106,8 @@ _KINDS = {  # key -> what a valid value is
     "watchdog_s": "seconds", "log_level": "level",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
-RUNTIME_FILE = "runtime.yaml"  # in the state directory: what `--persist` kept
-PERSISTABLE = ("expert_cache", "kv_cache", "policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
+RUNTIME_FILE = "runtime.yaml"  # in the state directory: what `--persist` kept, per model (daemon/kept.py)
+PERSISTABLE = ("expert_cache", "kv_cache", "table_cache", "policy", "hot_set", "repin_every", "repin_margin", "prefetch_reads")
 BOX_KEYS = {"path", "node", "resources", "weight", "expert_cache", "threads", "env"}  # a ray_boxes entry
 
 
@@ -220,7 +220,8 @@ def _check(key: str, value, where: str):
 
 def load(path: str | None, overrides: dict | None = None, fragment: tuple[str, str] | None = None) -> Config:
     """The configuration from `path` (YAML; None: defaults only) and its fragments, with
-    `overrides` (flags) on top. `fragment` (NAME, FILE): read FILE as the fragment NAME
+    `overrides` (flags) on top (the values kept with --persist come on top of this, per
+    model: daemon/kept.py's effective). `fragment` (NAME, FILE): read FILE as the fragment NAME
     (in NAME's place, whether or not NAME exists yet; strictly, as the main file): how
     `colictl tune` checks a fragment before it is renamed into place. Raises ConfigError
     naming the file and key."""
@@ -234,9 +235,6 @@ def load(path: str | None, overrides: dict | None = None, fragment: tuple[str, s
             values |= _read(fragment[1])
         else:
             values |= _read(one) if one == path else _read_fragment(one)
-    kept = runtime_path(values.get("state_dir"))
-    if os.path.exists(kept):  # what operators changed at runtime with --persist: the last word before flags
-        values |= {k: v for k, v in _read_fragment(kept).items() if k in PERSISTABLE}
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _check(key, value, "command line")
@@ -271,54 +269,6 @@ def runtime_path(state: str | None) -> str:
     from ..storage.statefile import default_state_dir
 
     return os.path.join(state or default_state_dir(), RUNTIME_FILE)
-
-
-def persist(state: str | None, keys: dict) -> str:
-    """Keep runtime changes (PERSISTABLE keys) for the next start: merged into the state
-    directory's runtime.yaml, checked as the daemon reads it, written atomically. Returns
-    the file. Raises ConfigError (a key it does not keep, or a bad value), OSError."""
-    import yaml
-
-    from ..storage.statefile import write_atomic
-
-    path = runtime_path(state)
-    unknown = set(keys) - set(PERSISTABLE)
-    if unknown:
-        raise ConfigError(f"{', '.join(sorted(unknown))}: not kept across restarts (only {', '.join(PERSISTABLE)})")
-    kept = _read_fragment(path) if os.path.exists(path) else {}
-    kept |= _checked(path, keys)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, ("# colictl ... --persist: runtime changes colibrid applies at every start, after its\n"
-                        "# configuration and fragments (remove a line, or the file, to drop one)\n"
-                        + yaml.safe_dump(kept, sort_keys=True)).encode())
-    return path
-
-
-def origin(key: str, path: str | None, overrides: dict | None = None) -> str:
-    """Where the value of `key` comes from: "command line", runtime.yaml (--persist), the
-    last file or fragment that sets it, or "default"."""
-    if (overrides or {}).get(key) is not None:
-        return "command line"
-    state = None
-    for one in [path, *fragments(path)] if path else []:
-        try:
-            state = _load_yaml(one).get("state_dir", state)
-        except ConfigError:
-            continue
-    kept = runtime_path(state)
-    if key in PERSISTABLE and os.path.exists(kept):
-        try:
-            if key in _load_yaml(kept):
-                return kept
-        except ConfigError:
-            pass
-    for one in reversed([path, *fragments(path)] if path else []):
-        try:
-            if key in _load_yaml(one):
-                return one
-        except ConfigError:
-            continue
-    return "default"
 
 
 def fragments(path: str) -> list[str]:

@@ -15,8 +15,9 @@ from .. import __version__
 from ..storage.errors import BudgetInvalid, ColibriError
 from ..storage.policy import PolicyInvalid
 from ..storage.sizes import parse_size
+from . import kept
 from . import protocol as P
-from .config import ConfigError
+from .config import ConfigError, runtime_path
 from .maps import snapshot
 from .planner import predicted_now
 from .protocol import ProtocolError
@@ -27,7 +28,7 @@ log = logging.getLogger("colibri.daemon")
 
 RESIDENT = ("this model's experts are all resident (a checkpoint); convert it to a container "
             "(colictl convert) to stream them under a budget")
-NEEDS_MODEL = ("generate", "session", "map", "cache", "pin", "unpin", "policy", "reload")  # answered LOADING until placed
+NEEDS_MODEL = ("generate", "session", "map", "cache", "pin", "unpin", "policy", "reload", "kept")  # answered LOADING until placed
 
 
 class Handlers:
@@ -51,6 +52,7 @@ class Handlers:
             "pin_request": self.on_pin,
             "unpin_request": self.on_pin,
             "policy_request": self.on_policy,
+            "kept_request": self.on_kept,
         }
 
     def dispatch(self, tag: bytes, identity: bytes, payload: bytes, uid: int | None = None) -> dict | None:
@@ -338,6 +340,30 @@ class Handlers:
             raise ProtocolError("INVALID_REQUEST", str(e)) from None
         s.inbox.put(SetPolicy((identity, rid), policy, persist_arg(msg)))  # applied between two steps
         return None
+
+
+    def on_kept(self, identity, rid, msg):
+        """The values kept with --persist (daemon/kept.py): list them, or drop some."""
+        s = self.s
+        action = msg.get("action")
+        if action not in ("list", "drop"):
+            raise ProtocolError("BAD_MESSAGE", "'action' must be \"list\" or \"drop\"")
+        keys, every = msg.get("keys"), msg.get("all_models", False)
+        if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+            raise ProtocolError("BAD_MESSAGE", "'keys' must be a list of setting names")
+        if not isinstance(every, bool):
+            raise ProtocolError("BAD_MESSAGE", "'all_models' must be true or false")
+        try:
+            if action == "list":
+                return {"kept": kept.listing(s.cfg.state_dir, s.fingerprint), "file": runtime_path(s.cfg.state_dir)}
+            gone = kept.drop(s.cfg.state_dir, None if every else s.fingerprint, keys or None)
+        except (ConfigError, OSError) as e:
+            raise ProtocolError("INVALID_REQUEST", f"{runtime_path(s.cfg.state_dir)}: "
+                                                   f"{getattr(e, 'strerror', None) or e}") from None
+        for k in {g["key"] for g in gone if g["fingerprint"] == s.fingerprint}:
+            s.runtime_kept.discard(k)
+        log.info("dropped kept values: %s", ", ".join(f"{g['key']} {g['value']}" for g in gone) or "none")
+        return {"dropped": gone, "file": runtime_path(s.cfg.state_dir)}
 
 
 def persist_arg(msg: dict) -> bool:

@@ -26,8 +26,10 @@ from ..storage.placement import Placement, faults_from_env, open_model
 from ..storage.sessions import fingerprints
 from ..storage.sizes import parse_size
 from .boot import drives_report_path, drives_set_at_boot, lock_arrays, set_up_drives
-from .config import Config, origin, state_dir
+from .config import Config, state_dir
+from .kept import effective, model_fingerprint, origins
 from .maps import RoutingLog
+from .protocol import kept_note
 from .sessions import SessionStore
 
 log = logging.getLogger("colibri.daemon")
@@ -46,6 +48,9 @@ class Loaded:
     room: MemoryRoom  # the RAM the budgets may share (runtime resizes are checked against it)
     prefix: PrefixCache
     sessions: SessionStore
+    cfg: Config  # the configuration as it runs this model: with its values kept by --persist (daemon/kept.py)
+    fingerprint: str  # the model's, which its kept values are filed under
+    kept: list  # what became of each kept value (kept.effective's notes)
     boot: dict = field(default_factory=dict)  # step -> what it asked and got (status)
 
 
@@ -55,6 +60,10 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     path = cfg.model or default_demo_path(state_dir(cfg))
     if cfg.model is None:
         ensure_demo_container(path, build_model, phase)
+    fingerprint = model_fingerprint(path)
+    cfg, notes = effective(config_path, overrides, fingerprint)  # this model's values kept with --persist
+    for n in notes:
+        log.info("%s", kept_note(n))
     phase("checking the model's files")
     t0 = time.perf_counter()
     boot: dict = {}
@@ -71,7 +80,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     try:
         placed = open_model(path, placement, build_model, progress=phase)
     except BudgetInvalid as e:  # say where the budget was set: a fragment `colictl tune` wrote, a flag, ...
-        raise BudgetInvalid(f"{origin('expert_cache', config_path, overrides)}: expert_cache = "
+        raise BudgetInvalid(f"{origins(config_path, overrides, notes, cfg.state_dir)['expert_cache']}: expert_cache = "
                             f"{cfg.expert_cache} (kv_cache = {cfg.kv_cache}): {e}") from None
     model = placed.model
     tokenizer = Tokenizer(path, tokenizer_spec(path))
@@ -109,7 +118,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     if snap and kv and kv < 4 * snap:
         log.warning("kv_cache %s holds %d state snapshot(s) of this model (%d MB each): raise kv_cache for warm "
                     "context", cfg.kv_cache, kv // snap, snap >> 20)
-    return Loaded(model, tokenizer, eos, path, control, history, room, prefix, sessions, boot)
+    return Loaded(model, tokenizer, eos, path, control, history, room, prefix, sessions, cfg, fingerprint, notes, boot)
 
 
 def drives_at_start(cfg: Config, path: str) -> list[dict]:

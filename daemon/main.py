@@ -44,9 +44,7 @@ def main(ctx, config_path, model, socket_path, operator_path, expert_cache, prin
         ctx.obj = cfg
         return
     if print_config:
-        import yaml
-
-        click.echo(yaml.safe_dump(C.resolved(cfg), sort_keys=False), nl=False)
+        click.echo(print_config_text(config_path, overrides), nl=False)
         return
     setup_logging(cfg.log_level)
     if compile_only:
@@ -69,6 +67,28 @@ def main(ctx, config_path, model, socket_path, operator_path, expert_cache, prin
                    "log_level: debug shows where)", err=True)
         raise SystemExit(EXIT_INTERNAL) from None
     raise SystemExit(code)
+
+
+def print_config_text(config_path: str | None, overrides: dict) -> str:
+    """The effective configuration as YAML, defaults resolved and this model's kept values
+    applied, each key with its origin (a file or fragment, the command line, runtime.yaml,
+    or the default). Raises ConfigError."""
+    import yaml
+
+    from . import config as C
+    from . import kept
+    from .protocol import kept_note
+
+    cfg = C.load(config_path, overrides)
+    model = C.resolved(cfg)["model"]
+    cfg, notes = kept.effective(config_path, overrides, kept.model_fingerprint(model))
+    where = kept.origins(config_path, overrides, notes, cfg.state_dir)
+    lines = [f"# {kept_note(n)}\n" for n in notes]
+    for key, value in C.resolved(cfg).items():
+        text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=False, width=1 << 16)
+        first, _, rest = text.partition("\n")
+        lines.append(f"{first}  # {where[key]}\n{rest}")
+    return "".join(lines)
 
 
 @main.command("drives")

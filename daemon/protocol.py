@@ -12,7 +12,7 @@ import json
 import logging
 import os
 
-PROTOCOL_VERSION = "1.5"  # major.minor: minors only add fields and messages
+PROTOCOL_VERSION = "1.6"  # major.minor: minors only add fields and messages
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # a daemon's max_message_bytes unless its configuration says otherwise
 
 # numbered errors: (code, name) -> what the client's user can do about it
@@ -34,7 +34,7 @@ ERRORS = {
 ERROR_NAMES = {code: name for name, code in ERRORS.items()}
 
 REQUEST_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "map", "cache", "pin", "unpin",
-                 "policy", "reload", "shutdown")
+                 "policy", "reload", "kept", "shutdown")
 USER_TYPES = ("hello", "ping", "status", "stats", "generate", "cancel", "session", "map")  # the user socket takes only these;
 # the operator socket takes every type
 
@@ -199,3 +199,13 @@ def precision_tag(p: dict) -> str:
     acts = "-a8" if (p.get("activations") or "float32") == "int8" else ""
     dense = f"-d{p['dense_int'].split()[0]}" if p.get("dense_int") else ""
     return f"colibri-{p.get('experts')}{g}{dense}{acts}{'-lossy' if p.get('lossy') else ''}"
+
+
+def kept_note(n: dict) -> str:
+    """What became of a value kept with --persist at the start (a note of status's runtime.kept_at_start:
+    daemon/kept.py)."""
+    said = f"the configuration says {n['configured']}" + (
+        f" ({n['configured_in']})" if n["configured_in"] != "default" else " (the default)")
+    if n["applied"]:
+        return f"{n['key']} {n['value']} from runtime.yaml, kept by `{n['by']}` at {n['at']}; {said}"
+    return f"{n['key']} {n['value']} kept by `{n['by']}` at {n['at']} is not applied: {n['why']}"

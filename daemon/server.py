@@ -40,10 +40,10 @@ import zmq
 from ..engine.prefix import snapshot_interval
 from ..storage.errors import ColibriError
 from ..storage.sizes import parse_size
+from . import kept
 from . import protocol as P
 from .boot import set_cpus, set_numa
-from .config import Config, ConfigError, load, runtime_path, state_dir
-from .config import persist as keep
+from .config import Config, ConfigError, runtime_path, state_dir
 from .handlers import Handlers
 from .logs import setup_logging
 from .metrics import Latencies
@@ -85,6 +85,10 @@ class Server:
         self.plan_stamp: int | None = None  # the plan file's mtime when read (None: there was none)
         self.runtime_changes: dict = {}  # settings operators changed since start (cache set, policy set)
         self.runtime_kept: set = set()  # of those, the ones kept for the next start (--persist)
+        self.reloaded: list[str] = []  # the last reload's keys that need a restart
+        self.started = cfg  # the configuration the process runs: what a restart-only key is compared with
+        self.fingerprint: str | None = None  # the model's, which values kept with --persist are filed under
+        self.kept_notes: list = []  # what became of each value kept for this model (daemon/kept.py)
         self.batcher = None  # the engine's, once it runs (stats read its decode counters)
         self.history = None  # the usage history the daemon saves, or None
         self.phase, self.progress = "starting", None  # what loading does now, (done, total) of it
@@ -148,6 +152,8 @@ class Server:
         self.tokenizer, self.eos, self.model_path = got.tokenizer, got.eos, got.path
         self.control, self.history, self.room = got.control, got.history, got.room
         self.sessions, self.prefix = got.sessions, got.prefix
+        self.cfg = self.started = got.cfg  # with this model's kept values (kept.effective)
+        self.fingerprint, self.kept_notes = got.fingerprint, got.kept
         self.plan = self.load_plan()
         # the model, tokenizer and libraries live as long as the process: frozen, the cyclic
         # collector's full passes skip them (one took ~50 ms, a step's time, at a random step)
@@ -187,7 +193,8 @@ class Server:
         if not persist or not keys:
             return {"persisted": None}
         try:
-            where = keep(self.cfg.state_dir, keys)
+            by = "policy set --persist" if set(keys) & set(self.POLICY_KEYS) else "cache set --persist"
+            where = kept.keep(self.cfg.state_dir, self.fingerprint, self.model_path, keys, by)
         except (ConfigError, OSError) as e:
             log.warning("could not keep %s for the next start: %s", ", ".join(keys), getattr(e, "strerror", None) or e)
             return {"persisted": None, "persist_error": str(getattr(e, "strerror", None) or e)}
@@ -196,12 +203,19 @@ class Server:
         return {"persisted": where}
 
     def runtime(self) -> dict:
-        """What changed at runtime and whether a restart keeps it (status)."""
+        """What changed at runtime and whether a restart keeps it, and what became of the
+        values kept for this model at start (status)."""
         pins = sorted(f"{il}:{ie}" for il, ie in self.control.hand_pins) if self.control is not None else []
         lost = [k for k in self.runtime_changes if k not in self.runtime_kept]
         return {"changed": self.runtime_changes, "kept": sorted(self.runtime_kept & set(self.runtime_changes)),
                 "lost_at_restart": lost + (["pins"] if pins else []), "hand_pins": pins,
-                "kept_in": runtime_path(self.cfg.state_dir)}
+                "kept_in": runtime_path(self.cfg.state_dir), "kept_at_start": self.kept_notes,
+                "restart_needed": self.pending_restart()}
+
+    def pending_restart(self) -> list[str]:
+        """The keys whose configured value differs from the one this process runs (a reload
+        could not apply them)."""
+        return list(self.reloaded)
 
     def current_plan(self) -> dict | None:
         """The plan as `colictl tune` left it: read again when its file changed since the
@@ -414,18 +428,23 @@ class Server:
                     *POLICY_KEYS)
 
     def reload(self) -> dict:
-        """Read the configuration again (flags still override it) and apply what can change
-        while running; say what needs a restart. A bad file changes nothing.
-        Raises ConfigError."""
-        new = load(self.config_path, self.overrides)
+        """Read the configuration again (flags still override it, this model's kept values
+        still apply as at start) and apply what can change while running; say which keys
+        need a restart: those whose new value differs from the one this process runs (not
+        from the last reload's). A bad file changes nothing. Raises ConfigError."""
+        new, notes = kept.effective(self.config_path, self.overrides, self.fingerprint)
+        for n in notes:
+            if not n["applied"]:
+                log.info("%s", P.kept_note(n))
         old = self.cfg
-        changed = [k for k in new.as_dict() if getattr(new, k) != getattr(old, k)]
         # (the tables' cache resizes while running; reading them in, or a model without streamed tables, restarts)
         runtime = [k for k in self.RUNTIME_KEYS if k != "table_cache" or (
             getattr(self.model, "tables", None) is not None and new.table_cache != "all")]
-        applied = [k for k in changed if k in runtime]
-        restart = [k for k in changed if k not in runtime]
-        self.cfg = new
+        applied = [k for k in new.as_dict() if k in runtime and getattr(new, k) != getattr(old, k)]
+        restart = [k for k in new.as_dict() if k not in runtime and getattr(new, k) != getattr(self.started, k)]
+        self.reloaded = restart
+        # what runs: the new values of the keys that change at runtime, the process's own of the others
+        self.cfg = replace(new, **{k: getattr(self.started, k) for k in new.as_dict() if k not in runtime})
         if "log_level" in applied:
             setup_logging(new.log_level)
         if self.sessions is not None:
