@@ -164,14 +164,35 @@ def check_drives(r: Report, cfg, paths: list[str]) -> None:
                                                                    f"; tune_drives: true would set {todo}"))
 
 
-def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> None:
+def check_memory(r: Report, cfg, path: str, config_path: str | None, notes: list[dict], facts: dict) -> None:
+    """Whether the model fits with its budgets and the process, decided as colibrid decides
+    it at start (storage.placement.fit_of, the budgets of the configuration colibrid would
+    run: kept values included), and the RAM it will hold."""
     import psutil
 
+    from ..daemon.kept import budget_refusal
+    from ..engine.registry import build_model
+    from ..storage.errors import BudgetInvalid
+    from ..storage.placement import check_budgets
+    from ..storage.sizes import fmt_bytes, parse_size
+
+    try:
+        fit = check_budgets(path, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache), build_model,
+                            cfg.table_budget())
+    except BudgetInvalid as e:
+        r.add(FAIL, "memory", budget_refusal(e, cfg, config_path, None, notes))
+        return
+    facts["fit"] = fit
+    avail = psutil.virtual_memory().available
+    r.add(OK if fit.total_bytes < avail else WARN, "memory", f"{fit.text()}; {fmt_bytes(avail)} available now"
+          + ("" if fit.total_bytes < avail else ": it starts, but other processes' memory would be swapped or the "
+             "caches grow into the kernel's OOM killer"))
+
+
+def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> None:
     from ..daemon import protocol as P
     from ..daemon.config import state_dir
     from ..storage.arena import meminfo
-    from ..storage.placement import table_cache_bytes
-    from ..storage.sizes import fmt_bytes, parse_size
 
     if facts.get("probe"):
         try:
@@ -189,19 +210,9 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
                                     "buffered reads through the page cache")
     if facts.get("probe"):
         check_drives(r, cfg, [os.path.dirname(facts["probe"]), *cfg.drives])
-    avail = psutil.virtual_memory().available
-    budget = facts.get("experts", 0)
-    if facts.get("experts"):
-        b = parse_size(cfg.expert_cache)
-        budget = facts["experts"] if b == "all" else (facts["record_bytes"] if b == "min" else min(b, facts["experts"]))
-    tables = table_cache_bytes(facts.get("tables", 0), cfg.table_budget())
-    need = facts.get("dense", 0) + budget + tables
-    if need:
-        line = (f"{fmt_bytes(need)} needed (dense {fmt_bytes(facts.get('dense', 0))} + expert cache "
-                f"{fmt_bytes(budget)}, expert_cache: {cfg.expert_cache}"
-                + (f" + embedding tables {fmt_bytes(tables)}, table_cache: {cfg.table_cache}" if tables else "")
-                + f"), {fmt_bytes(avail)} available")
-        r.add(OK if need < 0.9 * avail else WARN if need < avail else FAIL, "memory", line)
+    fit = facts.get("fit")
+    budget = fit.expert_bytes if fit else 0
+    need = fit.total_bytes if fit else 0
     free_huge = meminfo("HugePages_Free") * 2 * 2**20  # free 2 MiB pages, in bytes
     if cfg.hugepages:
         r.add(OK if free_huge >= budget else WARN, "hugepages",
@@ -256,10 +267,13 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
 def doctor(ctx, model_path, config_path, deep, as_json):
     """Check a model and this box, read-only: one line per check, exit 7 if any fails."""
     from ..daemon.config import load, state_dir
+    from ..daemon.kept import effective, model_fingerprint
     from ..storage.demo import default_demo_path
 
     cfg = load(config_path)
     path = model_path or cfg.model or default_demo_path(state_dir(cfg))
+    # the configuration colibrid would run this model with: its values kept with --persist too
+    cfg, notes = effective(config_path, None, model_fingerprint(path))
     r = Report()
     if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):  # (a GGUF file is a model)
         r.add(FAIL, "model", f"{path}: no such directory" + ("" if model_path or cfg.model else
@@ -267,6 +281,8 @@ def doctor(ctx, model_path, config_path, deep, as_json):
         facts = {}
     else:
         facts = check_model(r, path, deep)
+        if not r.failed:
+            check_memory(r, cfg, path, config_path, notes, facts)
     check_box(r, cfg, facts, (ctx.obj or {}).get("socket"))
     if as_json:
         click.echo(json.dumps({"model": path, "ok": not r.failed, "checks": r.checks}))

@@ -211,3 +211,11 @@ def model_fingerprint(path: str | None) -> str | None:
         return fingerprints(path)[0]
     except (ColibriError, OSError, ValueError):
         return None
+
+
+def budget_refusal(e: Exception, cfg: Config, config_path: str | None, overrides: dict | None,
+                   notes: list[dict]) -> str:
+    """A budget the model cannot take, as colibrid and doctor both say it: the file, flag
+    or runtime.yaml that set it, the values, and why (e: a BudgetInvalid)."""
+    where = origins(config_path, overrides, notes, cfg.state_dir)["expert_cache"]
+    return f"{where}: expert_cache = {cfg.expert_cache} (kv_cache = {cfg.kv_cache}): {e}"

@@ -27,7 +27,7 @@ from ..storage.sessions import fingerprints
 from ..storage.sizes import parse_size
 from .boot import drives_report_path, drives_set_at_boot, lock_arrays, set_up_drives
 from .config import Config, state_dir
-from .kept import effective, model_fingerprint, origins
+from .kept import budget_refusal, effective, model_fingerprint
 from .maps import RoutingLog
 from .protocol import kept_note
 from .sessions import SessionStore
@@ -80,9 +80,9 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     try:
         placed = open_model(path, placement, build_model, progress=phase)
     except BudgetInvalid as e:  # say where the budget was set: a fragment `colictl tune` wrote, a flag, ...
-        raise BudgetInvalid(f"{origins(config_path, overrides, notes, cfg.state_dir)['expert_cache']}: expert_cache = "
-                            f"{cfg.expert_cache} (kv_cache = {cfg.kv_cache}): {e}") from None
+        raise BudgetInvalid(budget_refusal(e, cfg, config_path, overrides, notes)) from None
     model = placed.model
+    boot["memory"] = placed.fit.text()  # (the figure colictl doctor gives)
     tokenizer = Tokenizer(path, tokenizer_spec(path))
     eos = eos_ids(path, load_config(path), tokenizer)
     layers.init(n, phase, model.kernel_kinds())

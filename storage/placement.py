@@ -130,6 +130,7 @@ class Placed:
     model: ModelShape  # loaded: dense weights resident, experts behind its ExpertSource
     control: CacheControl | None  # None: every expert is resident, nothing to retune
     history: object | None  # the usage history (history.py) the daemon saves, or None
+    fit: "Fit | None" = None  # the RAM it holds, by part (fit_of)
 
 
 Build = Callable[[str, dict], ModelShape]
@@ -208,38 +209,86 @@ def table_cache_bytes(total: int, budget: int | str | None) -> int:
     return int(budget) if budget is not None else min(total, psutil.virtual_memory().available // 4)
 
 
+@dataclass(frozen=True)
+class Fit:
+    """The RAM a placed model holds, by part, and the limit it was checked against: the
+    figure colibrid, doctor, plan and tune all take from `fit_of` (memory.py's room)."""
+
+    dense_bytes: int  # resident weights (a checkpoint: all of them; streamed tables apart)
+    expert_bytes: int  # the expert cache's arena (0: a checkpoint's experts are in dense_bytes)
+    table_bytes: int  # the streamed tables' cache, or the tables read in
+    kv_bytes: int  # the prefix cache's budget
+    process_bytes: int  # the interpreter, libraries, kernels, a step's temporaries (memory.PROCESS_BYTES)
+    limit_bytes: int  # this box's RAM, or its cgroup's limit
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes + self.table_bytes + self.kv_bytes + self.process_bytes
+
+    def as_dict(self) -> dict:
+        return {"dense_bytes": self.dense_bytes, "expert_bytes": self.expert_bytes, "table_bytes": self.table_bytes,
+                "kv_bytes": self.kv_bytes, "process_bytes": self.process_bytes, "total_bytes": self.total_bytes,
+                "limit_bytes": self.limit_bytes}
+
+    def text(self) -> str:
+        parts = [f"dense {fmt_bytes(self.dense_bytes)}"]
+        parts += [f"{name} {fmt_bytes(n)}" for name, n in (("expert cache", self.expert_bytes),
+                                                           ("embedding tables", self.table_bytes),
+                                                           ("prefix cache", self.kv_bytes)) if n]
+        return (f"{fmt_bytes(self.total_bytes)} held at most ({', '.join(parts)}, the process "
+                f"{fmt_bytes(self.process_bytes)}) of this box's {fmt_bytes(self.limit_bytes)}")
+
+
+def fit_of(c, budget: int | str | None, beside_bytes: int = 0, table_budget: int | str | None = None) -> Fit:
+    """What a container (or a GGUF file's experts) holds in RAM under an expert `budget`
+    (None: the default), `beside_bytes` of prefix cache and its tables' `table_budget`:
+    the one decision of whether a model fits, which placing it (open_model), colictl doctor,
+    plan and tune all make. Raises BudgetInvalid (below the minimum, above this box's RAM)."""
+    from .memory import PROCESS_BYTES
+
+    room = room_for(c, table_budget)
+    room.check_tables("the embedding tables' cache (table_cache)" if table_budget != "all" else
+                      "the embedding tables, resident (table_cache all),")
+    experts = budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert,
+                           c.record_bytes, room, beside_bytes)
+    return Fit(room.dense_bytes, experts, room.table_bytes, beside_bytes, PROCESS_BYTES, room.total)
+
+
 def check_budgets(path: str, budget: int | str | None, beside_bytes: int = 0, build: Build | None = None,
-                  table_budget: int | str | None = None) -> None:
+                  table_budget: int | str | None = None) -> Fit:
     """Whether a model would be placed with an expert `budget` beside `beside_bytes` of
-    other budgets (the prefix cache) and its tables' `table_budget`, as open_model checks it, without reading a weight
-    (a GGUF file's experts are found through the family `build` gives).
+    other budgets (the prefix cache) and its tables' `table_budget`, as open_model checks it
+    (fit_of), without reading a weight (a GGUF file's experts are found through the family
+    `build` gives). Returns what it would hold.
     Raises BudgetInvalid (a budget for a checkpoint, below the minimum, above this box's
     RAM), the storage errors of opening the model."""
     if is_gguf(path) and build is not None:
         model, store = check_model(path, build)
         c = GGUFExperts(store, model)
     elif not is_container(path):
-        check_resident(path, open_checkpoint(path), budget, beside_bytes)
-        return
+        return check_resident(path, open_checkpoint(path), budget, beside_bytes)
     else:
         c = open_container(path)
-    budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert, c.record_bytes,
-                 room_for(c, table_budget), beside_bytes)
+    return fit_of(c, budget, beside_bytes, table_budget)
 
 
-def check_resident(path: str, checkpoint, budget, beside_bytes: int) -> None:
+def check_resident(path: str, checkpoint, budget, beside_bytes: int) -> Fit:
     """A checkpoint's experts are all resident: a budget other than "all" is refused (it
-    needs a container), and so are weights above this box's RAM. Raises BudgetInvalid."""
+    needs a container), and so are weights above this box's RAM. Returns what it holds.
+    Raises BudgetInvalid."""
+    from .memory import PROCESS_BYTES
+
     if budget not in (None, "all"):
         raise BudgetInvalid(f"{path} is a Hugging Face checkpoint; an expert budget needs a container: "
                             f"colictl convert {path} DST, then give DST as the model")
     weights = sum(sf.file_bytes for sf in checkpoint.files.values())
+    room = MemoryRoom(0)
     try:
-        MemoryRoom(0).check("the checkpoint's weights, every expert resident,", weights, beside_bytes,
-                            "the prefix cache")
+        room.check("the checkpoint's weights, every expert resident,", weights, beside_bytes, "the prefix cache")
     except BudgetInvalid as e:
         raise BudgetInvalid(f"{e}: convert it (colictl convert {path} DST) and stream its experts under a "
                             "budget") from None
+    return Fit(weights, 0, 0, beside_bytes, PROCESS_BYTES, room.total)
 
 
 def default_budget(container) -> int:
@@ -267,11 +316,11 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     elif is_gguf(path):  # its experts streamed from the file itself
         c, dense, precision = GGUFExperts(store, model), store, None
     else:
-        check_resident(path, store, pl.budget, pl.beside_bytes)
+        fit = check_resident(path, store, pl.budget, pl.beside_bytes)
         model.load(store, progress=progress)
         if pl.trace:
             model.experts = TracedSource(model.experts, pl.trace)
-        return Placed(model, None, None)
+        return Placed(model, None, None, fit)
     policy = pl.policy or Policy()
     if pl.prefetch is not None:
         policy = replace(policy, prefetch_reads=pl.prefetch)
@@ -281,9 +330,8 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
     faults = FaultPlan.parse(pl.faults)
     if faults:
         log.warning("COLIBRI_FAULTS is set: expert reads fail on purpose (%s)", pl.faults)
+    fit = fit_of(c, pl.budget, pl.beside_bytes, pl.table_budget)  # (the verdict doctor, plan and tune give)
     room = room_for(c, pl.table_budget)
-    room.check_tables("the embedding tables' cache (table_cache)" if pl.table_budget != "all" else
-                      "the embedding tables, resident (table_cache all),")
     cache = ExpertCache(c, default_budget(c) if pl.budget is None else pl.budget, pl.io_threads, pl.direct, pl.mlock,
                         pl.hugetlb, top_k=model.n_expert_used, policy=policy, history=history, verify=pl.verify,
                         drives=list(pl.drives), faults=faults, coalesce=pl.coalesce, reader=pl.reader,
@@ -293,7 +341,7 @@ def open_model(path: str, placement: Placement, build: Build, progress=None, che
         tables = TableCache(c, room.table_bytes, cache.reader)
     model.load(dense, TracedSource(cache, pl.trace) if pl.trace else cache, progress, precision, tables=tables)
     cache.warm_start(progress)
-    return Placed(model, cache, history)
+    return Placed(model, cache, history, fit)
 
 
 def quant_group(src, names: list[str]) -> int | None:

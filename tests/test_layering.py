@@ -20,8 +20,9 @@ MODULES = {
 }
 # ctl's offline commands run the engine in-process (and read the daemon's configuration)
 OFFLINE = {"ctl/offline.py": {"engine": {"*"}, "storage": {"*"},
-                              "daemon": {"daemon.protocol", "daemon.config", "daemon.planner"}},
-           "ctl/doctor.py": {"engine": {"*"}, "storage": {"*"}, "daemon": {"daemon.protocol", "daemon.config"}}}
+                              "daemon": {"daemon.protocol", "daemon.config", "daemon.kept", "daemon.planner"}},
+           "ctl/doctor.py": {"engine": {"*"}, "storage": {"*"},
+                             "daemon": {"daemon.protocol", "daemon.config", "daemon.kept"}}}
 
 
 def our_imports(path: Path, package: str) -> set[str]:
