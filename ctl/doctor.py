@@ -164,7 +164,8 @@ def check_drives(r: Report, cfg, paths: list[str]) -> None:
                                                                    f"; tune_drives: true would set {todo}"))
 
 
-def check_memory(r: Report, cfg, path: str, config_path: str | None, notes: list[dict], facts: dict) -> None:
+def check_memory(r: Report, cfg, path: str, config_path: str | None, flags: dict, notes: list[dict],
+                 facts: dict) -> None:
     """Whether the model fits with its budgets and the process, decided as colibrid decides
     it at start (storage.placement.fit_of, the budgets of the configuration colibrid would
     run: kept values included), and the RAM it will hold."""
@@ -180,7 +181,7 @@ def check_memory(r: Report, cfg, path: str, config_path: str | None, notes: list
         fit = check_budgets(path, parse_size(cfg.expert_cache), parse_size(cfg.kv_cache), build_model,
                             cfg.table_budget())
     except BudgetInvalid as e:
-        r.add(FAIL, "memory", budget_refusal(e, cfg, config_path, None, notes))
+        r.add(FAIL, "memory", budget_refusal(e, cfg, config_path, flags, notes))
         return
     facts["fit"] = fit
     avail = psutil.virtual_memory().available
@@ -260,20 +261,23 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
 @click.option("--model", "model_path", metavar="DIR", help="model directory (default: the configuration's, else "
                                                            "the demo model)")
 @click.option("--config", "config_path", metavar="PATH", help="colibrid's YAML configuration (budgets, socket, ...)")
+@click.option("--expert-cache", metavar="SIZE", help="the expert budget to check, as colibrid's flag gives it: bytes, "
+                                                    "KiB/MiB/GiB, min or all (default: the configuration's)")
 @click.option("--deep", is_flag=True, help="also read every expert record and check its crc32")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object")
 @click.pass_context
 @guarded
-def doctor(ctx, model_path, config_path, deep, as_json):
+def doctor(ctx, model_path, config_path, expert_cache, deep, as_json):
     """Check a model and this box, read-only: one line per check, exit 7 if any fails."""
     from ..daemon.config import load, state_dir
     from ..daemon.kept import effective, model_fingerprint
     from ..storage.demo import default_demo_path
 
-    cfg = load(config_path)
+    flags = {"expert_cache": expert_cache}
+    cfg = load(config_path, flags)
     path = model_path or cfg.model or default_demo_path(state_dir(cfg))
     # the configuration colibrid would run this model with: its values kept with --persist too
-    cfg, notes = effective(config_path, None, model_fingerprint(path))
+    cfg, notes = effective(config_path, flags, model_fingerprint(path))
     r = Report()
     if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):  # (a GGUF file is a model)
         r.add(FAIL, "model", f"{path}: no such directory" + ("" if model_path or cfg.model else
@@ -282,7 +286,7 @@ def doctor(ctx, model_path, config_path, deep, as_json):
     else:
         facts = check_model(r, path, deep)
         if not r.failed:
-            check_memory(r, cfg, path, config_path, notes, facts)
+            check_memory(r, cfg, path, config_path, flags, notes, facts)
     check_box(r, cfg, facts, (ctx.obj or {}).get("socket"))
     if as_json:
         click.echo(json.dumps({"model": path, "ok": not r.failed, "checks": r.checks}))

@@ -1,9 +1,10 @@
 """colictl: the command line. Client commands talk to colibrid through ctl/client.py and import
 nothing heavy: generate, chat, session, status, stats, ping, drives status on the user
-socket here; cache, pin, unpin, policy, reload, shutdown on the operator socket in ops.py;
-connect.py how a command reaches the daemon, lines.py how its reports print. The commands
-that need no daemon (run, convert, demo-model in ctl/offline.py, doctor in ctl/doctor.py)
-are imported only when called, so the client path never loads numpy or numba."""
+socket here; cache, pin, unpin, policy, reload, kept, shutdown on the operator socket in
+ops.py; connect.py how a command reaches the daemon, lines.py how its reports print. The
+commands that need no daemon (run, convert, demo-model in ctl/offline.py, plan and tune in
+ctl/planning.py, doctor in ctl/doctor.py) are imported only when called, so the client
+path never loads numpy or numba."""
 
 import json
 import sys
@@ -39,8 +40,8 @@ class LazyGroup(click.Group):
     """A group whose offline commands are imported when used, not at start."""
 
     LAZY = {"run": ("offline", "run"), "demo-model": ("offline", "demo_model"), "convert": ("offline", "convert"),
-            "doctor": ("doctor", "doctor"), "plan": ("offline", "plan"),
-            "tune": ("offline", "tune")}  # name -> (module, command)
+            "doctor": ("doctor", "doctor"), "plan": ("planning", "plan"),
+            "tune": ("planning", "tune")}  # name -> (module, command)
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))

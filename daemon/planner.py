@@ -36,11 +36,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.container import ALIGN, round_up
-from ..storage.errors import ColibriError
+from ..storage.errors import BudgetInvalid, ColibriError
 from ..storage.experts import ExpertStats, LocalSource, QuantWeight, int4_of
 from ..storage.memory import PROCESS_BYTES
-from ..storage.placement import quant_group, resident_cache, sample_experts, streamed_table_bytes
-from ..storage.sizes import fmt_bytes
+from ..storage.placement import (
+    fit_of,
+    quant_group,
+    resident_cache,
+    room_for,
+    sample_experts,
+    streamed_table_bytes,
+)
+from ..storage.sizes import fmt_bytes, parse_size
 from ..storage.slots import min_budget_bytes
 
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)  # expert budgets the table shows, as fractions of the experts
@@ -388,8 +395,10 @@ def make_plan(path: str, build, memory: int | None = None, trace: str | None = N
         tables = TableCache(c, table_bytes, ExpertReader(c, ExpertStats()))
     model.load(dense_src, sample, precision=precision, tables=tables)
     layers.init(threads)
-    dense_bytes = sum(_nbytes(a) for a in model.glob.values()) + sum(_nbytes(a) for L in model.layers
-                                                                     for a in L.values())
+    # a container's dense bytes as colibrid counts them when it checks a budget (fit_of), so
+    # that the plan's floor is the daemon's; a checkpoint's as loaded
+    dense_bytes = room_for(c).dense_bytes if c is not None else \
+        sum(_nbytes(a) for a in model.glob.values()) + sum(_nbytes(a) for L in model.layers for a in L.values())
     try:
         from ..engine.tokenizer import Tokenizer
         from ..storage.gguf import tokenizer_spec
@@ -507,6 +516,12 @@ def recommend(plan: dict, container, disks: list[dict]) -> dict:
         p, r = max(faster, key=lambda x: x[1]["at_fit"]["tok_s"])
         out["lossy_option"] = {"precision": p, "predicted_tok_s": r["at_fit"]["tok_s"],
                                "how": f"colictl convert --dtype {p} (lossy: the tokens change)"}
+    if container is not None and out["fits"]:  # the settings as colibrid will check them (fit_of)
+        try:
+            fit_of(container, parse_size(out["expert_cache"]), parse_size(out.get("kv_cache", plan["kv_bytes"])),
+                   parse_size(out["table_cache"]) if "table_cache" in out else None, ram=plan["memory_bytes"])
+        except BudgetInvalid as e:
+            out |= {"fits": False, "why": str(e)}
     if container is not None:
         from ..storage.reader import ExpertReader
 

@@ -187,12 +187,12 @@ def check_model(path: str, build: Build, report=None):
     return model, store
 
 
-def room_for(container, table_budget: int | str | None = None) -> MemoryRoom:
-    """The RAM a container's (or a GGUF file's) budgets may take: the box's, less its dense
-    weights (its streamed tables apart) and the process, and its tables' `table_budget`
-    (table_cache_bytes)."""
+def room_for(container, table_budget: int | str | None = None, ram: int = 0) -> MemoryRoom:
+    """The RAM a container's (or a GGUF file's) budgets may take: the box's (or `ram`
+    bytes), less its dense weights (its streamed tables apart) and the process, and its
+    tables' `table_budget` (table_cache_bytes)."""
     streamed = streamed_table_bytes(container)
-    return MemoryRoom(container.dense_bytes - streamed, table_bytes=table_cache_bytes(streamed, table_budget))
+    return MemoryRoom(container.dense_bytes - streamed, ram, table_cache_bytes(streamed, table_budget))
 
 
 def table_cache_bytes(total: int, budget: int | str | None) -> int:
@@ -239,14 +239,16 @@ class Fit:
                 f"{fmt_bytes(self.process_bytes)}) of this box's {fmt_bytes(self.limit_bytes)}")
 
 
-def fit_of(c, budget: int | str | None, beside_bytes: int = 0, table_budget: int | str | None = None) -> Fit:
+def fit_of(c, budget: int | str | None, beside_bytes: int = 0, table_budget: int | str | None = None,
+           ram: int = 0) -> Fit:
     """What a container (or a GGUF file's experts) holds in RAM under an expert `budget`
     (None: the default), `beside_bytes` of prefix cache and its tables' `table_budget`:
     the one decision of whether a model fits, which placing it (open_model), colictl doctor,
-    plan and tune all make. Raises BudgetInvalid (below the minimum, above this box's RAM)."""
+    plan and tune all make (`ram`: a memory to fit in other than this box's, plan's
+    --memory). Raises BudgetInvalid (below the minimum, above this box's RAM)."""
     from .memory import PROCESS_BYTES
 
-    room = room_for(c, table_budget)
+    room = room_for(c, table_budget, ram)
     room.check_tables("the embedding tables' cache (table_cache)" if table_budget != "all" else
                       "the embedding tables, resident (table_cache all),")
     experts = budget_bytes(default_budget(c) if budget is None else budget, len(c.moe_layers), c.n_expert,

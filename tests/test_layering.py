@@ -21,6 +21,8 @@ MODULES = {
 # ctl's offline commands run the engine in-process (and read the daemon's configuration)
 OFFLINE = {"ctl/offline.py": {"engine": {"*"}, "storage": {"*"},
                               "daemon": {"daemon.protocol", "daemon.config", "daemon.kept", "daemon.planner"}},
+           "ctl/planning.py": {"engine": {"*"}, "storage": {"*"},
+                               "daemon": {"daemon.config", "daemon.kept", "daemon.planner"}},
            "ctl/doctor.py": {"engine": {"*"}, "storage": {"*"},
                              "daemon": {"daemon.protocol", "daemon.config", "daemon.kept"}}}
 
