@@ -16,6 +16,7 @@ import click
 
 from . import exitcodes
 from .offline import guarded
+from .options import model_argument
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"  # skip: a check this model cannot have
 
@@ -258,8 +259,8 @@ def check_box(r: Report, cfg, facts: dict, socket_path: str | None = None) -> No
 
 
 @click.command()
-@click.option("--model", "model_path", metavar="DIR", help="model directory (default: the configuration's, else "
-                                                           "the demo model)")
+@model_argument("the model: a container, a GGUF file or a checkpoint (default: the configuration's, else the demo "
+                "model)")
 @click.option("--config", "config_path", metavar="PATH", help="colibrid's YAML configuration (budgets, socket, ...)")
 @click.option("--expert-cache", metavar="SIZE", help="the expert budget to check, as colibrid's flag gives it: bytes, "
                                                     "KiB/MiB/GiB, min or all (default: the configuration's)")

@@ -204,7 +204,7 @@ def chat(client, max_tokens, temperature, top_k, top_p, seed, system, session, i
         if known is not None and system:
             fail(f"session {session!r} has started already: --system only begins a new one", exitcodes.USAGE)
         if known is not None and tty:
-            click.echo(f"[colibri] session {session}: {known['turns']} turns, {known['tokens']} tokens so far",
+            click.echo(f"[colibri] session {session}: {turns(known['turns'])}, {known['tokens']} tokens so far",
                        err=True)
     n_line = 0
     while True:
@@ -361,7 +361,7 @@ def session_list(client, as_json):
             click.echo(json.dumps(info))
         else:
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(info["updated"]))
-            click.echo(f"{info['name']:24} {info['mode']:4} {info['turns']:4} turns {info['tokens']:7} tokens "
+            click.echo(f"{info['name']:24} {info['mode']:4} {turns(info['turns']):>9} {info['tokens']:7} tokens "
                        f"{info['bytes'] / 2**20:9.1f} MiB  {used}{'  (in use)' if info['in_use'] else ''}")
 
 
@@ -375,7 +375,7 @@ def session_show(client, as_json, name):
     if as_json:
         click.echo(json.dumps(info))
         return
-    click.echo(f"session {info['name']}: {info['mode']}, {info['turns']} turns, {info['tokens']} tokens, "
+    click.echo(f"session {info['name']}: {info['mode']}, {turns(info['turns'])}, {info['tokens']} tokens, "
                f"{info['bytes'] / 2**20:.1f} MiB", err=True)
     if "messages" in info:
         for m in info["messages"]:
@@ -388,9 +388,25 @@ def session_show(client, as_json, name):
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
 @with_client
 def session_rm(client, names):
-    """Delete sessions."""
+    """Delete sessions: each name removed or not is said; exit 4 if any was not."""
+    from .client import ReplyError
+
+    failed = []
     for name in names:
-        client.call("session", action="rm", name=text_arg(name, "strict", "NAME"))
+        try:
+            client.call("session", action="rm", name=text_arg(name, "strict", "NAME"))
+            click.echo(f"removed {name}")
+        except ReplyError as e:
+            if e.name not in ("NOT_FOUND", "BUSY", "INVALID_REQUEST"):
+                raise
+            click.echo(f"colictl: {name}: {e.name}: {e}", err=True)
+            failed.append(name)
+    if failed:
+        raise SystemExit(exitcodes.BAD_REQUEST)
+
+
+def turns(n: int) -> str:
+    return f"{n} turn{'' if n == 1 else 's'}"
 
 
 class DrivesGroup(LazyGroup):

@@ -394,8 +394,17 @@ def convert(src, dst, dtype, group_size, dense_dtype, activations, force, layout
     tc = manifest["tensor_classes"]
     click.echo(f"[colibri] {os.path.abspath(dst)}: {ex['n_layer']} MoE layers x {ex['n_expert']} experts of "
                f"{fmt_bytes(ex['record_bytes'])} ({tc['experts']['dtype']}{grouping(tc['experts'])}), dense "
-               f"{tc['dense']['dtype']}{' + ' + '/'.join(tc['dense']['fp8']) if tc['dense'].get('fp8') else ''}, "
-               f"in {time.perf_counter() - t0:.1f} s", err=True)
+               f"{dense_text(tc['dense'])}, in {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def dense_text(d: dict) -> str:
+    """A container's dense precision as convert wrote it: "int8 g32 (16 matrices; the rest bf16)"."""
+    fp8 = " + " + "/".join(d["fp8"]) if d.get("fp8") else ""
+    q = d.get("int")
+    if not q:
+        return d["dtype"] + fp8
+    return (f"{q['kind']} g{q['group_size']} ({len(q['names'])} matri{'x' if len(q['names']) == 1 else 'ces'}; "
+            f"the rest {d['dtype']}{fp8})")
 
 
 def with_copy_bar(c, label: str, job):

@@ -1,6 +1,26 @@
-"""The sampling flags that run, generate and chat share, and the request fields they make."""
+"""The sampling flags that run, generate and chat share, and the request fields they make;
+the model argument of the offline commands."""
+
+import functools
 
 import click
+
+
+def model_argument(help: str):
+    """The model a command works on, as convert takes it (a positional MODEL) or as --model
+    MODEL; the command gets it as `model_path` (None: neither given)."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, model=None, model_path=None, **kwargs):
+            if model and model_path and model != model_path:
+                raise click.UsageError(f"two models given: {model} and --model {model_path}")
+            return fn(*args, model_path=model or model_path, **kwargs)
+
+        wrapper = click.argument("model", required=False, metavar="[MODEL]")(wrapper)
+        return click.option("--model", "model_path", metavar="PATH", help=help + " (or as the argument MODEL)")(wrapper)
+
+    return decorate
 
 
 def sampling_options(max_tokens: int):

@@ -11,13 +11,13 @@ import click
 
 from . import exitcodes
 from .offline import fmt_bytes, guarded, resolve_model
+from .options import model_argument
 
 
 def plan_options(fn):
     """The options plan and tune share."""
     for opt in reversed([
-        click.option("--model", "model_path", metavar="DIR",
-                     help="a container or a Hugging Face checkpoint (default: the built-in demo model)"),
+        model_argument("a container, a GGUF file or a Hugging Face checkpoint (default: the built-in demo model)"),
         click.option("--memory", metavar="SIZE", help="RAM the model may use: bytes, KiB/MiB/GiB, all (this box's) or min (the least "
                                                            "it runs in); default: what is available now"),
         click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",

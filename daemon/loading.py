@@ -85,7 +85,6 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     boot["memory"] = placed.fit.text()  # (the figure colictl doctor gives)
     tokenizer = Tokenizer(path, tokenizer_spec(path))
     eos = eos_ids(path, load_config(path), tokenizer)
-    layers.init(n, phase, model.kernel_kinds())
     boot["compute_threads"] = {"asked": cfg.compute_threads or "all", "got": n}
     experts = model.experts.describe()
     if "mlock" in experts:
@@ -113,6 +112,7 @@ def place(cfg: Config, config_path: str | None, overrides: dict, phase) -> Loade
     model.experts = RoutingLog(model.experts)  # the live map's routing (gateway)
     # on the source as the daemon wraps it; auto keeps what the container was converted with
     model.set_activations(model.activations if cfg.activations == "auto" else cfg.activations)
+    layers.init(n, phase, model.kernel_kinds())  # every kernel its steps take, before it says it serves
     prefix = PrefixCache(kv, snapshot_interval(cfg.state_snapshot_tokens, model))
     snap = model.state_bytes_per_sequence()
     if snap and kv and kv < 4 * snap:

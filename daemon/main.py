@@ -138,12 +138,10 @@ def compile_kernels() -> int:
     log.info("compiling the kernels for this CPU into numba's cache: 1-4 minutes on 2 cores the first time, "
              "seconds once cached")
 
-    def progress(phase, done, total):  # done: per cent of the expected time
+    def progress(phase, done, total):  # seconds spent, and expected in all (engine/jit.py's Ticker)
         if done == 0:
             return
-        took, part = time.perf_counter() - t0, done / total
-        left = took / part * (1 - part)
-        log.info("%s: %d%% in %.0f s%s", phase, done, took, f", about {left:.0f} s left" if took > 5 else "")
+        log.info("%s: %d%% in %d s, about %d s left", phase, 100 * done // total, done, total - done)
 
     layers.init(1, progress)
     log.info("kernels ready in %.1f s", time.perf_counter() - t0)

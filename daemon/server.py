@@ -137,6 +137,8 @@ class Server:
                     raise Stopped()
 
     def phase_text(self) -> str:
+        if self.progress and self.phase == "compiling kernels":  # (engine/jit.py's Ticker: seconds)
+            return f"compiling kernels: {self.progress[0]} s of about {self.progress[1]} s"
         if self.progress:
             done, total = self.progress
             return f"{self.phase}: {done}/{total}"

@@ -8,7 +8,7 @@ import numba as nb
 import numpy as np
 
 from . import crew, kernels
-from .jit import JIT
+from .jit import JIT, family_warm
 from .kernels import NO_SINKS
 from .layers import linear, rmsnorm
 from .sequence import KV_BLOCK, KVCache, Step
@@ -132,3 +132,10 @@ def chosen_attention(q, k, v, allowed, scale, out):
                     if m == -np.inf or allowed[t, s]:
                         acc += p[s] * v[s, g, j]
                 out[t, h, j] = acc / den
+
+
+@family_warm("chosen")
+def warm_chosen() -> None:
+    # the sparse-attention families' kernel (GLM-5.3-Flash's MLA, Qwen4-Exp's GQA), on tiny C arrays
+    q, k = np.ones((2, 2, 4), np.float32), np.ones((3, 1, 4), np.float32)
+    chosen_attention(q, k, k, np.ones((2, 3), np.bool_), np.float32(0.5), np.empty_like(q))

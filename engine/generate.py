@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InvalidRequest, PromptTooLong
+from .jit import compile_seconds
 from .sequence import KV_BLOCK as BLOCK
 
 
@@ -191,6 +192,7 @@ class Request:
         self.finish = ""  # set when done
         self.cancelled = False
         self.t_start = self.t_first = self.t_end = None
+        self.c_start = self.c_first = 0.0  # kernels compiled at first use by then (jit.compile_seconds): not the model's speed
         self.stats0 = model.experts.stats.copy()
         self.prefix = None  # the batcher's prefix cache, when it has one
         self.held: list = []  # its blocks this request started from (held until it ends)
@@ -264,7 +266,7 @@ class Request:
         self.n_gen += 1
         self.last = tok
         if self.t_first is None:
-            self.t_first = time.perf_counter()
+            self.t_first, self.c_first = time.perf_counter(), compile_seconds()
         if tok in self.eos:
             self.finish = "stop"
             return [Event("token", tok)]
@@ -299,8 +301,10 @@ class Request:
         self.t_end = time.perf_counter()
         self.close(model)
         n_prompt, n_decode = len(self.prompt_ids), max(self.n_gen - 1, 0)
-        prefill_s = (self.t_first or self.t_end) - self.t_start
-        decode_s = self.t_end - (self.t_first or self.t_end)
+        c_end = compile_seconds()
+        c_first = self.c_first if self.t_first else c_end
+        prefill_s = (self.t_first or self.t_end) - self.t_start - (c_first - self.c_start)
+        decode_s = self.t_end - (self.t_first or self.t_end) - (c_end - c_first)
         return Event(
             "done",
             text=self.text.flush() if self.text else "",
@@ -314,6 +318,7 @@ class Request:
                 "prefill_tok_s": round((n_prompt - self.cached) / prefill_s, 3) if prefill_s > 0 else None,
                 "decode_s": round(decode_s, 6),
                 "decode_tok_s": round(n_decode / decode_s, 3) if decode_s > 0 and n_decode else None,
+                "compile_s": round(c_end - self.c_start, 3),  # kernels compiled at first use: left out of the above
                 "experts": expert_stats(model.experts.stats.minus(self.stats0), n_prompt + n_decode,
                                         prefill_s + decode_s),
             },
@@ -355,7 +360,7 @@ class Batcher:
             self.sizer, self.prefill_chunk = None, value or None
 
     def add(self, req: Request) -> None:
-        req.t_start = time.perf_counter()
+        req.t_start, req.c_start = time.perf_counter(), compile_seconds()
         req.stats0 = self.model.experts.stats.copy()
         if self.prefix is not None:
             req.use_prefix(self.prefix)
@@ -382,14 +387,15 @@ class Batcher:
             return out
         feeds = self.feeds()
         stepping = [r for r in self.active if feeds[id(r)]]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_seconds()
         decode_only = not any(r.prefilling for r in stepping)
         logits = self.model.forward_batch([(np.asarray(feeds[id(r)]), r.cache) for r in stepping])
+        step_s = time.perf_counter() - t0 - (compile_seconds() - c0)  # (a kernel compiled at first use: not the step's)
         if decode_only:
             self.decode_steps += 1
-            self.decode_s += time.perf_counter() - t0
+            self.decode_s += step_s
         if self.sizer is not None:
-            self.sizer.observe(time.perf_counter() - t0, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
+            self.sizer.observe(step_s, sum(len(feeds[id(r)]) for r in stepping if r.prefilling),
                                sum(not r.prefilling for r in stepping))
         for r, lg in zip(stepping, logits):
             out += [(r, ev) for ev in r.advance(lg[-1], len(feeds[id(r)]))]

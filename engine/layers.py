@@ -14,6 +14,7 @@ import numpy as np
 from ..storage.experts import QuantWeight, bf16_to_f32, dequantize, int4_of, take_rows
 from . import crew, kernels
 from .formats import KERNELS, ggml, int4, intdot
+from .jit import FAMILY_WARMS, Ticker, watch_compiles
 from .kernels import NO_SINKS, f16_lut
 from .sequence import KV_BLOCK, KVPool
 
@@ -49,10 +50,12 @@ def init(n_threads: int | None = None, progress=None, kinds=None) -> None:
     process's memory once loaded (an int4 group's 14 MB, the others' 9 MB on Zen 5), so a
     process loads only those it computes with. `progress(phase, done, total)` hears each
     kernel group. Call before forward; again with other kinds compiles what is missing."""
+    watch_compiles(False)  # (what init compiles is not at first use)
     if n_threads is not None or not crew.threads_set():
         crew.set_threads(n_threads or len(os.sched_getaffinity(0)))
     if kinds is None:
-        kinds = {*((k, None) for k in KERNELS if k != "int4"), *(("int4", g) for g in int4.GROUPS)}
+        kinds = {*((k, None) for k in [*KERNELS, *PLAIN] if k != "int4"), *(("int4", g) for g in int4.GROUPS),
+                 *((INT8_ACTIVATIONS, g) for g in int4.GROUPS)}
     reuse_freed_memory()
     x = np.ones((1, 4), np.float32)
     x64 = np.ones((1, 128), np.float32)
@@ -93,23 +96,50 @@ def init(n_threads: int | None = None, progress=None, kinds=None) -> None:
                        np.empty((1, 1, hv), np.float32))
         kernels.silu_mul(x, x, np.empty_like(x))
 
+    def paths(kind, g):  # a format's whole step paths (engine/warm.py): experts, dense, int8 activations
+        from . import warm
+
+        if kind == INT8_ACTIVATIONS:
+            for k in ("int8", "int4"):
+                warm.experts(k, g if k == "int4" else None, "int8")
+                warm.dense_integer(k, g if k == "int4" else None)
+            return
+        if kind.startswith(FAMILY):
+            FAMILY_WARMS[kind.removeprefix(FAMILY)]()
+        elif kind in PLAIN or kind in KERNELS:
+            warm.experts(kind, g)
+            warm.dense(kind, g)
+
     others = tuple(sorted(k for k, _ in kinds if k in KERNELS and k != "int4"))
     steps = [("dense", dense), ("experts", functools.partial(experts, np.ones((128, 128), np.uint16))),
              *((("int4", g), functools.partial(int4_group, g)) for g in sorted({g for k, g in kinds if k == "int4"})),
-             *((("formats", others), functools.partial(formats, others)) for _ in others[:1]), ("attention", attention)]
+             *((("formats", others), functools.partial(formats, others)) for _ in others[:1]), ("attention", attention),
+             *((("paths", kind, g), functools.partial(paths, kind, g))
+               for kind, g in sorted({*kinds, ("bf16", None), ("f32", None)}, key=str))]
     steps = [(key, step) for key, step in steps if key not in init.done]
     shares = [COMPILE_SHARES[key if isinstance(key, str) else key[0]] for key, _ in steps]
-    for i, (key, step) in enumerate(steps):
-        if progress:  # per cent of the expected time
-            progress("compiling kernels", round(100 * sum(shares[:i]) / sum(shares)), 100)
-        step()
-        init.done.add(key)
+    if progress:
+        progress = Ticker(progress, shares)
+    try:
+        for i, (key, step) in enumerate(steps):
+            if progress:
+                progress.enter(i)
+            step()
+            init.done.add(key)
+    finally:
+        if progress:
+            progress.stop()
+    watch_compiles()  # from here on, a kernel compiled at first use is said on stderr and timed apart
 
 
 init.done = set()  # the kernel groups compiled (or loaded) in this process
-# each kernel group's part of a first compile (seconds measured on the 2-core box: dense 12,
-# the crew's experts 9, an int4 group 5, the other formats 4, attention 64), for an estimate
-COMPILE_SHARES = {"dense": 0.12, "experts": 0.09, "int4": 0.05, "formats": 0.04, "attention": 0.65}
+# each kernel group's seconds in a first compile on the 2-core box (measured: dense 23, the
+# crew's experts 0.2, an int4 group 16-26, the other formats 54, attention 133, a format's
+# paths 0-5), for the progress's estimate (jit.Ticker)
+COMPILE_SHARES = {"dense": 23.0, "experts": 1.0, "int4": 20.0, "formats": 50.0, "attention": 130.0, "paths": 0.6}
+PLAIN = ("bf16", "f16", "f32")  # float weights' kinds, as a model's kernel_kinds() names them
+INT8_ACTIVATIONS = "int8-activations"  # a kernel kind: the integer path of int8 and int4 weights (lossy, asked)
+FAMILY = "family:"  # a kernel kind "family:NAME": a family's own kernels, warmed by jit.FAMILY_WARMS[NAME]
 
 
 def to_f32(a) -> np.ndarray:

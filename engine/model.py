@@ -324,7 +324,12 @@ class MoEModel:
         dense = {(w.kind, w.group_size if w.kind == "int4" else None)
                  for L in [self.glob, *self.layers] for w in L.values() if isinstance(w, QuantWeight)}
         g = self.experts.int4_group
-        return dense | ({("int4", g)} if g else {(k, None) for k in self.expert_kind().split("+")})  # (GGUF: q4_k+q6_k)
+        kinds = dense | ({("int4", g)} if g else {(k, None) for k in self.expert_kind().split("+")})  # (GGUF: q4_k+q6_k)
+        if self.activations == "int8":  # the integer path (engine/warm.py)
+            kinds.add(("int8-activations", g or 64))
+        return kinds | {(f"family:{name}", None) for name in self.KERNEL_GROUPS}
+
+    KERNEL_GROUPS: tuple = ()  # the family's own kernels' warm-ups (engine/warm.family_warm), compiled with its formats
 
     # ---- what a family defines ----
     attn_spec = None  # AttnSpec

@@ -16,7 +16,7 @@ import numba as nb
 import numpy as np
 
 from . import crew
-from .jit import JIT
+from .jit import JIT, family_warm
 
 
 @nb.njit(**JIT)
@@ -99,6 +99,17 @@ def delta_rule(q, k, v, g, beta, state, out) -> None:
         gated_delta_rule_par(q, k, v, g, beta, state, out)
     else:
         gated_delta_rule(q, k, v, g, beta, state, out)
+
+
+@family_warm("recurrent")
+def warm() -> None:
+    # each kernel on tiny C arrays, as the hybrids call them: a head's decay and a channel's
+    x, w, st = np.ones((3, 4), np.float32), np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32)
+    short_conv(x, w, st, np.empty_like(x))
+    q, v = np.ones((3, 1, 4), np.float32), np.ones((3, 2, 4), np.float32)
+    for g in (np.zeros((3, 2, 1), np.float32), np.zeros((3, 2, 4), np.float32)):
+        for kernel in (gated_delta_rule, gated_delta_rule_par):
+            kernel(q, q, v, g, np.ones((3, 2), np.float32), np.zeros((2, 4, 4), np.float32), np.empty_like(v))
 
 
 def layer_slots(layer_types: list[str]) -> tuple[dict[int, int], int, int]:

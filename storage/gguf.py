@@ -96,13 +96,28 @@ def read_parts(paths: list[str], begins: dict | None = None) -> tuple[dict, dict
     meta, tensors = {}, {}
     for i, path in enumerate(paths):
         try:
+            with open(path, "rb") as f:
+                head = f.read(24)
+        except OSError as e:
+            raise GGUFInvalid(f"{path}: {e.strerror or e}") from None
+        if head[:4] != b"GGUF" or len(head) < 24:
+            raise GGUFInvalid(f"{path}: not a GGUF file: " + ("it does not start with the bytes GGUF" if head[:4] != b"GGUF"
+                                                              else f"{len(head)} bytes, shorter than a GGUF header"))
+        try:
             reader = GGUFReader(path)
-        except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
-            raise GGUFInvalid(f"{path}: not a GGUF file colibri can read ({_why(e)})") from None
+        except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
+            raise GGUFInvalid(f"{path}: not a GGUF file colibri can read ({_why(e, path)})") from None
         except OSError as e:
             raise GGUFInvalid(f"{path}: {e.strerror or e}") from None
         if i == 0:
-            meta = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
+            meta = {}
+            for k in reader.fields:
+                if k.startswith("GGUF."):
+                    continue
+                try:
+                    meta[k] = _field(reader, k)
+                except (UnicodeDecodeError, ValueError, IndexError) as e:
+                    raise GGUFInvalid(f"{path}: metadata value {k!r} cannot be read ({_why(e)})") from None
         size = os.path.getsize(path)
         if begins is not None:
             begins[path] = int(reader.data_offset)
@@ -117,11 +132,20 @@ def read_parts(paths: list[str], begins: dict | None = None) -> tuple[dict, dict
     return meta, tensors
 
 
-def _why(e: Exception) -> str:
+def _why(e: Exception, path: str | None = None) -> str:
+    """What a GGUF reading error means, in words: numpy's and the gguf package's messages
+    say it of their arrays, not of the file."""
     text = str(e).strip() or type(e).__name__
     m = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
     if m:
         return f"unknown tensor type {m.group(1)}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"a string that is not UTF-8 text (byte {e.start} of it)"
+    if isinstance(e, MemoryError) or re.search(r"cannot reshape|smaller than requested|larger than|out of bounds|"
+                                               r"mmap length|offset must be|negative dimensions|too large|changing to a larger dtype", text):
+        size = os.path.getsize(path) if path and os.path.exists(path) else None
+        return ("its header or tensor table is truncated or damaged: a count, length or offset in it points past "
+                f"the file's end{f' ({size} bytes)' if size is not None else ''}")
     return text.splitlines()[0][:200]
 
 

@@ -160,7 +160,8 @@ def check_model(path: str, build: Build, report=None):
             p = store.precision()
             report(name, f"format v{store.manifest['version']}, {len(store.records)} expert records of "
                          f"{store.record_bytes / 2**20:.2f} MiB in {len({x.file for x in store.records.values()})} "
-                         f"files, dense {p['dense']}, experts {p['experts']}"
+                         f"files, dense {p['dense']}{f' (matrices {q})' if (q := p.get('dense_int')) else ''}, "
+                         f"experts {p['experts']}"
                          f"{', activations int8' if p['activations'] == 'int8' else ''}{' (lossy)' if p['lossy'] else ''}")
             name = "index"
             if store.moe_layers != model.moe_layers or store.n_expert != model.n_expert:

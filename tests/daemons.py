@@ -24,9 +24,9 @@ def colibrid(tmp, model, config: str = ""):
                              "--config", str(cfg)], stderr=log, env={**os.environ, "STATE_DIRECTORY": str(tmp / "st")})
     try:
         c = Client(sock).connect(wait_s=60)
-        for _ in range(600):
-            if c.call("hello", protocol="1.4").get("phase") == "serving":
-                break
+        end = time.monotonic() + 300  # (a loaded 2-core box: Ray's boxes alone may take a minute to start)
+        while c.call("hello", protocol="1.4").get("phase") != "serving":
+            assert proc.poll() is None and time.monotonic() < end, (tmp / "colibrid.log").read_text()[-2000:]
             time.sleep(0.1)
         c.close()
         yield sock

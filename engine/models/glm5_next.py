@@ -28,7 +28,7 @@ import numba as nb
 import numpy as np
 
 from ..attention import chosen_attention
-from ..jit import JIT
+from ..jit import JIT, family_warm
 from ..layers import embed_rows, linear, rmsnorm
 from ..model import require, text_config, wrapped_names
 from ..moe import moe
@@ -157,6 +157,13 @@ def pool_scores(q, keys, w, scale, out):
             out[t, m] = total
 
 
+@family_warm("glm5_next")
+def warm() -> None:
+    # pool_scores on tiny C arrays, as the indexer calls it
+    pool_scores(np.ones((2, 2, 4), np.float32), np.ones((3, 4), np.float32), np.ones((2, 2), np.float32),
+                np.float32(0.5), np.empty((2, 3), np.float32))
+
+
 class Model(kimi_linear.Model):
     MODEL_TYPE = MODEL_TYPE
     NAMES = NAMES
@@ -164,6 +171,7 @@ class Model(kimi_linear.Model):
     F32_KEYS = kimi_linear.Model.F32_KEYS | {"ix_k_norm", "ix_k_norm_bias", "ix_ape", "hc_attn_fn", "hc_attn_base",
                                              "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"}
     CREW_EXPERTS = False  # its clamped SwiGLU runs expert by expert (moe's ffn): not the integer job
+    KERNEL_GROUPS = ("recurrent", "chosen", "glm5_next")
     FULL = INDEXED
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):

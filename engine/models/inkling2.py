@@ -46,7 +46,7 @@ from ...storage.experts import (
     scales_f32,
 )
 from ..attention import AttnSpec
-from ..jit import JIT
+from ..jit import JIT, family_warm
 from ..layers import embed_rows, linear, rmsnorm
 from ..model import MoEModel, check_moe_args, require, text_config
 from ..moe import moe, softmax
@@ -319,10 +319,19 @@ def conv_step(x: np.ndarray, state: np.ndarray, taps) -> np.ndarray:
     return out
 
 
+@family_warm("inkling2")
+def warm() -> None:
+    # rel_attend on tiny C arrays, as the attention layers call it
+    q, kv = np.ones((2, 2, 4), np.float32), np.ones((3, 1, 4), np.float32)
+    rel_attend(q, kv, kv, np.array([1, 2]), 0, 0, np.zeros((2, 2, 4), np.float32), np.zeros((2, 2), np.float32),
+               np.float32(0.5), np.empty_like(q))
+
+
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
     ATTENTION = "sliding + full with relative bias and sinks (Inkling-2)"
     CREW_EXPERTS = False  # its soft-capped SwiGLU runs expert by expert (moe's ffn): not the integer job
+    KERNEL_GROUPS = ("inkling2",)
     ROTARY = False  # a relative position bias instead: the base class's rotary table is never read
 
     def __init__(self, args: ModelArgs, config: dict, where: str = "config.json"):

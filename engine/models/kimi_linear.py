@@ -123,6 +123,7 @@ NAMES = deepseek_v3.NAMES | {
 
 class Model(deepseek_v3.Model):
     MODEL_TYPE = MODEL_TYPE
+    KERNEL_GROUPS = ("recurrent",)  # (jit.family_warm: kernels of its own, compiled before its first step)
     NAMES = NAMES
     ATTENTION = "hybrid: KDA + MLA (NoPE)"
     ROTARY = False

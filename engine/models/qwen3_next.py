@@ -96,6 +96,7 @@ def route(logits: np.ndarray, n_expert_used: int, norm_topk_prob: bool) -> tuple
 
 class Model(MoEModel):
     MODEL_TYPE = MODEL_TYPE
+    KERNEL_GROUPS = ("recurrent",)  # (jit.family_warm: kernels of its own, compiled before its first step)
     NAMES = NAMES
     ATTENTION = "hybrid: Gated DeltaNet + GQA"
     ROPE_DEFAULTS = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25}

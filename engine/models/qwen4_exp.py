@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import kernels
 from ..attention import chosen_attention
-from ..jit import JIT
+from ..jit import JIT, family_warm
 from ..layers import embed_rows, linear, rmsnorm, swiglu
 from ..model import MoEModel, require, text_config, wrapped_names
 from ..moe import moe
@@ -262,8 +262,16 @@ def block_scores(q, keys, scale, out):
             out[t, m] = total * scale
 
 
+@family_warm("qwen4_exp")
+def warm() -> None:
+    # block_scores on tiny C arrays, as QSA's indexer calls it
+    block_scores(np.ones((2, 2, 4), np.float32), np.ones((3, 4), np.float32), np.float32(0.5),
+                 np.empty((2, 3), np.float32))
+
+
 class Model(qwen3_5_moe.Model):
     MODEL_TYPE = MODEL_TYPE
+    KERNEL_GROUPS = ("recurrent", "chosen", "qwen4_exp")  # (jit.family_warm: kernels of its own, compiled before its first step)
     ATTENTION = "hybrid: Gated DeltaNet + GQA with QSA, hyper-connections, n-gram embeddings"
     F32_KEYS = qwen3_5_moe.Model.F32_KEYS | set(ONE_PLUS) | {"mix_norm", "ple_conv"}
     # beside Qwen3.5's: the hyper-connection mixers, the per-layer embeddings' projections and the QSA indexer's

@@ -635,3 +635,44 @@ def test_deepseek4_with_mxfp4_experts_hash_layers_and_compressed_attention(tmp_p
     convert(model.source(ck), str(tmp_path / "c"), ExpertPlan(model.moe_layers, model.n_expert, model.expert_names,
                                                               model.dense_names()))
     np.testing.assert_array_equal(logits_of(load_model(str(tmp_path / "c"), budget="min"), ids), logits_of(model, ids))
+
+
+def test_every_truncation_and_damaged_header_byte_is_a_named_error(qwen, tmp_path):
+    """A GGUF file cut at every byte of its header and tensor table (and at points of its
+    data), and with single bits flipped in them, is GGUFInvalid (or another named error of
+    the storage floor) with one line that names the file: never numpy's or the gguf
+    package's text, never a traceback."""
+    import random
+
+    from gguf import GGUFReader
+
+    from colibri.storage.checkpoint import load_config
+    from colibri.storage.errors import ColibriError
+
+    _, _, path = qwen
+    data = open(path, "rb").read()
+    begin = int(GGUFReader(path).data_offset)
+    bad = tmp_path / "bad.gguf"
+
+    def named(blob: bytes) -> str | None:
+        bad.write_bytes(blob)
+        try:
+            open_checkpoint(str(bad))
+            load_config(str(bad))
+        except ColibriError as e:
+            text = str(e)
+            assert text.startswith(str(bad)) and "\n" not in text, text
+            assert not any(w in text for w in ("reshape", "dtype", "buffer", "codec", "numpy")), text
+            return text
+        return None  # (a flipped bit inside a string, or the padding after the last tensor: still a file)
+
+    for n in [*range(0, min(begin, 1024)), *range(1024, begin, 7)]:
+        assert named(data[:n]), n  # cut inside the header or the tensor table
+    for n in range(begin, len(data) - 32, (len(data) - begin) // 40):
+        assert "truncated" in named(data[:n]), n  # cut inside a tensor's data
+    assert "truncated" in named(data[: begin - 3]) and "GGUF" in named(data[:3])
+    rng = random.Random(7)
+    for _ in range(1000):
+        blob = bytearray(data)
+        blob[rng.randrange(begin)] ^= 1 << rng.randrange(8)
+        named(bytes(blob))
