@@ -34,8 +34,9 @@ class Job:
     """One generate request on its own thread and connection; its events (stream messages,
     then the final reply or an error) arrive on `queue` in the caller's event loop."""
 
-    def __init__(self, socket_path: str, fields: dict, loop: asyncio.AbstractEventLoop):
+    def __init__(self, socket_path: str, fields: dict, loop: asyncio.AbstractEventLoop, on_hello=None):
         self.socket_path, self.fields, self.loop = socket_path, fields, loop
+        self.on_hello = on_hello  # hears the daemon's hello: which model this request runs on
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         threading.Thread(target=self._run, name="colibri-gateway-job", daemon=True).start()
@@ -47,7 +48,9 @@ class Job:
         c = Client(self.socket_path, timeout_s=10.0)
         try:
             c.connect()
-            c.hello()
+            hello = c.hello()
+            if self.on_hello is not None:
+                self.on_hello(hello)
             rid = c.send("generate", **self.fields)
             reply = c.reply_to(rid, None, stream=lambda m: self._put(("token", m)), cancel=self.cancel)
             if reply.get("status") == "ok":
@@ -103,14 +106,30 @@ class Gateway:
 
     async def model_id(self) -> str:
         """The served model's name (its directory's), asked of colibrid at most every 10 s;
-        its precision's tag kept with it (self.fingerprint)."""
+        its precision's tag kept with it (self.fingerprint). A daemon still loading has no
+        model to name: nothing is kept then, and a daemon that went down or restarted
+        (forget()) is asked again at the next request."""
         now = time.monotonic()
         if self._model is None or now - self._model[0] > 10:
-            r = await asyncio.to_thread(self.call, "hello", protocol=P.PROTOCOL_VERSION, client="colibri-gateway")
-            m = r.get("model") or {}
-            name = (m.get("path") or "colibri").rstrip("/").rsplit("/", 1)[-1]
-            self._model = (now, name, P.precision_tag(m.get("precision") or {}))
-        return self._model[1]
+            self.learn(await asyncio.to_thread(self.call, "hello", protocol=P.PROTOCOL_VERSION,
+                                               client="colibri-gateway"))
+        return self._model[1] if self._model else "colibri"
+
+    def learn(self, hello: dict) -> None:
+        """The served model as a hello reply names it (each request's own hello too, so a
+        daemon restarted with another model is named right at its first request)."""
+        m = hello.get("model")
+        if not m:
+            self._model = None
+            return
+        name = (m.get("path") or "colibri").rstrip("/").rsplit("/", 1)[-1]
+        self._model = (time.monotonic(), name, P.precision_tag(m.get("precision") or {}))
+
+    def forget(self, name: str | None) -> None:
+        """After an error of the daemon's state (down, loading, stopping): the next request
+        asks which model it serves again."""
+        if name in ("DAEMON_DOWN", "LOADING", "SHUTTING_DOWN"):
+            self._model = None
 
     @property
     def fingerprint(self) -> str:
@@ -252,8 +271,9 @@ class Gateway:
         except O.BadRequest as e:
             return error(e.name, str(e), e.param)
         except (DaemonDown, ReplyError, PermissionDenied) as e:
+            self.forget(getattr(e, "name", "DAEMON_DOWN"))
             return error(getattr(e, "name", "DAEMON_DOWN"), str(e))
-        job = Job(self.socket_path, fields, asyncio.get_running_loop())
+        job = Job(self.socket_path, fields, asyncio.get_running_loop(), self.learn)
         rid = O.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if body.get("stream"):
             return await self.stream(request, job, kind, rid, model, bool((body.get("stream_options") or {})
@@ -281,7 +301,9 @@ class Gateway:
             if item[0] != "token":
                 final = item
         if final[0] == "error":
+            self.forget(final[1])
             return error(final[1], final[2])
+        model = self._model[1] if self._model else model  # (as this request's hello named it)
         reply = final[1]
         obj = O.chat_object(rid, model, reply) if kind == "chat" else O.completion_object(rid, model, reply)
         return JSONResponse(obj | {"system_fingerprint": self.fingerprint})
@@ -291,8 +313,11 @@ class Gateway:
         """Server-sent events, started once the first event is in (so an early error is a
         status); the stream's task cancelled (the client left) cancels the request."""
         first = await job.queue.get()
+        if first is not DONE and first[0] == "error":
+            self.forget(first[1])
         if first is DONE or first[0] == "error":
             return error(*first[1:]) if first is not DONE else error("INTERNAL", "no reply")
+        model = self._model[1] if self._model else model  # (as this request's hello named it)
         created = int(time.time())
 
         def event(obj) -> str:

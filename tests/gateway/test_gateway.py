@@ -190,3 +190,37 @@ def test_a_port_in_use_is_one_line_before_anything_starts():
                            text=True, timeout=60)
     assert r.returncode == 3 and r.stderr.strip() == \
         f"colibri-gateway: cannot listen on 127.0.0.1:{port}: Address already in use", r.stderr
+
+
+def test_the_model_and_fingerprint_follow_a_daemon_that_restarts(tmp_path):
+    """The gateway asks colibrid which model it serves; a daemon still loading, gone or
+    restarted with another model is asked again at the next request, never answered with
+    a name or a fingerprint from before (it kept "colibri" / "colibri-None" for 10 s)."""
+    import os
+    import shutil
+
+    first = write_demo_model(tmp_path / "alpha")
+    second = shutil.copytree(first, tmp_path / "beta")
+    sock = str(tmp_path / "colibri.sock")
+    with gateway(sock) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code >= 500  # no daemon yet
+        os.environ["COLIBRI_TEST_LOAD_DELAY_S"] = "4"  # (the daemon loads slowly: the gateway sees it loading)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "colibri.daemon", "--model", first, "--socket", sock],
+                                    stderr=subprocess.DEVNULL, env={**os.environ, "STATE_DIRECTORY": str(tmp_path)})
+        finally:
+            del os.environ["COLIBRI_TEST_LOAD_DELAY_S"]
+        try:
+            while httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code != 200:
+                time.sleep(0.2)
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).json()
+            assert r["model"] == "alpha" and r["system_fingerprint"] == "colibri-bf16", r
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        with colibrid(tmp_path, second):  # (the same socket) another model
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).json()
+            assert r["model"] == "beta" and r["system_fingerprint"] == "colibri-bf16", r
+            models = httpx.get(url + "/v1/models").json()["data"]
+            assert [m["id"] for m in models] == ["beta"]
