@@ -133,7 +133,12 @@ def test_session_refusals_are_one_line_and_change_nothing(served):
     finally:
         c.close()
     assert ctl(sock, "session", "show", "busy").returncode == exitcodes.BAD_REQUEST
-    assert ctl(sock, "session", "rm", "raw").returncode == 0
+    assert "raw" in ctl(sock, "session", "list").stdout and " 1 turn " in ctl(sock, "session", "list").stdout
+    # several names: each is said, the ones removed and the one missing; exit 4 for the missing one
+    call(sock, prompt="Another", session="raw2", max_tokens=2)
+    r = ctl(sock, "session", "rm", "raw", "missing", "raw2")
+    assert r.returncode == exitcodes.BAD_REQUEST and r.stdout.split() == ["removed", "raw", "removed", "raw2"], r
+    assert r.stderr.strip() == "colictl: missing: NOT_FOUND: " + r.stderr.strip().split(": ", 3)[-1], r.stderr
     assert ctl(sock, "session", "show", "raw").returncode == exitcodes.BAD_REQUEST
 
 

@@ -122,3 +122,28 @@ def test_a_first_run_compiles_nothing(files, name):
     assert last_json(r)["run"] == [], "the first run compiled kernels the warm-up does not reach"
     assert "at first use" not in r.stderr, r.stderr
     assert cache_files() == before, "numba's cache was written to: compiled at first use"
+
+
+LATE = """
+import logging, sys
+import numba, numpy as np
+from colibri.engine import jit, layers
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(message)s")
+layers.init(1, kinds={("bf16", None)})
+assert jit.compile_seconds() == 0.0
+@numba.njit(cache=False)
+def late(x):
+    return x * 2
+late(np.ones(3))
+print(jit.compile_seconds())
+"""
+
+
+def test_a_kernel_compiled_at_first_use_is_said_and_timed_apart():
+    """A kernel no warm-up reached: one line on stderr naming it and its time, and the
+    seconds counted apart (requests' stats leave them out of their tok/s)."""
+    r = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[-1]) > 0
+    said = [line for line in r.stderr.splitlines() if "at first use" in line]
+    assert len(said) == 1 and "late" in said[0] and " s (" in said[0], r.stderr
