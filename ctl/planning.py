@@ -65,8 +65,9 @@ def memory_arg(text: str | None, path: str) -> int | None:
     if asked == "min":
         return floor.total_bytes
     if asked < floor.total_bytes:
-        raise BudgetInvalid(f"--memory {text}: the model needs at least {floor.text()} at its minimum budgets "
-                            f"(--memory min); nothing measured")
+        raise BudgetInvalid(f"--memory {text} is {fmt_bytes(floor.total_bytes - asked)} short: the model needs at "
+                            f"least {floor.text()} at its minimum budgets (--memory min); nothing measured, nothing "
+                            "written")
     return asked
 
 

@@ -135,7 +135,7 @@ def compile_kernels() -> int:
 
     log = logging.getLogger("colibri.daemon")
     t0 = time.perf_counter()
-    log.info("compiling the kernels for this CPU into numba's cache: 1-4 minutes on 2 cores the first time, "
+    log.info("compiling the kernels for this CPU into numba's cache: 4-5 minutes on 2 cores the first time, "
              "seconds once cached")
 
     def progress(phase, done, total):  # seconds spent, and expected in all (engine/jit.py's Ticker)

@@ -55,7 +55,7 @@ def init(n_threads: int | None = None, progress=None, kinds=None) -> None:
         crew.set_threads(n_threads or len(os.sched_getaffinity(0)))
     if kinds is None:
         kinds = {*((k, None) for k in [*KERNELS, *PLAIN] if k != "int4"), *(("int4", g) for g in int4.GROUPS),
-                 *((INT8_ACTIVATIONS, g) for g in int4.GROUPS)}
+                 (INT8_ACTIVATIONS, None)}
     reuse_freed_memory()
     x = np.ones((1, 4), np.float32)
     x64 = np.ones((1, 128), np.float32)
@@ -99,10 +99,10 @@ def init(n_threads: int | None = None, progress=None, kinds=None) -> None:
     def paths(kind, g):  # a format's whole step paths (engine/warm.py): experts, dense, int8 activations
         from . import warm
 
-        if kind == INT8_ACTIVATIONS:
-            for k in ("int8", "int4"):
-                warm.experts(k, g if k == "int4" else None, "int8")
-                warm.dense_integer(k, g if k == "int4" else None)
+        if kind == INT8_ACTIVATIONS:  # the integer path of the model's int8 / int4 weights
+            for k, kg in sorted({(k, kg) for k, kg in kinds if k in ("int8", "int4")}, key=str):
+                warm.experts(k, kg, "int8")
+                warm.dense_integer(k, kg)
             return
         if kind.startswith(FAMILY):
             FAMILY_WARMS[kind.removeprefix(FAMILY)]()
@@ -138,7 +138,7 @@ init.done = set()  # the kernel groups compiled (or loaded) in this process
 # paths 0-5), for the progress's estimate (jit.Ticker)
 COMPILE_SHARES = {"dense": 23.0, "experts": 1.0, "int4": 20.0, "formats": 50.0, "attention": 130.0, "paths": 0.6}
 PLAIN = ("bf16", "f16", "f32")  # float weights' kinds, as a model's kernel_kinds() names them
-INT8_ACTIVATIONS = "int8-activations"  # a kernel kind: the integer path of int8 and int4 weights (lossy, asked)
+INT8_ACTIVATIONS = "int8-activations"  # a kernel kind: the integer path of the int8 and int4 kinds asked (lossy)
 FAMILY = "family:"  # a kernel kind "family:NAME": a family's own kernels, warmed by jit.FAMILY_WARMS[NAME]
 
 

@@ -326,7 +326,7 @@ class MoEModel:
         g = self.experts.int4_group
         kinds = dense | ({("int4", g)} if g else {(k, None) for k in self.expert_kind().split("+")})  # (GGUF: q4_k+q6_k)
         if self.activations == "int8":  # the integer path (engine/warm.py)
-            kinds.add(("int8-activations", g or 64))
+            kinds.add(("int8-activations", None))
         return kinds | {(f"family:{name}", None) for name in self.KERNEL_GROUPS}
 
     KERNEL_GROUPS: tuple = ()  # the family's own kernels' warm-ups (engine/warm.family_warm), compiled with its formats

@@ -17,8 +17,7 @@ when a kernel has no compiled signature after init, or when a first step compile
 
 import numpy as np
 
-from ..storage.experts import Expert, LocalSource, QuantWeight
-from ..storage.formats import FORMATS
+from ..storage.experts import FORMATS, Expert, LocalSource, QuantWeight
 from . import crew
 from .moe import moe
 from .sequence import Segment, Step
@@ -31,9 +30,7 @@ def weight(kind: str, group: int | None, rows: int = N, cols: int = N):
         return np.zeros((rows, cols), {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[kind])
     f = FORMATS[kind]
     if kind in ("int8", "int4"):
-        from ..storage.quant import quantize
-
-        return quantize(np.ones((rows, cols), np.float32), kind, group or cols)
+        return QuantWeight(kind, *f.quantize(np.ones((rows, cols), np.float32), group or cols), group or cols)
     q_shape, _ = f.shapes((rows, cols), f.block[0] if f.block else 32)
     q = np.zeros(q_shape, np.uint8)
     if f.block:  # GGUF: the scales are inside the blocks

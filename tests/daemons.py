@@ -35,6 +35,15 @@ def colibrid(tmp, model, config: str = ""):
         proc.wait(30)
 
 
+def converted(src, dst, *flags) -> str:
+    """The checkpoint `src` converted to a container at `dst` by colictl convert (`flags`:
+    --dtype and the like); returns dst."""
+    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", str(src), str(dst), *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return str(dst)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from daemons import converted
 
 from colibri.ctl import exitcodes
 from colibri.storage.demo import write_demo_model
@@ -20,10 +21,7 @@ from colibri.storage.memory import PROCESS_BYTES, ram_bytes
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     ckpt = write_demo_model(root / "demo")
-    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", ckpt, root / "c"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return ckpt, root / "c"
+    return ckpt, converted(ckpt, root / "c")
 
 
 def colictl(*args, state=None):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from daemons import converted
 from gguf_models import write_gguf
 from test_daemon import Notify, ctl
 
@@ -20,10 +21,7 @@ from colibri.storage.memory import ram_bytes
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     ckpt = write_demo_model(root / "demo")
-    r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", ckpt, root / "container"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return {"container": root / "container", "checkpoint": ckpt,
+    return {"container": converted(ckpt, root / "container"), "checkpoint": ckpt,
             "gguf": write_gguf(ckpt, root / "demo.gguf", tokenizer=ckpt)}
 
 

@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
+from daemons import converted
 from test_daemon import ctl
 from test_daemon import serving as serving_once
 
@@ -26,11 +28,7 @@ def models(tmp_path_factory):
     """Two models: the demo checkpoint converted as it is (A) and to int8 experts (B)."""
     root = tmp_path_factory.mktemp("models")
     src = write_demo_model(root / "demo")
-    for name, extra in (("a", []), ("b", ["--dtype", "int8"])):
-        r = subprocess.run([sys.executable, "-m", "colibri.ctl", "convert", src, root / name, *extra],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-    return root / "a", root / "b"
+    return Path(converted(src, root / "a")), Path(converted(src, root / "b", "--dtype", "int8"))
 
 
 @contextlib.contextmanager

@@ -26,10 +26,12 @@ def test_init_loads_only_the_kinds_asked():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.splitlines()
-    assert first == ("['attention', 'dense', 'experts'] "
+    assert first == ("[\"('paths', 'bf16', None)\", \"('paths', 'f32', None)\", 'attention', 'dense', 'experts'] "
                      "{'int4/32': False, 'int4/64': False, 'ggml': False}")
     # asked again with more: only what was missing, an int4 group's alone
-    assert second == ("[\"('formats', ('q4_k',))\", \"('int4', 64)\", 'attention', 'dense', 'experts'] "
+    assert second == ("[\"('formats', ('q4_k',))\", \"('int4', 64)\", \"('paths', 'bf16', None)\", "
+                      "\"('paths', 'f32', None)\", \"('paths', 'int4', 64)\", \"('paths', 'q4_k', None)\", 'attention', "
+                      "'dense', 'experts'] "
                       "{'int4/32': False, 'int4/64': True, 'ggml': True}")
 
 
@@ -44,6 +46,7 @@ def test_kernel_kinds_of_a_model(tmp_path):
     plan = ExpertPlan(model.moe_layers, model.n_expert, model.expert_names, model.dense_names())
     convert(model.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c4", plan, expert_dtype="int4",
             group_size=32)
-    assert kinds_of(tmp_path / "c4", budget="min") == {("int4", 32)}
+    # (int8 and int4 experts are converted for int8 activations unless asked otherwise: their integer path too)
+    assert kinds_of(tmp_path / "c4", budget="min") == {("int4", 32), ("int8-activations", None)}
     convert(model.source(open_checkpoint(str(tmp_path / "hf"))), tmp_path / "c8", plan, expert_dtype="int8")
-    assert kinds_of(tmp_path / "c8", budget="min") == {("int8", None)}
+    assert kinds_of(tmp_path / "c8", budget="min") == {("int8", None), ("int8-activations", None)}
